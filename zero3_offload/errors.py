@@ -1,0 +1,59 @@
+"""Library exceptions.
+
+Every error the library raises derives from :class:`Zero3Error`, so callers can
+catch one type. Messages say what was wrong and what to do next.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CommunicationError",
+    "ConfigError",
+    "InputError",
+    "LayerExecutionError",
+    "LayerNotFoundError",
+    "MemoryBudgetError",
+    "StateError",
+    "Zero3Error",
+]
+
+
+class Zero3Error(Exception):
+    """Base class of every exception raised by ``zero3_offload``."""
+
+
+class ConfigError(Zero3Error, ValueError):
+    """A configuration field has an invalid value; the message names the field."""
+
+
+class LayerNotFoundError(Zero3Error, KeyError):
+    """A layer name passed to the manager is not one of the model's layers."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; show the message as written.
+        return str(self.args[0]) if self.args else ""
+
+
+class CommunicationError(Zero3Error, RuntimeError):
+    """A collective failed or did not complete in time."""
+
+
+class CheckpointError(Zero3Error, RuntimeError):
+    """A checkpoint could not be written or read."""
+
+
+class MemoryBudgetError(Zero3Error, MemoryError):
+    """A memory budget cannot hold what it is asked to hold."""
+
+
+class StateError(Zero3Error, RuntimeError):
+    """A call was made in the wrong order (e.g. backward before forward)."""
+
+
+class InputError(Zero3Error, ValueError):
+    """An argument of a pass has the wrong type or shape."""
+
+
+class LayerExecutionError(Zero3Error, RuntimeError):
+    """A layer's own code raised during a pass; the cause is chained."""

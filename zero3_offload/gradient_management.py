@@ -1,0 +1,169 @@
+"""Gradient shards: reduce-scatter each layer's flat gradient to its owners.
+
+After a layer's backward, its parameter gradients are copied into a flat padded
+buffer laid out like the parameters (see [Note: flat layout] in
+``parameter_management``), and one reduce-scatter averages it over ranks, so each
+rank receives the mean gradient of exactly the slice it owns. The flat buffers
+come from a small pool on the device (:class:`GpuGradientBuffer`) so backward
+does not allocate a fresh full-layer buffer per layer, while the reduce-scatter
+of one layer still overlaps the compute of the next.
+
+Shards of one backward pass are committed to :class:`CpuGradientStore` only
+when the whole pass succeeded, so a pass that raised leaves the accumulated
+gradients as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+import torch
+from torch import nn
+
+from zero3_offload.comm import Collectives, PendingCollective
+from zero3_offload.parameter_management import LayerLayout, tensor_bytes
+
+__all__ = ["CpuGradientStore", "GpuGradientBuffer", "GradientPartitioner", "PendingGradient"]
+
+
+@attrs.define
+class PendingGradient:
+    """A layer's gradient shard whose reduce-scatter is in flight."""
+
+    layer: str
+    shard: torch.Tensor  # 1D fp32 [shard_numel], filled when `collective` completes
+    collective: PendingCollective
+    slot: int  # the GpuGradientBuffer slot held until completion
+
+
+class GpuGradientBuffer:
+    """A pool of flat fp32 gradient buffers on the device, reused across layers.
+
+    ``depth`` buffers let the reduce-scatter of ``depth - 1`` layers stay in
+    flight while the next layer's gradients are written.
+
+    Args:
+        numel: elements of the largest layer's padded flat buffer.
+        device: compute device.
+        depth: number of buffers.
+    """
+
+    def __init__(self, *, numel: int, device: torch.device, depth: int = 2) -> None:
+        self._buffers = [
+            torch.empty(numel, dtype=torch.float32, device=device) for _ in range(depth)
+        ]
+        self._busy: list[PendingGradient | None] = [None] * depth
+        self._next = 0
+
+    async def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
+        """A free slot and a zero-length-``numel`` view of it; waits for the oldest in flight."""
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        pending = self._busy[slot]
+        if pending is not None:
+            await pending.collective.wait()
+        self._busy[slot] = None
+        return slot, self._buffers[slot][:numel]
+
+    def hold(self, slot: int, pending: PendingGradient) -> None:
+        self._busy[slot] = pending
+
+    def free(self, slot: int) -> None:
+        self._busy[slot] = None
+
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(b) for b in self._buffers)
+
+
+class GradientPartitioner:
+    """Flattens a layer's gradients and reduce-scatters them to their owners.
+
+    Args:
+        layouts: each layer's flat layout.
+        comm: collectives of the group.
+        buffer: pool of flat device buffers.
+    """
+
+    def __init__(
+        self,
+        *,
+        layouts: Mapping[str, LayerLayout],
+        comm: Collectives,
+        buffer: GpuGradientBuffer,
+    ) -> None:
+        self._layouts = layouts
+        self._comm = comm
+        self._buffer = buffer
+
+    async def start_reduce_scatter(self, layer: str, module: nn.Module) -> PendingGradient:
+        """Copy ``module``'s parameter gradients into a flat buffer and launch the reduce-scatter.
+
+        Parameters without a gradient contribute zeros, as do the padding elements.
+        """
+        layout = self._layouts[layer]
+        slot, flat = await self._buffer.acquire(layout.padded_numel)
+        params = dict(module.named_parameters())
+        for s in layout.slots:
+            grad = params[s.name].grad
+            dest = flat[s.offset : s.offset + s.numel]
+            if grad is None:
+                dest.zero_()
+            else:
+                dest.copy_(grad.view(-1))
+        flat[layout.numel :].zero_()
+        shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
+        pending = PendingGradient(
+            layer=layer,
+            shard=shard,
+            collective=self._comm.start_reduce_scatter_mean(shard, flat),
+            slot=slot,
+        )
+        self._buffer.hold(slot, pending)
+        return pending
+
+    async def finish(self, pending: PendingGradient) -> torch.Tensor:
+        """Wait for ``pending``'s reduce-scatter; returns the averaged shard."""
+        await pending.collective.wait()
+        self._buffer.free(pending.slot)
+        return pending.shard
+
+
+class CpuGradientStore:
+    """fp32 gradient shards accumulated over micro-steps (on the CPU when offloaded).
+
+    Args:
+        device: where the shards live.
+    """
+
+    def __init__(self, *, device: torch.device) -> None:
+        self.device = device
+        self._grads: dict[str, torch.Tensor] = {}  # layer -> 1D fp32 [shard_numel]
+        self.micro_steps = 0  # backward passes accumulated since the last clear
+
+    def commit(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Add one backward pass's shards (layer, shard) to the accumulated gradients."""
+        for layer, shard in shards:
+            shard = shard.to(self.device, torch.float32)
+            held = self._grads.get(layer)
+            if held is None:
+                self._grads[layer] = shard if shard.device == self.device else shard.clone()
+            else:
+                held.add_(shard)
+        self.micro_steps += 1
+
+    def get(self, layer: str) -> torch.Tensor | None:
+        """The accumulated gradient shard of ``layer``, or None if it got none."""
+        return self._grads.get(layer)
+
+    def layers(self) -> list[str]:
+        return list(self._grads)
+
+    def clear(self) -> None:
+        """Drop every gradient shard (after an optimizer step)."""
+        self._grads.clear()
+        self.micro_steps = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the accumulated shards, counted from the tensors."""
+        return sum(tensor_bytes(g) for g in self._grads.values())

@@ -1,0 +1,90 @@
+"""Performance statistics, measured with monotonic clocks.
+
+Times are wall-clock seconds from ``time.perf_counter`` around the awaited
+work on this rank; communication figures come from the collectives themselves
+(bytes of the tensors moved, launch-to-completion time).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["CommunicationStats", "LayerTimingStats", "Zero3PerformanceStats"]
+
+
+@attrs.define
+class LayerTimingStats:
+    """Compute time of one layer, per phase."""
+
+    forward_executions: int = 0
+    backward_executions: int = 0
+    total_forward_time: float = 0.0
+    total_backward_time: float = 0.0
+
+    def average_forward_time(self) -> float:
+        return self.total_forward_time / self.forward_executions if self.forward_executions else 0.0
+
+    def average_backward_time(self) -> float:
+        return (
+            self.total_backward_time / self.backward_executions if self.backward_executions else 0.0
+        )
+
+
+@attrs.define
+class CommunicationStats:
+    """Operations, seconds and bytes of one kind of collective."""
+
+    operations: int = 0
+    time: float = 0.0
+    bytes: int = 0
+
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bytes / self.time if self.time > 0 else 0.0
+
+
+@attrs.define
+class Zero3PerformanceStats:
+    """What this rank has done and how long it took."""
+
+    forward_passes: int = 0
+    backward_passes: int = 0
+    optimizer_steps: int = 0
+    micro_steps: int = 0
+    total_forward_time: float = 0.0
+    total_backward_time: float = 0.0
+    total_optimizer_time: float = 0.0
+    forward_samples: int = 0
+    layer_timings: dict[str, LayerTimingStats] = attrs.Factory(dict)
+    communication: dict[str, CommunicationStats] = attrs.Factory(dict)
+
+    def record_layer(self, layer: str, phase: str, seconds: float) -> None:
+        timing = self.layer_timings.setdefault(layer, LayerTimingStats())
+        if phase == "forward":
+            timing.forward_executions += 1
+            timing.total_forward_time += seconds
+        else:
+            timing.backward_executions += 1
+            timing.total_backward_time += seconds
+
+    def record_communication(self, op: str, seconds: float, nbytes: int) -> None:
+        entry = self.communication.setdefault(op, CommunicationStats())
+        entry.operations += 1
+        entry.time += seconds
+        entry.bytes += nbytes
+
+    def average_forward_time(self) -> float:
+        return self.total_forward_time / self.forward_passes if self.forward_passes else 0.0
+
+    def average_backward_time(self) -> float:
+        return self.total_backward_time / self.backward_passes if self.backward_passes else 0.0
+
+    def average_optimizer_time(self) -> float:
+        return self.total_optimizer_time / self.optimizer_steps if self.optimizer_steps else 0.0
+
+    def copy(self) -> Zero3PerformanceStats:
+        """An independent snapshot."""
+        return attrs.evolve(
+            self,
+            layer_timings={k: attrs.evolve(v) for k, v in self.layer_timings.items()},
+            communication={k: attrs.evolve(v) for k, v in self.communication.items()},
+        )

@@ -1,0 +1,187 @@
+"""Run an async function on N real ranks on this machine (for tests and examples).
+
+Each rank is a separate process joined to a gloo group on 127.0.0.1 (a free
+port is picked). Processes come from a ``forkserver`` that has already imported
+torch, so starting a rank costs a fork, not an interpreter start, and no rank
+inherits the parent's thread pools. A failure in any rank stops all of them
+and raises :class:`RankFailedError` with that rank's traceback; no process is
+left behind, also on timeout or cancellation.
+
+Usage (the function must be importable, i.e. defined at module level)::
+
+    async def body(ctx: RankContext, n: int) -> float:
+        t = torch.full((n,), float(ctx.rank))
+        await Collectives(ctx.group, device=torch.device("cpu")).all_reduce_sum(t)
+        return t[0].item()
+
+    results = await run_ranks(body, 2, 4)   # [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import attrs
+import torch
+import torch.distributed as dist
+
+from zero3_offload.comm import destroy_process_group, init_process_group
+from zero3_offload.errors import Zero3Error
+
+__all__ = ["RankContext", "RankFailedError", "free_port", "run_ranks"]
+
+
+class RankFailedError(Zero3Error, RuntimeError):
+    """A rank raised, crashed or timed out; the message holds its traceback."""
+
+
+@attrs.frozen
+class RankContext:
+    """What a rank function receives."""
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Awaitable[Any]],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    threads: int,
+    timeout_s: float,
+    results: Any,
+) -> None:
+    torch.set_num_threads(threads)
+
+    async def main() -> Any:
+        group = await init_process_group(
+            "gloo", rank=rank, world_size=world_size, port=port, timeout_s=timeout_s
+        )
+        try:
+            return await fn(RankContext(rank=rank, world_size=world_size, group=group), *args)
+        finally:
+            destroy_process_group()
+
+    try:
+        payload = pickle.dumps(asyncio.run(main()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    else:
+        results.put((rank, True, payload))
+
+
+def _context() -> mp.context.BaseContext:
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "zero3_offload"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _supervise(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    while len(out) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            for rank, p in enumerate(procs):
+                if rank not in out and p.exitcode is not None:
+                    raise RankFailedError(
+                        f"rank {rank} exited with code {p.exitcode} without a result "
+                        "(crashed or was killed)"
+                    ) from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise RankFailedError(
+                    f"ranks {missing} did not finish within {timeout_s:g} s"
+                ) from None
+            continue
+        if not ok:
+            raise RankFailedError(f"rank {rank} failed:\n{payload}")
+        out[rank] = pickle.loads(payload)
+    return [out[r] for r in range(world_size)]
+
+
+async def run_ranks(
+    fn: Callable[..., Awaitable[Any]],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``await fn(RankContext, *args)`` on ``world_size`` gloo ranks.
+
+    Args:
+        fn: a module-level async function; its return value must pickle.
+        world_size: number of ranks (processes).
+        *args: passed to ``fn`` after the context; must pickle.
+        timeout_s: limit for the whole run (also the group's collective timeout).
+        threads_per_rank: torch intra-op threads in each rank.
+
+    Returns:
+        Each rank's return value, in rank order.
+
+    Raises:
+        RankFailedError: when a rank raises, crashes or the run times out.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, args, threads_per_rank, timeout_s, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        return await anyio.to_thread.run_sync(
+            _supervise, procs, results, world_size, timeout_s, abandon_on_cancel=True
+        )
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+        results.join_thread()
+
+
+def rank_pids_alive(pids: list[int]) -> list[int]:
+    """The pids among ``pids`` that still run (for tests of cleanup)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(pid)
+    return alive
