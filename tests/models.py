@@ -23,7 +23,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has zero gradient: Adam would amplify noise
+        self.qkv = nn.Linear(
+            d, 3 * d, bias=False
+        )  # a key bias has zero gradient: Adam would amplify noise
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, mlp)
@@ -118,15 +120,22 @@ def train_reference(
     optimizer: torch.optim.Optimizer,
     *,
     clip: float = 0.0,
+    norms: list[float] | None = None,
 ) -> list[float]:
-    """Plain PyTorch training on whole batches; returns the loss per step."""
+    """Plain PyTorch training on whole batches; returns the loss per step.
+
+    With ``clip``, the pre-clipping global norm of each step is appended to
+    ``norms`` when given.
+    """
     losses = []
     for x, y in batches:
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model(x), y)
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(norm.item())
         optimizer.step()
         losses.append(loss.item())
     return losses

@@ -15,8 +15,10 @@ reduce-scatter. Nothing else in the library looks at the backend's name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -210,25 +212,54 @@ class PendingCollective:
     def _completion(self) -> asyncio.Future[None]:
         if self._done is None:
             loop = asyncio.get_running_loop()
-            future = self._comm._work_future(self.op, self._work)
-            if future is None:
-                # This backend gives no future for this op: a worker thread waits.
-                self._done = loop.run_in_executor(None, self._work.wait)
-                return self._done
             done: asyncio.Future[None] = loop.create_future()
+            # Mark a late failure as seen: nobody may be awaiting any more (the
+            # wait timed out), and asyncio would log "exception never retrieved".
+            done.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-            def settle(fut: torch.futures.Future) -> None:
+            def settle(exc: BaseException | None) -> None:
                 if done.done():
                     return
-                try:
-                    fut.value()
-                except Exception as exc:
-                    done.set_exception(exc)
-                else:
+                if exc is None:
                     done.set_result(None)
+                else:
+                    done.set_exception(exc)
 
-            # The callback may run on a backend thread: hop to the loop first.
-            future.add_done_callback(lambda fut: loop.call_soon_threadsafe(settle, fut))
+            def settle_from_thread(exc: BaseException | None) -> None:
+                # Runs on a backend or waiter thread: hop to the loop, which may
+                # already be closed when a timed-out collective ends late.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(settle, exc)
+
+            future = self._comm._work_future(self.op, self._work)
+            if future is None:
+                # This backend gives no future for this op: a thread waits. A
+                # daemon thread, not the loop's default executor: after a timeout
+                # the wait may last until the group's own timeout, and
+                # asyncio.run() joins the default executor's threads on exit,
+                # which would hang the process that reported the timeout.
+                def wait_work() -> None:
+                    try:
+                        self._work.wait()
+                    except Exception as exc:
+                        settle_from_thread(exc)
+                    else:
+                        settle_from_thread(None)
+
+                threading.Thread(
+                    target=wait_work, name=f"zero3-{self.op}-wait", daemon=True
+                ).start()
+            else:
+
+                def on_done(fut: torch.futures.Future) -> None:
+                    try:
+                        fut.value()
+                    except Exception as exc:
+                        settle_from_thread(exc)
+                    else:
+                        settle_from_thread(None)
+
+                future.add_done_callback(on_done)
             self._done = done
         return self._done
 

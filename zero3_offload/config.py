@@ -2,27 +2,44 @@
 
 Mirrors ``config.rs`` of the Rust ``zero_3_cpu_offload`` module:
 :class:`Zero3CpuOffloadConfig` with its enums :class:`CpuCompressionMethod` and
-:class:`AutoMemoryStrategy`, the optimizer section :class:`OptimizerConfig`, and
+:class:`AutoMemoryStrategy`, and the optimizer section :class:`OptimizerConfig`.
 :class:`Zero3RankMapping`, which says which slice of each flat, padded layer
-buffer a rank owns. Every invalid value raises :class:`ConfigError` whose
-message names the field, the value given and what is allowed, so an impossible
-configuration can never be constructed.
+buffer a rank owns, lives in :mod:`zero3_offload.rank_mapping` and is re-exported
+here; the shared field validators live in :mod:`zero3_offload._validation`.
+Every invalid value raises :class:`ConfigError` whose message names the field,
+the value given and what is allowed, so an impossible configuration can never
+be constructed.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import math
-import re
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
 
+from zero3_offload._validation import (
+    _DTYPE_NAMES,
+    _as_device,
+    _as_dtype,
+    _as_float,
+    _bool_field,
+    _check_bool,
+    _check_device,
+    _check_dtype,
+    _check_keys,
+    _fail,
+    _float_field,
+    _int_field,
+    _non_negative,
+    _rule,
+)
 from zero3_offload.errors import ConfigError
+from zero3_offload.rank_mapping import Zero3RankMapping
 
 __all__ = [
     "AutoMemoryStrategy",
@@ -33,11 +50,6 @@ __all__ = [
 ]
 
 _E = TypeVar("_E", bound=enum.Enum)
-_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
-
-
-def _fail(name: str, value: object, rule: str) -> None:
-    raise ConfigError(f"{name}={value!r} is invalid: {rule}")
 
 
 class _ChoiceEnum(enum.Enum):
@@ -146,66 +158,6 @@ _STRATEGY_TABLE = types.MappingProxyType(
 )
 
 
-# Converters never raise: they normalise what they recognise and leave the rest to the
-# validators, whose messages name the field and the value exactly as given.
-def _as_float(value: object) -> object:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def _rule(text: str, ok: Callable[[Any], bool]) -> _Validator:
-    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not ok(value):
-            _fail(attribute.name, value, text)
-
-    return check
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_rule(minimum: int, unit: str = "") -> _Validator:
-    text = f"must be an integer >= {minimum}" + (f" ({unit})" if unit else "")
-    return _rule(text, lambda v: _is_int(v) and v >= minimum)
-
-
-_check_bool = _rule("must be a bool (True or False)", lambda v: isinstance(v, bool))
-
-
-def _bool_field(default: bool) -> Any:
-    return attrs.field(default=default, validator=_check_bool)
-
-
-def _int_field(default: int, minimum: int, unit: str = "") -> Any:
-    return attrs.field(default=default, validator=_int_rule(minimum, unit))
-
-
-def _float_field(default: float, text: str, ok: Callable[[float], bool]) -> Any:
-    def valid(value: object) -> bool:
-        return isinstance(value, float) and math.isfinite(value) and ok(value)
-
-    rule = _rule(f"must be a finite number {text}", valid)
-    return attrs.field(default=default, converter=_as_float, validator=rule)
-
-
-def _non_negative(default: float) -> Any:
-    return _float_field(default, ">= 0", lambda v: v >= 0)
-
-
-def _check_keys(cls: type, data: object) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{cls.__name__}.from_dict expects a mapping, got {data!r}")
-    valid = [f.name for f in attrs.fields(cls)]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"unknown {cls.__name__} key(s) {unknown}: valid keys are {', '.join(valid)}"
-        )
-    return data
-
-
 def _as_betas(value: object) -> object:
     return tuple(_as_float(b) for b in value) if isinstance(value, (list, tuple)) else value
 
@@ -281,50 +233,6 @@ class OptimizerConfig:
         out = attrs.asdict(self)
         out["betas"] = list(self.betas)
         return out
-
-
-_DTYPE_ALIASES = types.MappingProxyType(
-    dict.fromkeys(("fp32", "float32", "float"), torch.float32)
-    | dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16)
-    | dict.fromkeys(("fp16", "float16", "half"), torch.float16)
-)
-_DTYPE_NAMES = types.MappingProxyType(
-    {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-)
-
-
-def _as_dtype(value: object) -> object:
-    if isinstance(value, str):
-        return _DTYPE_ALIASES.get(value.strip().lower().removeprefix("torch."), value)
-    return value
-
-
-_check_dtype = _rule(
-    "must be torch.float32, torch.bfloat16 or torch.float16 "
-    "(or 'fp32'/'float32', 'bf16'/'bfloat16', 'fp16'/'float16')",
-    lambda v: v in _DTYPE_NAMES,
-)
-
-
-def _as_device(value: object) -> object:
-    text = str(value) if isinstance(value, torch.device) else value
-    if not isinstance(text, str):
-        return value
-    try:
-        device = torch.device(text.strip().lower())
-    except (RuntimeError, ValueError):
-        return value
-    if device.type == "cpu":
-        return "cpu"
-    if device.type == "cuda":
-        return "cuda" if device.index is None else f"cuda:{device.index}"
-    return value
-
-
-_check_device = _rule(
-    "must be 'cpu', 'cuda' or 'cuda:N' (a str or torch.device)",
-    lambda v: isinstance(v, str) and re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None,
-)
 
 
 def _as_optimizer(value: object) -> object:
@@ -465,74 +373,3 @@ class Zero3CpuOffloadConfig:
         """
         _check_keys(type(self), changes)
         return attrs.evolve(self, **changes)
-
-
-def _check_index(name: str, value: int) -> None:
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 0")
-
-
-@attrs.frozen
-class Zero3RankMapping:
-    """Which partitions and which slice of each flat padded buffer a rank owns.
-
-    Partition methods mirror the Rust round-robin mapping; ``padded_numel``,
-    ``shard_numel`` and ``shard_bounds`` give the contiguous slice ``[r*S, (r+1)*S)``
-    the data layout uses. Every method raises ``ValueError`` for a negative index/count.
-    """
-
-    rank: int = attrs.field(validator=_int_rule(0))
-    """This process's rank in the data-parallel group."""
-    world_size: int = attrs.field(validator=_int_rule(1))
-    """Number of ranks in the data-parallel group."""
-
-    def __attrs_post_init__(self) -> None:
-        if self.rank >= self.world_size:
-            _fail("rank", self.rank, f"must be in [0, world_size={self.world_size})")
-
-    def owns_partition(self, index: int) -> bool:
-        """Return True when partition ``index`` is owned by this rank (round robin)."""
-        _check_index("index", index)
-        return index % self.world_size == self.rank
-
-    def get_parameter_owner(self, index: int) -> int:
-        """Return the rank owning partition ``index``."""
-        _check_index("index", index)
-        return index % self.world_size
-
-    def owned_partitions(self, total: int) -> list[int]:
-        """Return the global indices, ascending, of this rank's partitions among ``total``."""
-        _check_index("total", total)
-        return list(range(self.rank, total, self.world_size))
-
-    def owned_partition_count(self, total: int) -> int:
-        """Return how many of ``total`` partitions this rank owns."""
-        _check_index("total", total)
-        return len(range(self.rank, total, self.world_size))
-
-    def global_to_local_partition(self, index: int) -> int | None:
-        """Return the local index of global partition ``index``, or None if not owned."""
-        return index // self.world_size if self.owns_partition(index) else None
-
-    def local_to_global_partition(self, local_index: int) -> int:
-        """Return the global index of this rank's ``local_index``-th partition."""
-        _check_index("local_index", local_index)
-        return local_index * self.world_size + self.rank
-
-    def communication_group(self, indices: Iterable[int]) -> list[int]:
-        """Return the sorted, unique ranks owning any of the partitions ``indices``."""
-        return sorted({self.get_parameter_owner(i) for i in indices})
-
-    def padded_numel(self, numel: int) -> int:
-        """Return ``numel`` rounded up to a multiple of ``world_size`` (0 stays 0)."""
-        _check_index("numel", numel)
-        return -(-numel // self.world_size) * self.world_size
-
-    def shard_numel(self, numel: int) -> int:
-        """Return the elements each rank holds of a flat buffer of ``numel`` elements."""
-        return self.padded_numel(numel) // self.world_size
-
-    def shard_bounds(self, numel: int) -> tuple[int, int]:
-        """Return this rank's ``[start, end)`` in the padded flat buffer of ``numel`` elements."""
-        size = self.shard_numel(numel)
-        return self.rank * size, (self.rank + 1) * size

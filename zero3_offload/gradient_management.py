@@ -159,6 +159,37 @@ class CpuGradientStore:
     def layers(self) -> list[str]:
         return list(self._grads)
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every accumulated shard by ``factor`` in place."""
+        for g in self._grads.values():
+            g.mul_(factor)
+
+    async def global_norm(self, comm: Collectives) -> float:
+        """L2 norm of the whole model's gradient: squared shard norms summed over ranks.
+
+        Padding elements hold zero gradient, so they add nothing.
+        """
+        local = torch.zeros(1, dtype=torch.float64, device=comm.device)
+        for g in self._grads.values():
+            local += g.double().square().sum().to(comm.device)
+        await comm.all_reduce_sum(local)
+        return float(local.sqrt().item())
+
+    async def clip_(self, max_norm: float, comm: Collectives) -> float:
+        """Scale gradients so their global norm is at most ``max_norm``.
+
+        Same rule as ``torch.nn.utils.clip_grad_norm_``: multiply by
+        ``min(1, max_norm / (norm + 1e-6))``.
+
+        Returns:
+            The global norm before clipping.
+        """
+        norm = await self.global_norm(comm)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            self.scale_(coef)
+        return norm
+
     def clear(self) -> None:
         """Drop every gradient shard (after an optimizer step)."""
         self._grads.clear()

@@ -179,6 +179,7 @@ class Zero3CpuOffloadManager:
         )
         self._record: _ForwardRecord | None = None
         self._calls_since_update = 0  # optimizer_step calls since the last update
+        self.last_grad_norm: float | None = None  # global norm before clipping, last step
         self._closed = False
         log.info(
             "manager_ready",
@@ -418,11 +419,12 @@ class Zero3CpuOffloadManager:
         if self._calls_since_update < k:
             return False
         started = time.perf_counter()
+        if k > 1:
+            self.grads.scale_(1.0 / k)  # mean over the micro-steps
+        if self.config.gradient_clipping > 0:
+            self.last_grad_norm = await self.grads.clip_(self.config.gradient_clipping, self.comm)
         for name in self.grads.layers():
-            grad = self.grads.get(name)
-            if k > 1:
-                grad.div_(k)
-            self.optimizer.step(name, grad, float(learning_rate))
+            self.optimizer.step(name, self.grads.get(name), float(learning_rate))
             self.params.refresh_compute_copy(name)
         self.grads.clear()
         self._calls_since_update = 0

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from zero3_offload.comm import destroy_process_group, init_process_group
 from zero3_offload.errors import Zero3Error
 
-__all__ = ["RankContext", "RankFailedError", "free_port", "run_ranks"]
+__all__ = ["RankContext", "RankFailedError", "free_port", "rank_pids_alive", "run_ranks"]
 
 
 class RankFailedError(Zero3Error, RuntimeError):
@@ -101,25 +101,37 @@ def _context() -> mp.context.BaseContext:
 def _supervise(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
-    while len(out) < world_size:
-        try:
-            rank, ok, payload = results.get(timeout=0.1)
-        except queue.Empty:
-            for rank, p in enumerate(procs):
-                if rank not in out and p.exitcode is not None:
-                    raise RankFailedError(
-                        f"rank {rank} exited with code {p.exitcode} without a result "
-                        "(crashed or was killed)"
-                    ) from None
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(out))
-                raise RankFailedError(
-                    f"ranks {missing} did not finish within {timeout_s:g} s"
-                ) from None
-            continue
+
+    def take(item: tuple[int, bool, Any]) -> None:
+        rank, ok, payload = item
         if not ok:
             raise RankFailedError(f"rank {rank} failed:\n{payload}")
         out[rank] = pickle.loads(payload)
+
+    while len(out) < world_size:
+        try:
+            take(results.get(timeout=0.1))
+            continue
+        except queue.Empty:
+            pass
+        exited = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+        if exited:
+            # A rank's result is in the pipe before the rank exits, but it may
+            # have arrived after the get() above gave up: drain before blaming.
+            try:
+                while True:
+                    take(results.get(timeout=0.1))
+            except queue.Empty:
+                pass
+            for rank in exited:
+                if rank not in out:
+                    raise RankFailedError(
+                        f"rank {rank} exited with code {procs[rank].exitcode} without a "
+                        "result (crashed or was killed)"
+                    )
+        if len(out) < world_size and time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(out))
+            raise RankFailedError(f"ranks {missing} did not finish within {timeout_s:g} s")
     return [out[r] for r in range(world_size)]
 
 
@@ -163,10 +175,12 @@ async def run_ranks(
             _supervise, procs, results, world_size, timeout_s, abandon_on_cancel=True
         )
     finally:
-        for p in procs:
+        # A failed start leaves later processes unstarted: skip them (pid is None).
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.terminate()
-        for p in procs:
+        for p in started:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()

@@ -1,0 +1,103 @@
+"""Train a tiny GPT with ZeRO-3 on 2 local ranks, printing the loss per step.
+
+    python examples/train_tiny.py                 # starts 2 local gloo ranks
+    python examples/train_tiny.py --steps 50 --world-size 4
+    torchrun --nproc-per-node 2 examples/train_tiny.py   # joins torchrun's group
+
+Only the public API is used; the model is an ordinary ``nn.Module`` whose
+children are the layers the manager runs in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero3_offload import (
+    OptimizerConfig,
+    Zero3CpuOffloadConfig,
+    Zero3CpuOffloadManager,
+    destroy_process_group,
+    init_process_group_from_env,
+)
+from zero3_offload.testing import RankContext, run_ranks
+
+VOCAB, SEQ, D = 32, 16, 64
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)  # every rank builds the same model; rank 0's values are used
+    return nn.Sequential(
+        nn.Embedding(VOCAB, D), Block(), Block(), nn.LayerNorm(D), nn.Linear(D, VOCAB)
+    )
+
+
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token prediction on sequences counting up with a random start and stride."""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, VOCAB, (size, 1), generator=g)
+    stride = torch.randint(1, 4, (size, 1), generator=g)
+    seq = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+    return seq[:, :-1], seq[:, 1:]
+
+
+async def train(ctx: RankContext, steps: int, global_batch: int) -> list[float]:
+    model = build_model()
+    layers = [name for name, _ in model.named_children()]
+    config = Zero3CpuOffloadConfig(optimizer=OptimizerConfig(kind="adamw", weight_decay=0.01))
+    per_rank = global_batch // ctx.world_size
+    losses = []
+    async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
+        for step in range(steps):
+            x, y = batch(step, global_batch)
+            mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+            logits = await manager.forward_pass(x[mine], layers)
+            logits.requires_grad_()  # the loss is computed outside the manager
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[mine].reshape(-1))
+            loss.backward()
+            await manager.backward_pass(logits.grad, layers)
+            await manager.optimizer_step(learning_rate=3e-3)
+            losses.append(loss.item())
+            if ctx.rank == 0:
+                print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+    return losses
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # launched by torchrun
+        group = await init_process_group_from_env()
+        ctx = RankContext(rank=group.rank(), world_size=group.size(), group=group)
+        try:
+            await train(ctx, args.steps, args.batch)
+        finally:
+            destroy_process_group()
+    else:
+        await run_ranks(train, args.world_size, args.steps, args.batch)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

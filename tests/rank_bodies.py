@@ -1,0 +1,98 @@
+"""Rank functions run by ``zero3_offload.testing.run_ranks`` (module level, so they pickle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from models import lm_loss, make_batches, make_model
+
+from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
+from zero3_offload.testing import RankContext
+
+
+@attrs.frozen
+class TrainSpec:
+    """One training run: model, data, optimizer and manager settings."""
+
+    steps: int = 10
+    batch: int = 8
+    lr: float = 1e-3
+    optimizer: dict[str, Any] = attrs.Factory(lambda: {"kind": "adamw"})
+    config: dict[str, Any] = attrs.Factory(dict)
+    model: dict[str, Any] = attrs.Factory(dict)
+    micro_steps: int = 1  # micro-batches per rank per step (must match config's accumulation)
+
+
+def local_slice(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+    per = t.shape[0] // ctx.world_size
+    return t[ctx.rank * per : (ctx.rank + 1) * per]
+
+
+async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
+    """Train with the manager on this rank's slice of every batch.
+
+    Returns the per-step local losses, the final full state dict (rank 0 only)
+    and the memory stats after the last step.
+    """
+    model = make_model(**spec.model)
+    names = model.layer_names
+    config = Zero3CpuOffloadConfig(optimizer=OptimizerConfig(**spec.optimizer), **spec.config)
+    losses, norms = [], []
+    async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
+        for x, y in make_batches(spec.steps, spec.batch):
+            xs, ys = local_slice(x, ctx), local_slice(y, ctx)
+            per = xs.shape[0] // spec.micro_steps
+            step_loss = 0.0
+            for m in range(spec.micro_steps):
+                mine = slice(m * per, (m + 1) * per)
+                out = await manager.forward_pass(xs[mine], names)
+                out.requires_grad_()
+                loss = lm_loss(out, ys[mine])
+                loss.backward()
+                await manager.backward_pass(out.grad, names)
+                stepped = await manager.optimizer_step(spec.lr)
+                assert stepped == (m == spec.micro_steps - 1), (m, stepped)
+                step_loss += loss.item() / spec.micro_steps
+            losses.append(step_loss)
+            norms.append(manager.last_grad_norm)
+        state = await manager.full_state_dict()
+        memory = manager.get_memory_stats()
+        layouts = {
+            n: (lay.numel, lay.padded_numel, lay.shard_numel) for n, lay in manager.layouts.items()
+        }
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "state": state if ctx.rank == 0 else None,
+        "memory": attrs.asdict(memory),
+        "layouts": layouts,
+    }
+
+
+async def memory_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
+    """Memory stats after a backward (gradients held) and after the step."""
+    model = make_model(**spec.model)
+    names = model.layer_names
+    config = Zero3CpuOffloadConfig(optimizer=OptimizerConfig(**spec.optimizer), **spec.config)
+    async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
+        (x, y), *_ = make_batches(1, spec.batch)
+        out = await manager.forward_pass(local_slice(x, ctx), names)
+        out.requires_grad_()
+        lm_loss(out, local_slice(y, ctx)).backward()
+        await manager.backward_pass(out.grad, names)
+        after_backward = attrs.asdict(manager.get_memory_stats())
+        await manager.optimizer_step(spec.lr)
+        after_step = attrs.asdict(manager.get_memory_stats())
+        # What the model object itself still holds between steps.
+        model_param_elements = sum(p.numel() for p in model.parameters())
+        shards = {n: lay.shard_numel for n, lay in manager.layouts.items()}
+        padded = {n: lay.padded_numel for n, lay in manager.layouts.items()}
+    return {
+        "after_backward": after_backward,
+        "after_step": after_step,
+        "model_param_elements": model_param_elements,
+        "shards": shards,
+        "padded": padded,
+    }

@@ -1,0 +1,51 @@
+"""Partitioning is real: each rank holds 1/N of the model state (plus padding)."""
+
+from __future__ import annotations
+
+import pytest
+from models import make_batches, make_model, make_torch_optimizer, train_reference
+from rank_bodies import TrainSpec, memory_probe
+
+from zero3_offload.testing import run_ranks
+
+
+def unpartitioned_bytes() -> dict[str, int]:
+    """Bytes plain PyTorch holds for the same model after one AdamW step."""
+    model = make_model()
+    opt = make_torch_optimizer("adamw", model.parameters())
+    train_reference(model, make_batches(1, 8), opt)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    moments = sum(
+        t.numel() * t.element_size()
+        for state in opt.state.values()
+        for key, t in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    )
+    return {"params": params, "grads": grads, "moments": moments}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_each_rank_holds_one_nth(world: int) -> None:
+    full = unpartitioned_bytes()
+    results = await run_ranks(memory_probe, world, TrainSpec())
+    for rank, r in enumerate(results):
+        padding = sum(r["padded"].values()) - full["params"] // 4
+        assert 0 <= padding < world * len(r["padded"])
+        share = {k: (v + 4 * padding) // world for k, v in full.items()}
+        owned = sum(r["shards"].values())
+        assert owned * world == full["params"] // 4 + padding
+        after_step = r["after_step"]
+        assert after_step["master_param_bytes"] == share["params"], rank
+        assert after_step["compute_copy_bytes"] == 0  # fp32 on CPU: the master is the copy
+        assert r["after_backward"]["gradient_bytes"] == share["grads"], rank
+        assert after_step["gradient_bytes"] == 0  # consumed by the step
+        # AdamW: two moments per element plus one 4-byte step counter per layer shard.
+        step_counters = 4 * len(r["shards"])
+        assert after_step["optimizer_state_bytes"] == 2 * share["params"] + step_counters
+        assert 2 * share["params"] * world == full["moments"] + 8 * padding
+        # The model object holds no parameter storage between uses.
+        assert r["model_param_elements"] == 0
+        assert after_step["gathered_param_bytes"] == 0
+        # At most one layer is gathered at a time.
+        assert after_step["gathered_high_water_bytes"] == 4 * max(r["padded"].values())

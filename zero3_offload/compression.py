@@ -1,0 +1,137 @@
+"""The compute copy of a parameter shard, in its compression format.
+
+The fp32 master shard is never compressed. What travels to the device for
+gathering is a copy in the configured format, stored in its real dtype so its
+byte count is what it costs:
+
+- ``NONE``: the compute dtype itself (fp32, bf16 or fp16).
+- ``FP16`` / ``BF16``: 2 bytes per element.
+- ``INT8``: 1 byte per element plus one fp32 scale per block of
+  ``block_size`` elements. Symmetric absmax quantisation per block:
+  ``scale = absmax / 127``, ``q = round(x / scale)``, ``x̂ = q * scale``, so
+  ``|x - x̂| <= scale / 2 = absmax / 254`` for every element.
+
+Encoding runs on the CPU (in a worker thread) into preallocated buffers;
+decoding runs on the device after the copy, into a preallocated buffer of the
+compute dtype.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from zero3_offload.config import CpuCompressionMethod
+
+__all__ = ["CompressedShard", "ShardCodec"]
+
+_INT8_MAX = 127.0
+
+
+@attrs.define
+class CompressedShard:
+    """One shard's compute copy in its storage format."""
+
+    payload: torch.Tensor  # 1D [numel] in the storage dtype
+    scales: torch.Tensor | None  # 1D fp32 [ceil(numel / block)], INT8 only
+
+    def nbytes(self) -> int:
+        """Bytes of the payload and scales, counted from the tensors."""
+        total = self.payload.numel() * self.payload.element_size()
+        if self.scales is not None:
+            total += self.scales.numel() * self.scales.element_size()
+        return total
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> CompressedShard:
+        """A copy on ``device`` (the same object when already there)."""
+        if self.payload.device == device:
+            return self
+        scales = None if self.scales is None else self.scales.to(device, non_blocking=non_blocking)
+        return CompressedShard(self.payload.to(device, non_blocking=non_blocking), scales)
+
+
+class ShardCodec:
+    """Encodes fp32 master shards into a compression format and decodes them back.
+
+    Args:
+        method: the compression format.
+        compute_dtype: dtype the device computes in (the decode target).
+        block_size: INT8 block length (elements sharing one scale).
+    """
+
+    def __init__(
+        self, method: CpuCompressionMethod, compute_dtype: torch.dtype, *, block_size: int = 256
+    ) -> None:
+        self.method = method
+        self.compute_dtype = compute_dtype
+        self.block_size = block_size
+        self.storage_dtype = method.storage_dtype(compute_dtype)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the compute copy of an fp32 master is the master itself."""
+        return self.storage_dtype == torch.float32 and self.compute_dtype == torch.float32
+
+    def num_blocks(self, numel: int) -> int:
+        return -(-numel // self.block_size)
+
+    def empty(self, numel: int, *, device: torch.device, pin: bool = False) -> CompressedShard:
+        """A preallocated compressed shard of ``numel`` elements."""
+        payload = torch.empty(numel, dtype=self.storage_dtype, device=device, pin_memory=pin)
+        scales = None
+        if self.method is CpuCompressionMethod.INT8:
+            scales = torch.empty(
+                self.num_blocks(numel), dtype=torch.float32, device=device, pin_memory=pin
+            )
+        return CompressedShard(payload, scales)
+
+    def encode_(self, master: torch.Tensor, out: CompressedShard) -> None:
+        """Write ``master`` (1D fp32) into ``out`` in the storage format."""
+        if out.scales is None:
+            out.payload.copy_(master)
+            return
+        block = self.block_size
+        full = master.numel() // block * block
+        if full:
+            self._quantize(
+                master[:full].view(-1, block),
+                out.payload[:full].view(-1, block),
+                out.scales[: full // block],
+            )
+        if full < master.numel():
+            self._quantize(
+                master[full:].view(1, -1),
+                out.payload[full:].view(1, -1),
+                out.scales[full // block :],
+            )
+
+    @staticmethod
+    def _quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+        absmax = x.abs().amax(dim=1)
+        torch.div(absmax, _INT8_MAX, out=scales)
+        # An all-zero block has scale 0; divide by 1 there so q is 0, not nan.
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q.copy_(torch.div(x, safe.unsqueeze(1)).round_().clamp_(-_INT8_MAX, _INT8_MAX))
+
+    def decode_(self, src: CompressedShard, out: torch.Tensor) -> None:
+        """Write the compute-dtype values of ``src`` into ``out`` (same device, 1D)."""
+        if src.scales is None:
+            out.copy_(src.payload)
+            return
+        block = self.block_size
+        numel = src.payload.numel()
+        full = numel // block * block
+        if full:
+            dest = out[:full].view(-1, block)
+            dest.copy_(src.payload[:full].view(-1, block))
+            dest.mul_(src.scales[: full // block].unsqueeze(1).to(out.dtype))
+        if full < numel:
+            dest = out[full:]
+            dest.copy_(src.payload[full:])
+            dest.mul_(src.scales[full // block :].to(out.dtype))
+
+    def decode(self, src: CompressedShard) -> torch.Tensor:
+        """The compute-dtype values of ``src`` in a new tensor."""
+        out = torch.empty(src.payload.numel(), dtype=self.compute_dtype, device=src.payload.device)
+        self.decode_(src, out)
+        return out
