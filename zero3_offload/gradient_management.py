@@ -23,6 +23,8 @@ from torch import nn
 
 from zero3_offload.comm import Collectives, PendingCollective
 from zero3_offload.parameter_management import LayerLayout, tensor_bytes
+from zero3_offload.streams import CopyStreams
+from zero3_offload.workers import CpuWorkers
 
 __all__ = ["CpuGradientStore", "GpuGradientBuffer", "GradientPartitioner", "PendingGradient"]
 
@@ -134,22 +136,59 @@ class CpuGradientStore:
 
     Args:
         device: where the shards live.
+        streams: copy streams (device-to-host copies run on ``d2h``).
+        workers: CPU worker threads (accumulation runs there).
+        pin: stage device-to-host copies in pinned memory.
     """
 
-    def __init__(self, *, device: torch.device) -> None:
+    def __init__(
+        self, *, device: torch.device, streams: CopyStreams, workers: CpuWorkers, pin: bool = False
+    ) -> None:
         self.device = device
+        self._streams = streams
+        self._workers = workers
+        self._pin = pin and device.type == "cpu"
         self._grads: dict[str, torch.Tensor] = {}  # layer -> 1D fp32 [shard_numel]
         self.micro_steps = 0  # backward passes accumulated since the last clear
 
-    def commit(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Add one backward pass's shards (layer, shard) to the accumulated gradients."""
+    async def commit_layer(self, layer: str, shard: torch.Tensor) -> None:
+        """Add one reduced shard (fp32, on the compute device) to ``layer``'s gradient.
+
+        A device-to-host copy runs on the d2h stream into pinned memory; the
+        worker thread waits for its event, then accumulates.
+        """
+        event = None
+        if shard.device != self.device:
+            with self._streams.on(self._streams.d2h):
+                # The d2h stream must see the reduce-scatter's result first.
+                self._streams.wait(self._streams.record(), self._streams.d2h)
+                host = torch.empty(
+                    shard.numel(), dtype=torch.float32, device=self.device, pin_memory=self._pin
+                )
+                host.copy_(shard, non_blocking=True)
+                if shard.is_cuda:
+                    shard.record_stream(self._streams.d2h)
+                event = self._streams.record(self._streams.d2h)
+            shard = host
+        held = self._grads.get(layer)
+        if held is None and event is None:
+            self._grads[layer] = shard
+            return
+
+        def land() -> torch.Tensor:
+            self._streams.host_wait(event)
+            return shard if held is None else held.add_(shard)
+
+        self._grads[layer] = await self._workers.run("grad-accumulate", layer, "backward", land)
+
+    async def commit(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Add one backward pass's shards (layer, shard) and count the micro-step."""
         for layer, shard in shards:
-            shard = shard.to(self.device, torch.float32)
-            held = self._grads.get(layer)
-            if held is None:
-                self._grads[layer] = shard if shard.device == self.device else shard.clone()
-            else:
-                held.add_(shard)
+            await self.commit_layer(layer, shard)
+        self.count_micro_step()
+
+    def count_micro_step(self) -> None:
+        """Count one backward pass whose shards were committed layer by layer."""
         self.micro_steps += 1
 
     def get(self, layer: str) -> torch.Tensor | None:
@@ -163,6 +202,9 @@ class CpuGradientStore:
         """Multiply every accumulated shard by ``factor`` in place."""
         for g in self._grads.values():
             g.mul_(factor)
+
+    def shards(self) -> list[torch.Tensor]:
+        return list(self._grads.values())
 
     async def global_norm(self, comm: Collectives) -> float:
         """L2 norm of the whole model's gradient: squared shard norms summed over ranks.

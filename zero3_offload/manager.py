@@ -1,74 +1,66 @@
 """The coordinator: orders gathers, compute, reduce-scatters and optimizer steps.
 
-[Note: backward by recomputation]
-Forward runs every layer under ``torch.no_grad()`` with its parameters gathered
-just for that layer, and keeps only the layer's input (and the RNG state it ran
-with). Backward gathers the layer again, reruns its forward from the saved input
-with autograd on and the same RNG state (so dropout draws the same mask), and
-backpropagates the incoming gradient through that one layer: this gives the
-layer's input gradient and its parameter gradients with real autograd, while no
-autograd graph ever refers to released parameter storage. The cost is one extra
-forward per layer, the same trade as activation checkpointing per layer; the
-saving is that only layer inputs are kept between the passes.
+It holds no algorithm of its own: sharding lives in ``parameter_management``,
+autograd in ``layer_execution``, gradients in ``gradient_management``, the step
+math in ``optimizer_state``, loss scaling in ``mixed_precision``. See
+[Note: backward by recomputation] in ``layer_execution``.
+
+[Note: optimizer update during backward]
+With ``overlap_computation`` and a ``learning_rate`` passed to
+``backward_pass``, a layer's update starts as soon as its gradient shard is
+final: when its reduce-scatter completed on the last micro-step of an
+accumulation window. The update (CPU optimizer math, then re-encoding the
+compute copy) runs in a worker thread while the event loop's thread computes
+the backward of the layers before it. ``optimizer_step`` then only waits.
+Updates cannot start early when the step needs every gradient first: global
+norm clipping (the norm covers all shards of all ranks) and fp16 loss scaling
+(an inf anywhere skips the whole step); then, and when a layer occurs twice in
+``layer_names``, every update starts in ``optimizer_step``, still one worker
+task per layer. A failure in a backward whose updates started early leaves the
+layers already updated as they are (the error says so).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zero3_offload.comm import Collectives
+from zero3_offload.compression import ShardCodec
 from zero3_offload.config import Zero3CpuOffloadConfig, Zero3RankMapping
-from zero3_offload.errors import (
-    ConfigError,
-    InputError,
-    LayerExecutionError,
-    LayerNotFoundError,
-    StateError,
-    Zero3Error,
-)
+from zero3_offload.errors import ConfigError, InputError, LayerNotFoundError, StateError, Zero3Error
 from zero3_offload.gradient_management import (
     CpuGradientStore,
     GpuGradientBuffer,
     GradientPartitioner,
     PendingGradient,
 )
+from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
 from zero3_offload.logging import get_logger
 from zero3_offload.memory_management import Zero3MemoryManager, Zero3MemoryStats
+from zero3_offload.mixed_precision import LossScaler
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import (
     CpuParameterStore,
     GpuParameterCache,
     ParameterPartitioner,
 )
-from zero3_offload.stats import Zero3PerformanceStats
+from zero3_offload.stats import Timeline, Zero3PerformanceStats
+from zero3_offload.streams import CopyStreams
+from zero3_offload.workers import CpuWorkers
 
 __all__ = ["Zero3CpuOffloadManager"]
 
 log = get_logger(__name__)
 
-
-@attrs.frozen
-class _RngState:
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-
-
-@attrs.frozen
-class _ForwardRecord:
-    """What backward needs from the last forward. See [Note: backward by recomputation]."""
-
-    layer_names: tuple[str, ...]
-    inputs: tuple[torch.Tensor, ...]  # input of each step, detached, on the device
-    rng: tuple[_RngState, ...]  # RNG state each step ran with
-    output_shape: torch.Size
+_LOOP = "event-loop"
 
 
 def _split_layers(model: nn.Module | Mapping[str, nn.Module]) -> dict[str, nn.Module]:
@@ -92,6 +84,18 @@ def _split_layers(model: nn.Module | Mapping[str, nn.Module]) -> dict[str, nn.Mo
     if not layers:
         raise Zero3Error("the model has no layers: give an nn.Module with children")
     return layers
+
+
+def _check_lr(learning_rate: object) -> float:
+    if (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, (int, float))
+        or not 0 <= learning_rate < float("inf")
+    ):
+        raise ConfigError(
+            f"learning_rate={learning_rate!r} is invalid: must be a finite number >= 0"
+        )
+    return float(learning_rate)
 
 
 class Zero3CpuOffloadManager:
@@ -123,31 +127,32 @@ class Zero3CpuOffloadManager:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={config.device!r} is invalid: CUDA is not available here")
-        if config.compute_dtype != torch.float32:
-            raise ConfigError(
-                f"compute_dtype={config.compute_dtype} is not supported yet: use torch.float32"
-            )
-        if config.cpu_compression.value != "none":
-            raise ConfigError(
-                f"cpu_compression={config.cpu_compression.value!r} is not supported yet: use 'none'"
-            )
         self.config = config
         self.device = device
         self.process_group = process_group
         self.mapping = Zero3RankMapping(rank=process_group.rank(), world_size=process_group.size())
         self.rank = self.mapping.rank
-        self._model = model if isinstance(model, nn.Module) else None
         self.layers = _split_layers(model)
         self._stats = Zero3PerformanceStats()
+        self.timeline = Timeline()
         self.comm = Collectives(process_group, device=device, timeout_s=config.collective_timeout_s)
         self.comm.observer = self._stats.record_communication
+        self.streams = CopyStreams(device)
+        self.workers = CpuWorkers(threads=config.cpu_worker_threads, timeline=self.timeline)
+        self.executor = LayerExecutor(device, config.compute_dtype)
         self.partitioner = ParameterPartitioner(self.layers, self.mapping)
         self.layouts = self.partitioner.layouts
         cpu = torch.device("cpu")
+        pin = config.pin_cpu_memory and device.type == "cuda"
         self.params = CpuParameterStore(
+            codec=ShardCodec(
+                config.cpu_compression,
+                config.compute_dtype,
+                block_size=config.compression_block_size,
+            ),
             master_device=cpu if config.offload_optimizer_states else device,
-            compute_device=cpu if config.offload_params else device,
-            compute_dtype=config.compute_dtype,
+            copy_device=cpu if config.offload_params else device,
+            pin=pin,
         )
         self.cache = GpuParameterCache(
             layers=self.layers,
@@ -155,6 +160,8 @@ class Zero3CpuOffloadManager:
             store=self.params,
             comm=self.comm,
             device=device,
+            streams=self.streams,
+            timeline=self.timeline,
         )
         self._shard_initial_values()
         largest = max((lay.padded_numel for lay in self.layouts.values()), default=0)
@@ -163,12 +170,18 @@ class Zero3CpuOffloadManager:
             comm=self.comm,
             buffer=GpuGradientBuffer(numel=largest, device=device),
         )
-        self.grads = CpuGradientStore(device=cpu if config.offload_grads else device)
+        self.grads = CpuGradientStore(
+            device=cpu if config.offload_grads else device,
+            streams=self.streams,
+            workers=self.workers,
+            pin=pin,
+        )
         self.optimizer = OptimizerStateManager(
             config.optimizer,
-            [(name, self.params.master(name)) for name in self.layers],
+            [(name, self.params.master(name)) for name, lay in self.layouts.items() if lay.numel],
             device=self.params.master_device,
         )
+        self.loss_scaler = LossScaler() if config.compute_dtype == torch.float16 else None
         self.memory = Zero3MemoryManager(
             params=self.params,
             cache=self.cache,
@@ -177,8 +190,10 @@ class Zero3CpuOffloadManager:
             total_parameters=self.partitioner.total_numel(),
             owned_parameters=self.partitioner.owned_numel(),
         )
-        self._record: _ForwardRecord | None = None
+        self._record: ForwardRecord | None = None
         self._calls_since_update = 0  # optimizer_step calls since the last update
+        self._early_lr: float | None = None  # lr of updates started in the last backward
+        self._stepped: set[str] = set()  # layers already updated in this window
         self.last_grad_norm: float | None = None  # global norm before clipping, last step
         self._closed = False
         log.info(
@@ -226,17 +241,19 @@ class Zero3CpuOffloadManager:
             )
         return names
 
-    # ----------------------------------------------------------------- passes
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (None unless ``compute_dtype`` is float16)."""
+        return None if self.loss_scaler is None else self.loss_scaler.scale
 
-    def _rng_state(self) -> _RngState:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return _RngState(cpu=torch.get_rng_state(), cuda=cuda)
+    # ----------------------------------------------------------------- passes
 
     async def forward_pass(self, x: torch.Tensor, layer_names: Sequence[str]) -> torch.Tensor:
         """Run ``layer_names`` in order on ``x``; keep what backward needs.
 
         Args:
-            x: input of the first layer (moved to the configured device).
+            x: input of the first layer (moved to the device; floating inputs
+                are cast to the compute dtype).
             layer_names: the layers to run, in order.
 
         Returns:
@@ -252,25 +269,17 @@ class Zero3CpuOffloadManager:
         if not isinstance(x, torch.Tensor):
             raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
         started = time.perf_counter()
-        h = x.to(self.device)
-        inputs: list[torch.Tensor] = []
-        rng: list[_RngState] = []
+        self.cache.phase = "forward"
+        h = self.executor.to_compute(x)
+        inputs, rng = [], []
         for name in names:
             inputs.append(h.detach())
-            rng.append(self._rng_state())
+            rng.append(self.executor.rng_state())
             async with self.cache.use(name) as module:
                 t0 = time.perf_counter()
-                try:
-                    with torch.no_grad():
-                        h = module(h)
-                except Exception as exc:
-                    raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
-                if not isinstance(h, torch.Tensor):
-                    raise LayerExecutionError(
-                        f"layer {name!r} returned {type(h).__name__}: layers must return a Tensor"
-                    )
-                self._stats.record_layer(name, "forward", time.perf_counter() - t0)
-        self._record = _ForwardRecord(
+                h = self.executor.forward(name, module, h)
+                self._record_compute(name, "forward", t0)
+        self._record = ForwardRecord(
             layer_names=names, inputs=tuple(inputs), rng=tuple(rng), output_shape=h.shape
         )
         self._stats.forward_passes += 1
@@ -278,50 +287,14 @@ class Zero3CpuOffloadManager:
         self._stats.total_forward_time += time.perf_counter() - started
         return h
 
-    def _layer_backward(
-        self, name: str, module: nn.Module, inp: torch.Tensor, rng: _RngState, grad: torch.Tensor
-    ) -> torch.Tensor | None:
-        leaf = inp.detach().requires_grad_(inp.is_floating_point())
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(rng.cpu)
-            if rng.cuda is not None:
-                torch.cuda.set_rng_state(rng.cuda, self.device)
-            with torch.enable_grad():
-                out = module(leaf)
-        if out.shape != grad.shape:
-            raise LayerExecutionError(
-                f"layer {name!r} recomputed an output of shape {tuple(out.shape)} but the "
-                f"incoming gradient has shape {tuple(grad.shape)}"
-            )
-        torch.autograd.backward(out, grad)
-        return leaf.grad if leaf.requires_grad else None
+    def _record_compute(self, name: str, phase: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self._stats.record_layer(name, phase, t1 - t0)
+        self.timeline.record("compute", name, phase, t0, t1, _LOOP)
 
-    async def backward_pass(
+    def _check_backward(
         self, grad_output: torch.Tensor, layer_names: Sequence[str]
-    ) -> torch.Tensor | None:
-        """Backpropagate ``grad_output`` through ``layer_names`` in reverse.
-
-        Each layer's parameter gradient is reduce-scattered (mean over ranks) so
-        this rank keeps the shard it owns; the reduce-scatter of one layer
-        overlaps the compute of the next. Gradients are committed only when the
-        whole pass succeeded.
-
-        Args:
-            grad_output: d(this rank's micro-batch mean loss)/d(forward output).
-            layer_names: the same names as the forward pass.
-
-        Returns:
-            The gradient with respect to the forward input, or None when the
-            input is not floating point (e.g. token ids).
-
-        Raises:
-            StateError: without a matching forward_pass.
-            InputError: when ``grad_output``'s shape differs from the output's.
-            LayerExecutionError: when a layer raises; gradients are unchanged.
-            CommunicationError: when a collective fails.
-        """
-        self._check_open()
+    ) -> ForwardRecord:
         names = self._resolve(layer_names)
         record = self._record
         if record is None:
@@ -343,9 +316,66 @@ class Zero3CpuOffloadManager:
                 f"grad_output has shape {tuple(grad_output.shape)} but the forward output had "
                 f"shape {tuple(record.output_shape)}: they must be equal"
             )
+        return record
+
+    def _updates_can_start_early(self, names: tuple[str, ...]) -> bool:
+        # See [Note: optimizer update during backward].
+        return (
+            self.config.overlap_computation
+            and self._calls_since_update == self.config.gradient_accumulation_steps - 1
+            and self.config.gradient_clipping == 0
+            and self.loss_scaler is None
+            and len(set(names)) == len(names)
+        )
+
+    async def backward_pass(
+        self,
+        grad_output: torch.Tensor,
+        layer_names: Sequence[str],
+        *,
+        learning_rate: float | None = None,
+    ) -> torch.Tensor | None:
+        """Backpropagate ``grad_output`` through ``layer_names`` in reverse.
+
+        Each layer's parameter gradient is reduce-scattered (mean over ranks) so
+        this rank keeps the shard it owns; the reduce-scatter of one layer
+        overlaps the compute of the next. Gradients are committed only when the
+        whole pass succeeded, unless updates started early (below).
+
+        Args:
+            grad_output: d(this rank's micro-batch mean loss)/d(forward output).
+            layer_names: the same names as the forward pass.
+            learning_rate: the learning rate of the optimizer step this backward
+                completes. With ``overlap_computation`` it lets each layer's
+                update start while earlier layers still run backward (see
+                [Note: optimizer update during backward]); ``optimizer_step``
+                must then be called with the same value.
+
+        Returns:
+            The gradient with respect to the forward input, or None when the
+            input is not floating point (e.g. token ids).
+
+        Raises:
+            StateError: without a matching forward_pass.
+            InputError: when ``grad_output``'s shape differs from the output's.
+            LayerExecutionError: when a layer raises.
+            CommunicationError: when a collective fails.
+        """
+        self._check_open()
+        record = self._check_backward(grad_output, layer_names)
+        names = record.layer_names
+        early_lr = None
+        if learning_rate is not None:
+            early_lr = _check_lr(learning_rate)
+            if not self._updates_can_start_early(names):
+                early_lr = None
         started = time.perf_counter()
-        g: torch.Tensor | None = grad_output.to(self.device, self.config.compute_dtype)
+        self.cache.phase = "backward"
+        g: torch.Tensor | None = self.executor.to_compute(grad_output)
+        if self.loss_scaler is not None:
+            g = g * self.loss_scaler.scale
         pending: list[PendingGradient] = []
+        updates: list[asyncio.Task[None]] = []
         try:
             for step in reversed(range(len(names))):
                 name = names[step]
@@ -356,62 +386,94 @@ class Zero3CpuOffloadManager:
                     )
                 async with self.cache.use(name) as module:
                     t0 = time.perf_counter()
-                    try:
-                        g = self._layer_backward(
-                            name, module, record.inputs[step], record.rng[step], g
-                        )
-                    except Zero3Error:
-                        raise
-                    except Exception as exc:
-                        raise LayerExecutionError(
-                            f"layer {name!r} raised in backward: {exc}"
-                        ) from exc
-                    self._stats.record_layer(name, "backward", time.perf_counter() - t0)
-                    if self.layouts[name].padded_numel:
-                        pending.append(
-                            await self.grad_partitioner.start_reduce_scatter(name, module)
-                        )
-            shards = [(p.layer, await self.grad_partitioner.finish(p)) for p in pending]
-        except BaseException:
-            # After a failure nothing may stay in flight; the first error is the one raised.
+                    g = self.executor.backward(
+                        name, module, record.inputs[step], record.rng[step], g
+                    )
+                    self._record_compute(name, "backward", t0)
+                    if self.layouts[name].numel:
+                        p = await self.grad_partitioner.start_reduce_scatter(name, module)
+                        pending.append(p)
+                        if early_lr is not None:
+                            updates.append(
+                                asyncio.ensure_future(self._land_and_update(p, early_lr))
+                            )
+            if early_lr is None:
+                shards = [(p.layer, await self.grad_partitioner.finish(p)) for p in pending]
+                await self.grads.commit(shards)
+            else:
+                await asyncio.gather(*updates)
+                self.grads.count_micro_step()
+        except BaseException as exc:
+            # Nothing may stay in flight; the first error is the one raised.
+            for task in updates:
+                task.cancel()
+            for task in updates:
+                with contextlib.suppress(BaseException):
+                    await task
             for p in pending:
                 with contextlib.suppress(Zero3Error):
                     await p.collective.wait()
+            if self._stepped and isinstance(exc, Zero3Error):
+                raise type(exc)(
+                    f"{exc} (layers {sorted(self._stepped)} were already updated by this "
+                    "backward's early optimizer step)"
+                ) from exc
             raise
-        self.grads.commit(shards)
+        self._early_lr = early_lr
         self._record = None
         self._stats.backward_passes += 1
         self._stats.total_backward_time += time.perf_counter() - started
         return g
 
+    async def _land_and_update(self, pending: PendingGradient, lr: float) -> None:
+        shard = await self.grad_partitioner.finish(pending)
+        await self.grads.commit_layer(pending.layer, shard)
+        await self._update_layer(pending.layer, lr, 1.0 / self.config.gradient_accumulation_steps)
+
+    async def _update_layer(self, name: str, lr: float, grad_scale: float) -> None:
+        grad = self.grads.get(name)
+
+        def update() -> None:
+            if grad_scale != 1.0:
+                grad.mul_(grad_scale)
+            self.optimizer.step(name, grad, lr)
+
+        self._stepped.add(name)
+        await self.workers.run("cpu-optimizer", name, "step", update)
+        await self.workers.run(
+            "compress", name, "step", lambda: self.params.refresh_compute_copy(name)
+        )
+
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
 
-        Each rank updates only its own shards, then refreshes their compute copies.
+        Each rank updates only its own shards (one worker-thread task per layer,
+        running in parallel), then refreshes their compute copies.
 
         Args:
             learning_rate: the step's learning rate (>= 0).
 
         Returns:
-            True when the parameters were updated by this call.
+            True when the parameters were updated by this call; False inside an
+            accumulation window, or when fp16 loss scaling found inf/nan and
+            skipped the step on every rank.
 
         Raises:
-            ConfigError: for a negative or non-finite learning rate.
+            ConfigError: for a negative or non-finite learning rate, or one that
+                differs from the learning rate given to the early update.
             StateError: when no backward_pass ran since the last call.
         """
         self._check_open()
-        if (
-            isinstance(learning_rate, bool)
-            or not isinstance(learning_rate, (int, float))
-            or not 0 <= learning_rate < float("inf")
-        ):
-            raise ConfigError(
-                f"learning_rate={learning_rate!r} is invalid: must be a finite number >= 0"
-            )
+        lr = _check_lr(learning_rate)
         if self.grads.micro_steps <= self._calls_since_update:
             raise StateError(
                 "optimizer_step called without a backward_pass since the last call: "
                 "call forward_pass and backward_pass for each micro-batch first"
+            )
+        if self._early_lr is not None and lr != self._early_lr:
+            raise ConfigError(
+                f"learning_rate={lr!r} differs from the learning_rate={self._early_lr!r} given "
+                "to backward_pass, whose updates already started: pass the same value"
             )
         self._stats.micro_steps += 1
         self._calls_since_update += 1
@@ -419,17 +481,35 @@ class Zero3CpuOffloadManager:
         if self._calls_since_update < k:
             return False
         started = time.perf_counter()
-        if k > 1:
-            self.grads.scale_(1.0 / k)  # mean over the micro-steps
-        if self.config.gradient_clipping > 0:
-            self.last_grad_norm = await self.grads.clip_(self.config.gradient_clipping, self.comm)
-        for name in self.grads.layers():
-            self.optimizer.step(name, self.grads.get(name), float(learning_rate))
-            self.params.refresh_compute_copy(name)
+        stepped = await self._apply_update(lr, k)
         self.grads.clear()
         self._calls_since_update = 0
-        self._stats.optimizer_steps += 1
+        self._early_lr = None
+        self._stepped.clear()
+        if stepped:
+            self._stats.optimizer_steps += 1
         self._stats.total_optimizer_time += time.perf_counter() - started
+        return stepped
+
+    async def _apply_update(self, lr: float, k: int) -> bool:
+        remaining = [n for n in self.grads.layers() if n not in self._stepped]
+        if not remaining:
+            return True
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        if k > 1 or loss_scale != 1.0:
+            for name in remaining:
+                self.grads.get(name).mul_(1.0 / (k * loss_scale))
+        if self.loss_scaler is not None:
+            found_inf = await self.loss_scaler.found_inf(self.grads.shards(), self.comm)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                log.warning(
+                    "step_skipped", rank=self.rank, reason="inf/nan gradient", scale=self.loss_scale
+                )
+                return False
+        if self.config.gradient_clipping > 0:
+            self.last_grad_norm = await self.grads.clip_(self.config.gradient_clipping, self.comm)
+        await asyncio.gather(*(self._update_layer(name, lr, 1.0) for name in remaining))
         return True
 
     # ----------------------------------------------------------------- state
@@ -452,20 +532,26 @@ class Zero3CpuOffloadManager:
         return out
 
     def get_performance_stats(self) -> Zero3PerformanceStats:
-        """A snapshot of this rank's timings and counts."""
-        return self._stats.copy()
+        """A snapshot of this rank's timings, counts and recent timeline."""
+        snapshot = self._stats.copy()
+        snapshot.timeline = self.timeline.events()
+        return snapshot
 
     def get_memory_stats(self) -> Zero3MemoryStats:
         """Bytes this rank holds now, counted from the tensors."""
         return self.memory.stats()
 
     async def reset_state(self) -> None:
-        """Drop optimizer state, gradients and the pending forward; keep parameters."""
+        """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""
         self._check_open()
         self.optimizer.reset()
         self.grads.clear()
         self._record = None
         self._calls_since_update = 0
+        self._early_lr = None
+        self._stepped.clear()
+        if self.loss_scaler is not None:
+            self.loss_scaler = LossScaler()
 
     async def close(self) -> None:
         """Release gathered parameters and pending state. Idempotent."""

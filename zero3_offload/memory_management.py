@@ -87,7 +87,7 @@ class Zero3MemoryManager:
         """Count what is held now."""
         parts = [
             (self._params.master_device, self._params.master_bytes()),
-            (self._params.compute_device, self._params.compute_copy_bytes()),
+            (self._params.copy_device, self._params.compute_copy_bytes()),
             (self._grads.device, self._grads.nbytes()),
             (self._optimizer.device, self._optimizer.state_bytes()),
             (self._cache.device, self._cache.gathered_bytes()),

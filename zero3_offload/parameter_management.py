@@ -13,7 +13,8 @@ freed as soon as nothing else refers to it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 
 import attrs
@@ -21,9 +22,12 @@ import torch
 from torch import nn
 
 from zero3_offload.comm import Collectives
+from zero3_offload.compression import CompressedShard, ShardCodec
 from zero3_offload.config import Zero3RankMapping
 from zero3_offload.errors import Zero3Error
 from zero3_offload.logging import get_logger
+from zero3_offload.stats import Timeline
+from zero3_offload.streams import CopyStreams
 
 __all__ = [
     "CpuParameterStore",
@@ -35,6 +39,8 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+_LOOP_THREAD = "event-loop"
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
@@ -142,54 +148,79 @@ class ParameterPartitioner:
 @attrs.define
 class _StoredShard:
     master: torch.Tensor  # 1D fp32 [shard_numel], on the master device
-    compute: torch.Tensor  # 1D [shard_numel] in compute dtype; may alias master
+    compute: CompressedShard  # [shard_numel] in the compression format; may alias master
+    aliased: bool  # compute.payload is master itself
 
 
 class CpuParameterStore:
-    """This rank's parameter shards: the fp32 master and the compute copy.
+    """This rank's parameter shards: the fp32 master and the compressed compute copy.
 
-    The master shard is what the optimizer updates; it lives on the CPU when
-    optimizer states are offloaded, else on the device. The compute copy is
-    what gathering sends to the device, in the compute dtype, kept on the CPU
-    when parameters are offloaded. When both coincide (same dtype and device)
-    the compute copy is the master itself, not a second tensor.
+    The master shard is what the optimizer updates, exactly, in fp32; it lives
+    on the CPU when optimizer states are offloaded, else on the device. The
+    compute copy is what gathering sends to the device, in the compression
+    format (see ``compression``), kept on the CPU (pinned for CUDA) when
+    parameters are offloaded. When the format is fp32 and both live on the
+    same device, the compute copy is the master itself, not a second tensor.
+
+    Args:
+        codec: the compression format of the compute copy.
+        master_device: where master shards live.
+        copy_device: where compute copies live.
+        pin: allocate CPU compute copies in pinned memory.
     """
 
     def __init__(
         self,
         *,
+        codec: ShardCodec,
         master_device: torch.device,
-        compute_device: torch.device,
-        compute_dtype: torch.dtype,
+        copy_device: torch.device,
+        pin: bool = False,
     ) -> None:
+        self.codec = codec
         self.master_device = master_device
-        self.compute_device = compute_device
-        self.compute_dtype = compute_dtype
+        self.copy_device = copy_device
+        self.pin = pin and copy_device.type == "cpu"
         self._shards: dict[str, _StoredShard] = {}
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.codec.compute_dtype
+
     def put_master(self, layer: str, master: torch.Tensor) -> None:
-        """Store ``master`` (fp32, 1D) as ``layer``'s shard and derive its compute copy."""
+        """Store ``master`` (fp32, 1D) as ``layer``'s shard and encode its compute copy."""
         master = master.to(self.master_device, torch.float32)
-        self._shards[layer] = _StoredShard(master=master, compute=master)
+        if self.codec.is_identity and self.copy_device == self.master_device:
+            self._shards[layer] = _StoredShard(master, CompressedShard(master, None), True)
+            return
+        copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)
+        self._shards[layer] = _StoredShard(master, copy, False)
         self.refresh_compute_copy(layer)
 
     def master(self, layer: str) -> torch.Tensor:
         """The fp32 master shard of ``layer`` (updated in place by the optimizer)."""
         return self._shards[layer].master
 
-    def compute_copy(self, layer: str) -> torch.Tensor:
+    def compute_copy(self, layer: str) -> CompressedShard:
         """The shard that gathering sends to the device."""
         return self._shards[layer].compute
 
     def refresh_compute_copy(self, layer: str) -> None:
-        """Rebuild the compute copy from the master after the master changed."""
+        """Re-encode the compute copy from the master (after the master changed).
+
+        Blocking CPU work: the manager runs it in a worker thread.
+        """
         shard = self._shards[layer]
-        if shard.master.dtype == self.compute_dtype and shard.master.device == self.compute_device:
-            shard.compute = shard.master
-        elif shard.compute is shard.master:
-            shard.compute = shard.master.to(self.compute_device, self.compute_dtype)
-        else:
-            shard.compute.copy_(shard.master)
+        if shard.aliased:
+            return
+        if self.copy_device == self.master_device:
+            self.codec.encode_(shard.master, shard.compute)
+            return
+        staged = self.codec.empty(shard.master.numel(), device=self.master_device)
+        self.codec.encode_(shard.master, staged)
+        shard.compute.payload.copy_(staged.payload)
+        if staged.scales is not None:
+            shard.compute.scales.copy_(staged.scales)
 
     def layers(self) -> list[str]:
         return list(self._shards)
@@ -199,10 +230,8 @@ class CpuParameterStore:
         return sum(tensor_bytes(s.master) for s in self._shards.values())
 
     def compute_copy_bytes(self) -> int:
-        """Bytes of compute copies that are separate tensors (aliases count 0)."""
-        return sum(
-            tensor_bytes(s.compute) for s in self._shards.values() if s.compute is not s.master
-        )
+        """Bytes of compute copies that are tensors of their own (aliases count 0)."""
+        return sum(s.compute.nbytes() for s in self._shards.values() if not s.aliased)
 
 
 class GpuParameterCache:
@@ -214,6 +243,8 @@ class GpuParameterCache:
         store: where the shards come from.
         comm: collectives of the group.
         device: compute device.
+        streams: copy streams of the device.
+        timeline: where gathers are recorded.
     """
 
     def __init__(
@@ -224,8 +255,13 @@ class GpuParameterCache:
         store: CpuParameterStore,
         comm: Collectives,
         device: torch.device,
+        streams: CopyStreams,
+        timeline: Timeline,
     ) -> None:
         self._layers = layers
+        self._streams = streams
+        self._timeline = timeline
+        self.phase = "forward"  # recorded with gathers; the manager sets it per pass
         self._layouts = layouts
         self._store = store
         self._comm = comm
@@ -258,15 +294,34 @@ class GpuParameterCache:
     async def gather(self, name: str) -> nn.Module:
         """Rebuild ``name``'s full parameters on the device; returns the layer module.
 
+        The compute copy is copied to the device and decoded there on the h2d
+        stream, and the all-gather is launched from that stream, so the compute
+        stream only waits when it needs the result (see [Note: copy streams]).
+
         Raises:
             CommunicationError: when the all-gather fails or times out.
         """
         if name in self._gathered:
             return self._layers[name]
         layout = self._layouts[name]
-        shard = self._store.compute_copy(name).to(self.device, non_blocking=True)
-        flat = torch.empty(layout.padded_numel, dtype=self._store.compute_dtype, device=self.device)
-        await self._comm.all_gather(flat, shard)
+        dtype = self._store.compute_dtype
+        flat = torch.empty(layout.padded_numel, dtype=dtype, device=self.device)
+        if layout.padded_numel:
+            start = time.perf_counter()
+            src = self._store.compute_copy(name)
+            with self._streams.on(self._streams.h2d):
+                staged = src.to(self.device, non_blocking=True)
+                if staged.scales is None and staged.payload.dtype == dtype:
+                    shard = staged.payload
+                else:
+                    shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
+                    self._store.codec.decode_(staged, shard)
+                pending = self._comm.start_all_gather(flat, shard)
+            await pending.wait()
+            self._streams.mark_used_on_current(flat)
+            self._timeline.record(
+                "gather", name, self.phase, start, time.perf_counter(), _LOOP_THREAD
+            )
         self._gathered[name] = flat
         self._bind(name, flat)
         self.high_water_bytes = max(self.high_water_bytes, self.gathered_bytes())
@@ -278,7 +333,7 @@ class GpuParameterCache:
             self._unbind(name)
 
     @asynccontextmanager
-    async def use(self, name: str) -> Iterator[nn.Module]:
+    async def use(self, name: str) -> AsyncIterator[nn.Module]:
         """Gather ``name`` for the duration of the block, release after, also on error."""
         try:
             yield await self.gather(name)

@@ -7,9 +7,57 @@ work on this rank; communication figures come from the collectives themselves
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+
 import attrs
 
-__all__ = ["CommunicationStats", "LayerTimingStats", "Zero3PerformanceStats"]
+__all__ = [
+    "CommunicationStats",
+    "LayerTimingStats",
+    "Timeline",
+    "TimelineEvent",
+    "Zero3PerformanceStats",
+]
+
+
+@attrs.frozen
+class TimelineEvent:
+    """One interval of work on this rank (``time.perf_counter`` seconds)."""
+
+    kind: str  # e.g. "compute", "gather", "reduce-scatter", "cpu-optimizer", "compress"
+    layer: str
+    phase: str  # "forward", "backward" or "step"
+    start: float
+    end: float
+    worker: str  # thread name (the event loop's thread for compute)
+
+
+class Timeline:
+    """The most recent intervals of work, appended from any thread.
+
+    Args:
+        maxlen: how many events are kept (oldest dropped first).
+    """
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self._events: deque[TimelineEvent] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def record(
+        self, kind: str, layer: str, phase: str, start: float, end: float, worker: str
+    ) -> None:
+        with self._lock:
+            self._events.append(TimelineEvent(kind, layer, phase, start, end, worker))
+
+    def events(self) -> list[TimelineEvent]:
+        """A snapshot, oldest first."""
+        with self._lock:
+            return list(self._events)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events.clear()
 
 
 @attrs.define
@@ -56,6 +104,8 @@ class Zero3PerformanceStats:
     forward_samples: int = 0
     layer_timings: dict[str, LayerTimingStats] = attrs.Factory(dict)
     communication: dict[str, CommunicationStats] = attrs.Factory(dict)
+    timeline: list[TimelineEvent] = attrs.Factory(list)
+    """Recent intervals of work (filled in snapshots from :class:`Timeline`)."""
 
     def record_layer(self, layer: str, phase: str, seconds: float) -> None:
         timing = self.layer_timings.setdefault(layer, LayerTimingStats())
