@@ -23,6 +23,9 @@ class TrainSpec:
     config: dict[str, Any] = attrs.Factory(dict)
     model: dict[str, Any] = attrs.Factory(dict)
     micro_steps: int = 1  # micro-batches per rank per step (must match config's accumulation)
+    early_lr: bool = False  # pass learning_rate to backward_pass (updates may start early)
+    inject_inf: tuple[int, int] | None = None  # (rank, step): that rank's grad_output gets an inf
+    timeline: bool = False  # return rank's timeline events
 
 
 def local_slice(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
@@ -39,9 +42,9 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
     model = make_model(**spec.model)
     names = model.layer_names
     config = Zero3CpuOffloadConfig(optimizer=OptimizerConfig(**spec.optimizer), **spec.config)
-    losses, norms = [], []
+    losses, norms, stepped_flags, scales, states = [], [], [], [], []
     async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
-        for x, y in make_batches(spec.steps, spec.batch):
+        for step, (x, y) in enumerate(make_batches(spec.steps, spec.batch)):
             xs, ys = local_slice(x, ctx), local_slice(y, ctx)
             per = xs.shape[0] // spec.micro_steps
             step_loss = 0.0
@@ -49,14 +52,24 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
                 mine = slice(m * per, (m + 1) * per)
                 out = await manager.forward_pass(xs[mine], names)
                 out.requires_grad_()
-                loss = lm_loss(out, ys[mine])
+                loss = lm_loss(out.float(), ys[mine])
                 loss.backward()
-                await manager.backward_pass(out.grad, names)
+                grad = out.grad
+                if spec.inject_inf == (ctx.rank, step):
+                    grad = grad.clone()
+                    grad.view(-1)[0] = float("inf")
+                lr = spec.lr if spec.early_lr else None
+                await manager.backward_pass(grad, names, learning_rate=lr)
                 stepped = await manager.optimizer_step(spec.lr)
-                assert stepped == (m == spec.micro_steps - 1), (m, stepped)
+                if spec.inject_inf is None:
+                    assert stepped == (m == spec.micro_steps - 1), (m, stepped)
                 step_loss += loss.item() / spec.micro_steps
             losses.append(step_loss)
             norms.append(manager.last_grad_norm)
+            stepped_flags.append(stepped)
+            scales.append(manager.loss_scale)
+            if spec.inject_inf is not None:
+                states.append(await manager.full_state_dict())
         state = await manager.full_state_dict()
         memory = manager.get_memory_stats()
         layouts = {
@@ -65,6 +78,12 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
     return {
         "losses": losses,
         "grad_norms": norms,
+        "stepped": stepped_flags,
+        "loss_scales": scales,
+        "states": states if ctx.rank == 0 else None,
+        "timeline": [attrs.astuple(e) for e in manager.get_performance_stats().timeline]
+        if spec.timeline
+        else None,
         "state": state if ctx.rank == 0 else None,
         "memory": attrs.asdict(memory),
         "layouts": layouts,

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero3_offload._checks import check_backward_args, check_lr, resolve_layer_names
 from zero3_offload.comm import Collectives
 from zero3_offload.compression import ShardCodec
 from zero3_offload.config import Zero3CpuOffloadConfig, Zero3RankMapping
-from zero3_offload.errors import ConfigError, InputError, LayerNotFoundError, StateError, Zero3Error
+from zero3_offload.errors import ConfigError, InputError, StateError, Zero3Error
 from zero3_offload.gradient_management import (
     CpuGradientStore,
     GpuGradientBuffer,
@@ -45,7 +46,7 @@ from zero3_offload.gradient_management import (
 from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
 from zero3_offload.logging import get_logger
 from zero3_offload.memory_management import Zero3MemoryManager, Zero3MemoryStats
-from zero3_offload.mixed_precision import LossScaler
+from zero3_offload.model_sharding import shard_initial_values, split_layers
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import (
     CpuParameterStore,
@@ -54,6 +55,7 @@ from zero3_offload.parameter_management import (
 )
 from zero3_offload.stats import Timeline, Zero3PerformanceStats
 from zero3_offload.streams import CopyStreams
+from zero3_offload.update import ShardUpdater
 from zero3_offload.workers import CpuWorkers
 
 __all__ = ["Zero3CpuOffloadManager"]
@@ -61,41 +63,6 @@ __all__ = ["Zero3CpuOffloadManager"]
 log = get_logger(__name__)
 
 _LOOP = "event-loop"
-
-
-def _split_layers(model: nn.Module | Mapping[str, nn.Module]) -> dict[str, nn.Module]:
-    if isinstance(model, nn.Module):
-        layers = dict(model.named_children())
-        direct = [name for name, _ in model.named_parameters(recurse=False)]
-        if direct:
-            raise Zero3Error(
-                f"parameters {direct} belong to the model itself, not to a layer: every "
-                "parameter must live in one of the model's children (the layers)"
-            )
-    elif isinstance(model, Mapping):
-        layers = dict(model)
-        bad = [k for k, v in layers.items() if not isinstance(v, nn.Module)]
-        if bad:
-            raise Zero3Error(f"layers {bad} are not nn.Module instances")
-    else:
-        raise Zero3Error(
-            f"model must be an nn.Module or a Mapping[str, nn.Module], got {type(model).__name__}"
-        )
-    if not layers:
-        raise Zero3Error("the model has no layers: give an nn.Module with children")
-    return layers
-
-
-def _check_lr(learning_rate: object) -> float:
-    if (
-        isinstance(learning_rate, bool)
-        or not isinstance(learning_rate, (int, float))
-        or not 0 <= learning_rate < float("inf")
-    ):
-        raise ConfigError(
-            f"learning_rate={learning_rate!r} is invalid: must be a finite number >= 0"
-        )
-    return float(learning_rate)
 
 
 class Zero3CpuOffloadManager:
@@ -132,7 +99,7 @@ class Zero3CpuOffloadManager:
         self.process_group = process_group
         self.mapping = Zero3RankMapping(rank=process_group.rank(), world_size=process_group.size())
         self.rank = self.mapping.rank
-        self.layers = _split_layers(model)
+        self.layers = split_layers(model)
         self._stats = Zero3PerformanceStats()
         self.timeline = Timeline()
         self.comm = Collectives(process_group, device=device, timeout_s=config.collective_timeout_s)
@@ -163,7 +130,14 @@ class Zero3CpuOffloadManager:
             streams=self.streams,
             timeline=self.timeline,
         )
-        self._shard_initial_values()
+        shard_initial_values(
+            layers=self.layers,
+            layouts=self.layouts,
+            store=self.params,
+            cache=self.cache,
+            comm=self.comm,
+            device=device,
+        )
         largest = max((lay.padded_numel for lay in self.layouts.values()), default=0)
         self.grad_partitioner = GradientPartitioner(
             layouts=self.layouts,
@@ -181,7 +155,14 @@ class Zero3CpuOffloadManager:
             [(name, self.params.master(name)) for name, lay in self.layouts.items() if lay.numel],
             device=self.params.master_device,
         )
-        self.loss_scaler = LossScaler() if config.compute_dtype == torch.float16 else None
+        self.updater = ShardUpdater(
+            config=config,
+            params=self.params,
+            grads=self.grads,
+            optimizer=self.optimizer,
+            workers=self.workers,
+            comm=self.comm,
+        )
         self.memory = Zero3MemoryManager(
             params=self.params,
             cache=self.cache,
@@ -193,8 +174,6 @@ class Zero3CpuOffloadManager:
         self._record: ForwardRecord | None = None
         self._calls_since_update = 0  # optimizer_step calls since the last update
         self._early_lr: float | None = None  # lr of updates started in the last backward
-        self._stepped: set[str] = set()  # layers already updated in this window
-        self.last_grad_norm: float | None = None  # global norm before clipping, last step
         self._closed = False
         log.info(
             "manager_ready",
@@ -205,46 +184,22 @@ class Zero3CpuOffloadManager:
             owned_parameters=self.partitioner.owned_numel(),
         )
 
-    def _shard_initial_values(self) -> None:
-        # Rank 0's values win; each rank then keeps only its slice.
-        for name, module in self.layers.items():
-            layout = self.layouts[name]
-            flat = layout.flatten(module, dtype=torch.float32).to(self.device)
-            self.comm.broadcast_blocking(flat, src=0)
-            self.params.put_master(name, flat[layout.shard_start : layout.shard_end].clone())
-            for buf in module.buffers():
-                staged = buf.detach().to(self.device)
-                self.comm.broadcast_blocking(staged, src=0)
-                buf.data = staged
-        self.cache.release_all_views()
-        for module in self.layers.values():
-            module.to(self.device)
-
     # ----------------------------------------------------------------- checks
 
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("the manager is closed; build a new one")
 
-    def _resolve(self, layer_names: Sequence[str]) -> tuple[str, ...]:
-        if isinstance(layer_names, str) or not isinstance(layer_names, Sequence):
-            raise InputError(
-                f"layer_names must be a sequence of layer names, got {type(layer_names).__name__}"
-            )
-        names = tuple(layer_names)
-        if not names:
-            raise InputError("layer_names is empty: give at least one layer")
-        unknown = [n for n in names if n not in self.layers]
-        if unknown:
-            raise LayerNotFoundError(
-                f"unknown layer(s) {unknown}; known layers are {list(self.layers)}"
-            )
-        return names
-
     @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (None unless ``compute_dtype`` is float16)."""
-        return None if self.loss_scaler is None else self.loss_scaler.scale
+        scaler = self.updater.loss_scaler
+        return None if scaler is None else scaler.scale
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm before clipping at the last update (clipping on only)."""
+        return self.updater.last_grad_norm
 
     # ----------------------------------------------------------------- passes
 
@@ -265,7 +220,7 @@ class Zero3CpuOffloadManager:
             CommunicationError: when a gather fails.
         """
         self._check_open()
-        names = self._resolve(layer_names)
+        names = resolve_layer_names(self.layers, layer_names)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
         started = time.perf_counter()
@@ -291,42 +246,6 @@ class Zero3CpuOffloadManager:
         t1 = time.perf_counter()
         self._stats.record_layer(name, phase, t1 - t0)
         self.timeline.record("compute", name, phase, t0, t1, _LOOP)
-
-    def _check_backward(
-        self, grad_output: torch.Tensor, layer_names: Sequence[str]
-    ) -> ForwardRecord:
-        names = self._resolve(layer_names)
-        record = self._record
-        if record is None:
-            raise StateError(
-                "backward_pass called without a forward_pass to go back through: call "
-                "forward_pass(x, layer_names) first (each forward is used by one backward)"
-            )
-        if names != record.layer_names:
-            raise StateError(
-                f"backward_pass layer_names {list(names)} differ from the last forward_pass's "
-                f"{list(record.layer_names)}: pass the same names"
-            )
-        if not isinstance(grad_output, torch.Tensor):
-            raise InputError(
-                f"grad_output must be a torch.Tensor, got {type(grad_output).__name__}"
-            )
-        if grad_output.shape != record.output_shape:
-            raise InputError(
-                f"grad_output has shape {tuple(grad_output.shape)} but the forward output had "
-                f"shape {tuple(record.output_shape)}: they must be equal"
-            )
-        return record
-
-    def _updates_can_start_early(self, names: tuple[str, ...]) -> bool:
-        # See [Note: optimizer update during backward].
-        return (
-            self.config.overlap_computation
-            and self._calls_since_update == self.config.gradient_accumulation_steps - 1
-            and self.config.gradient_clipping == 0
-            and self.loss_scaler is None
-            and len(set(names)) == len(names)
-        )
 
     async def backward_pass(
         self,
@@ -362,18 +281,20 @@ class Zero3CpuOffloadManager:
             CommunicationError: when a collective fails.
         """
         self._check_open()
-        record = self._check_backward(grad_output, layer_names)
+        record = check_backward_args(
+            self._record, resolve_layer_names(self.layers, layer_names), grad_output
+        )
         names = record.layer_names
         early_lr = None
         if learning_rate is not None:
-            early_lr = _check_lr(learning_rate)
-            if not self._updates_can_start_early(names):
+            early_lr = check_lr(learning_rate)
+            if not self.updater.can_start_early(names, self._calls_since_update):
                 early_lr = None
         started = time.perf_counter()
         self.cache.phase = "backward"
         g: torch.Tensor | None = self.executor.to_compute(grad_output)
-        if self.loss_scaler is not None:
-            g = g * self.loss_scaler.scale
+        if self.loss_scale is not None:
+            g = g * self.loss_scale
         pending: list[PendingGradient] = []
         updates: list[asyncio.Task[None]] = []
         try:
@@ -395,7 +316,9 @@ class Zero3CpuOffloadManager:
                         pending.append(p)
                         if early_lr is not None:
                             updates.append(
-                                asyncio.ensure_future(self._land_and_update(p, early_lr))
+                                asyncio.ensure_future(
+                                    self.updater.land_and_update(self.grad_partitioner, p, early_lr)
+                                )
                             )
             if early_lr is None:
                 shards = [(p.layer, await self.grad_partitioner.finish(p)) for p in pending]
@@ -413,9 +336,9 @@ class Zero3CpuOffloadManager:
             for p in pending:
                 with contextlib.suppress(Zero3Error):
                     await p.collective.wait()
-            if self._stepped and isinstance(exc, Zero3Error):
+            if self.updater.stepped and isinstance(exc, Zero3Error):
                 raise type(exc)(
-                    f"{exc} (layers {sorted(self._stepped)} were already updated by this "
+                    f"{exc} (layers {sorted(self.updater.stepped)} were already updated by this "
                     "backward's early optimizer step)"
                 ) from exc
             raise
@@ -424,25 +347,6 @@ class Zero3CpuOffloadManager:
         self._stats.backward_passes += 1
         self._stats.total_backward_time += time.perf_counter() - started
         return g
-
-    async def _land_and_update(self, pending: PendingGradient, lr: float) -> None:
-        shard = await self.grad_partitioner.finish(pending)
-        await self.grads.commit_layer(pending.layer, shard)
-        await self._update_layer(pending.layer, lr, 1.0 / self.config.gradient_accumulation_steps)
-
-    async def _update_layer(self, name: str, lr: float, grad_scale: float) -> None:
-        grad = self.grads.get(name)
-
-        def update() -> None:
-            if grad_scale != 1.0:
-                grad.mul_(grad_scale)
-            self.optimizer.step(name, grad, lr)
-
-        self._stepped.add(name)
-        await self.workers.run("cpu-optimizer", name, "step", update)
-        await self.workers.run(
-            "compress", name, "step", lambda: self.params.refresh_compute_copy(name)
-        )
 
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
@@ -464,7 +368,7 @@ class Zero3CpuOffloadManager:
             StateError: when no backward_pass ran since the last call.
         """
         self._check_open()
-        lr = _check_lr(learning_rate)
+        lr = check_lr(learning_rate)
         if self.grads.micro_steps <= self._calls_since_update:
             raise StateError(
                 "optimizer_step called without a backward_pass since the last call: "
@@ -481,36 +385,14 @@ class Zero3CpuOffloadManager:
         if self._calls_since_update < k:
             return False
         started = time.perf_counter()
-        stepped = await self._apply_update(lr, k)
+        stepped = await self.updater.apply(lr)
         self.grads.clear()
         self._calls_since_update = 0
         self._early_lr = None
-        self._stepped.clear()
         if stepped:
             self._stats.optimizer_steps += 1
         self._stats.total_optimizer_time += time.perf_counter() - started
         return stepped
-
-    async def _apply_update(self, lr: float, k: int) -> bool:
-        remaining = [n for n in self.grads.layers() if n not in self._stepped]
-        if not remaining:
-            return True
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        if k > 1 or loss_scale != 1.0:
-            for name in remaining:
-                self.grads.get(name).mul_(1.0 / (k * loss_scale))
-        if self.loss_scaler is not None:
-            found_inf = await self.loss_scaler.found_inf(self.grads.shards(), self.comm)
-            self.loss_scaler.update(found_inf)
-            if found_inf:
-                log.warning(
-                    "step_skipped", rank=self.rank, reason="inf/nan gradient", scale=self.loss_scale
-                )
-                return False
-        if self.config.gradient_clipping > 0:
-            self.last_grad_norm = await self.grads.clip_(self.config.gradient_clipping, self.comm)
-        await asyncio.gather(*(self._update_layer(name, lr, 1.0) for name in remaining))
-        return True
 
     # ----------------------------------------------------------------- state
 
@@ -549,9 +431,7 @@ class Zero3CpuOffloadManager:
         self._record = None
         self._calls_since_update = 0
         self._early_lr = None
-        self._stepped.clear()
-        if self.loss_scaler is not None:
-            self.loss_scaler = LossScaler()
+        self.updater.reset()
 
     async def close(self) -> None:
         """Release gathered parameters and pending state. Idempotent."""

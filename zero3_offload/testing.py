@@ -69,13 +69,14 @@ def _rank_main(
     args: tuple[Any, ...],
     threads: int,
     timeout_s: float,
+    backend: str,
     results: Any,
 ) -> None:
     torch.set_num_threads(threads)
 
     async def main() -> Any:
         group = await init_process_group(
-            "gloo", rank=rank, world_size=world_size, port=port, timeout_s=timeout_s
+            backend, rank=rank, world_size=world_size, port=port, timeout_s=timeout_s
         )
         try:
             return await fn(RankContext(rank=rank, world_size=world_size, group=group), *args)
@@ -141,6 +142,7 @@ async def run_ranks(
     *args: Any,
     timeout_s: float = 180.0,
     threads_per_rank: int = 1,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``await fn(RankContext, *args)`` on ``world_size`` gloo ranks.
 
@@ -150,6 +152,7 @@ async def run_ranks(
         *args: passed to ``fn`` after the context; must pickle.
         timeout_s: limit for the whole run (also the group's collective timeout).
         threads_per_rank: torch intra-op threads in each rank.
+        backend: ``"gloo"``, or ``"nccl"`` for ranks that each own a GPU.
 
     Returns:
         Each rank's return value, in rank order.
@@ -163,7 +166,7 @@ async def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, threads_per_rank, timeout_s, results),
+            args=(fn, rank, world_size, port, args, threads_per_rank, timeout_s, backend, results),
             daemon=True,
         )
         for rank in range(world_size)
