@@ -111,6 +111,15 @@ def _mem_total_bytes() -> int | None:
     return None
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (other work on a shared machine skews timings)."""
+    try:
+        with open("/proc/loadavg", encoding="utf-8") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on (and when)."""
     try:
@@ -127,6 +136,7 @@ def machine_info() -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
+        "load_average_at_start": load_average(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -159,6 +169,16 @@ def add_common_args(parser: Any, *, default_repeats: int = 7) -> None:
         help="JSON path (default benchmarks/results/<name>.json, <name>-quick.json "
         "with --quick); a .md table is written beside it",
     )
+
+
+def check_common_args(parser: Any, args: Any) -> None:
+    """Reject option values that would break the timing rules (via ``parser.error``)."""
+    if args.repeats < MIN_REPEATS:
+        parser.error(f"--repeats must be >= {MIN_REPEATS} (median of at least {MIN_REPEATS})")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
 
 
 def apply_threads(threads: int | None) -> None:
@@ -198,10 +218,12 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 
 
 def machine_line(info: Mapping[str, Any]) -> str:
+    load = info.get("load_average_at_start")
+    load_txt = f", load average {load[0]:.2f} at start" if load else ""
     return (
         f"{info['cpu_model']}, {info['usable_cores']} usable cores "
         f"({info['logical_cores']} logical), torch {info['torch_version']}, "
-        f"{info['torch_threads']} torch threads, {info['date_utc']}"
+        f"{info['torch_threads']} torch threads, {info['date_utc']}{load_txt}"
     )
 
 

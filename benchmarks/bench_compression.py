@@ -38,6 +38,7 @@ try:
     from _common import (
         add_common_args,
         apply_threads,
+        check_common_args,
         default_out,
         fmt,
         machine_info,
@@ -50,6 +51,7 @@ except ModuleNotFoundError:  # run as ``python -m benchmarks.bench_compression``
     from benchmarks._common import (
         add_common_args,
         apply_threads,
+        check_common_args,
         default_out,
         fmt,
         machine_info,
@@ -91,6 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_common_args(parser, default_repeats=15)
     args = parser.parse_args(argv)
+    check_common_args(parser, args)
     if args.quick:
         args.elements = args.elements or 2**20
         args.repeats = min(args.repeats, 5)

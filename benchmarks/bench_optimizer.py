@@ -46,6 +46,7 @@ try:
     from _common import (
         add_common_args,
         apply_threads,
+        check_common_args,
         default_out,
         fmt,
         fmt_rate,
@@ -59,6 +60,7 @@ except ModuleNotFoundError:  # run as ``python -m benchmarks.bench_optimizer``
     from benchmarks._common import (
         add_common_args,
         apply_threads,
+        check_common_args,
         default_out,
         fmt,
         fmt_rate,
@@ -111,6 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_common_args(parser, default_repeats=11)
     args = parser.parse_args(argv)
+    check_common_args(parser, args)
     if args.quick:
         args.params = args.params or 2_000_000
         args.copy_elements = args.copy_elements or 8 * 2**20
