@@ -35,7 +35,7 @@ async def test_every_offload_combination_matches_torch(
         },
     )
     ref_losses, ref_state = reference(spec, "adamw")
-    loss_err, param_err = compare(await run_ranks(train, 2, spec), ref_losses, ref_state)
+    loss_err, param_err = compare(await run_ranks(train, world, spec), ref_losses, ref_state)
     assert loss_err < 1e-5
     assert param_err < 1e-4
 

@@ -18,6 +18,8 @@ compute dtype.
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import torch
 
@@ -26,6 +28,32 @@ from zero3_offload.config import CpuCompressionMethod
 __all__ = ["CompressedShard", "ShardCodec"]
 
 _INT8_MAX = 127.0
+# INT8 encoding works through the shard in chunks of this many elements, so its
+# scratch space is small and reused instead of a fresh shard-sized temporary.
+_CHUNK_ELEMENTS = 1 << 20
+_scratch = threading.local()
+
+
+def _scratch_buffer(numel: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, _CHUNK_ELEMENTS), dtype=torch.float32)
+        _scratch.buf = buf
+    return buf[:numel]
+
+
+def _quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    # x: [rows, block] fp32; q: same shape int8; scales: [rows] fp32.
+    on_cpu = x.device.type == "cpu"
+    tmp = _scratch_buffer(x.numel()).view_as(x) if on_cpu else torch.empty_like(x)
+    torch.abs(x, out=tmp)
+    torch.amax(tmp, dim=1, out=scales)
+    scales.div_(_INT8_MAX)
+    # An all-zero block has scale 0; dividing its zeros by the smallest normal
+    # float gives 0, not nan.
+    safe = scales.clamp(min=torch.finfo(torch.float32).tiny)
+    torch.div(x, safe.unsqueeze(1), out=tmp)
+    q.copy_(tmp.round_().clamp_(-_INT8_MAX, _INT8_MAX))
 
 
 @attrs.define
@@ -86,32 +114,30 @@ class ShardCodec:
         return CompressedShard(payload, scales)
 
     def encode_(self, master: torch.Tensor, out: CompressedShard) -> None:
-        """Write ``master`` (1D fp32) into ``out`` in the storage format."""
+        """Write ``master`` (1D fp32) into ``out`` in the storage format.
+
+        Safe to call from several worker threads at once (INT8 scratch space is
+        per thread).
+        """
         if out.scales is None:
             out.payload.copy_(master)
             return
         block = self.block_size
         full = master.numel() // block * block
-        if full:
-            self._quantize(
-                master[:full].view(-1, block),
-                out.payload[:full].view(-1, block),
-                out.scales[: full // block],
+        rows = max(1, _CHUNK_ELEMENTS // block)
+        for r0 in range(0, full // block, rows):
+            r1 = min(r0 + rows, full // block)
+            _quantize(
+                master[r0 * block : r1 * block].view(-1, block),
+                out.payload[r0 * block : r1 * block].view(-1, block),
+                out.scales[r0:r1],
             )
         if full < master.numel():
-            self._quantize(
+            _quantize(
                 master[full:].view(1, -1),
                 out.payload[full:].view(1, -1),
                 out.scales[full // block :],
             )
-
-    @staticmethod
-    def _quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
-        absmax = x.abs().amax(dim=1)
-        torch.div(absmax, _INT8_MAX, out=scales)
-        # An all-zero block has scale 0; divide by 1 there so q is 0, not nan.
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q.copy_(torch.div(x, safe.unsqueeze(1)).round_().clamp_(-_INT8_MAX, _INT8_MAX))
 
     def decode_(self, src: CompressedShard, out: torch.Tensor) -> None:
         """Write the compute-dtype values of ``src`` into ``out`` (same device, 1D)."""
