@@ -18,16 +18,17 @@ from zero3_offload.testing import run_ranks
 COMBOS = list(itertools.product([False, True], repeat=3))
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
     ("params", "grads", "states"),
     COMBOS,
     ids=[f"p{int(a)}g{int(b)}s{int(c)}" for a, b, c in COMBOS],
 )
 async def test_every_offload_combination_matches_torch(
-    params: bool, grads: bool, states: bool
+    params: bool, grads: bool, states: bool, world: int
 ) -> None:
     spec = TrainSpec(
-        steps=5,
+        steps=4,
         config={
             "offload_params": params,
             "offload_grads": grads,
