@@ -36,7 +36,6 @@ async def snapshot(manager: Zero3CpuOffloadManager) -> dict[str, Any]:
         "record": manager._record,
         "micro": manager.grads.micro_steps,
         "calls": manager._calls_since_update,
-        "gathered": manager.get_memory_stats().gathered_param_bytes,
     }
 
 
@@ -102,6 +101,9 @@ async def bad_calls(ctx: RankContext) -> dict[str, str]:
     msgs["layer_raises"] = await expect(
         manager, LayerExecutionError, lambda: manager.forward_pass(x.float(), names)
     )
+    # A pass that failed while running leaves no gather in flight.
+    status = manager.get_prefetch_status()
+    assert status.active_operations == 0 and status.inflight_bytes == 0, status
     msgs["lr"] = await expect(manager, ConfigError, lambda: manager.optimizer_step(-1.0))
     # The forward kept by the failed calls still serves a correct backward.
     await manager.backward_pass(out.grad, names)

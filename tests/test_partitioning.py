@@ -28,7 +28,8 @@ def unpartitioned_bytes() -> dict[str, int]:
 @pytest.mark.parametrize("world", [2, 4])
 async def test_each_rank_holds_one_nth(world: int) -> None:
     full = unpartitioned_bytes()
-    results = await run_ranks(memory_probe, world, TrainSpec())
+    # Prefetch off: then exactly one layer is gathered at a time.
+    results = await run_ranks(memory_probe, world, TrainSpec(config={"async_prefetch": False}))
     for rank, r in enumerate(results):
         padding = sum(r["padded"].values()) - full["params"] // 4
         assert 0 <= padding < world * len(r["padded"])

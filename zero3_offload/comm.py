@@ -205,6 +205,10 @@ class PendingCollective:
         self._finished = False
         self.seconds: float | None = None  # launch-to-completion time, once done
 
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (without waiting)."""
+        return self._finished or bool(self._work.is_completed())
+
     def then(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the event loop right after the collective completes."""
         self._after.append(fn)
@@ -365,9 +369,12 @@ class Collectives:
 
     def start_all_reduce_sum(self, tensor: torch.Tensor) -> PendingCollective:
         """Launch an in-place sum of ``tensor`` over ranks."""
+        return self._start_all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def _start_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> PendingCollective:
         return self._start(
             "all_reduce",
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
             tensor.numel() * tensor.element_size(),
         )
 
@@ -391,6 +398,10 @@ class Collectives:
     async def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks in place and wait for it."""
         await self.start_all_reduce_sum(tensor).wait()
+
+    async def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Elementwise maximum of ``tensor`` over ranks, in place; waits for it."""
+        await self._start_all_reduce(tensor, dist.ReduceOp.MAX).wait()
 
     async def broadcast(self, tensor: torch.Tensor, *, src: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src`` and wait for it."""

@@ -96,6 +96,11 @@ class ShardCodec:
         self.storage_dtype = method.storage_dtype(compute_dtype)
 
     @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return torch.empty((), dtype=self.compute_dtype).element_size()
+
+    @property
     def is_identity(self) -> bool:
         """True when the compute copy of an fp32 master is the master itself."""
         return self.storage_dtype == torch.float32 and self.compute_dtype == torch.float32

@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,7 +46,8 @@ from zero3_offload.gradient_management import (
 )
 from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
 from zero3_offload.logging import get_logger
-from zero3_offload.memory_management import Zero3MemoryManager, Zero3MemoryStats
+from zero3_offload.memory_budget import check_cpu_budget, cpu_memory_need
+from zero3_offload.memory_management import Zero3MemoryManager, Zero3MemoryStats, relieve_pressure
 from zero3_offload.model_sharding import shard_initial_values, split_layers
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import (
@@ -53,6 +55,7 @@ from zero3_offload.parameter_management import (
     GpuParameterCache,
     ParameterPartitioner,
 )
+from zero3_offload.prefetch import PrefetchQueueStatus, PrefetchScheduler, layer_seconds
 from zero3_offload.stats import Timeline, Zero3PerformanceStats
 from zero3_offload.streams import CopyStreams
 from zero3_offload.update import ShardUpdater
@@ -130,6 +133,20 @@ class Zero3CpuOffloadManager:
             streams=self.streams,
             timeline=self.timeline,
         )
+        self.cpu_need = cpu_memory_need(
+            config, [lay.shard_numel for lay in self.layouts.values() if lay.numel], device
+        )
+        check_cpu_budget(self.cpu_need, config.cpu_memory_budget)
+        self.prefetch = PrefetchScheduler(
+            cache=self.cache,
+            layers=list(self.layers),
+            numels={name: lay.numel for name, lay in self.layouts.items()},
+            budget=config.gpu_param_memory_budget,
+            depth=config.prefetch_buffer_size if config.async_prefetch else 0,
+            bucket=config.prefetch_bucket_size,
+            persistence_threshold=config.param_persistence_threshold,
+            rank=self.rank,
+        )
         shard_initial_values(
             layers=self.layers,
             layouts=self.layouts,
@@ -170,6 +187,10 @@ class Zero3CpuOffloadManager:
             optimizer=self.optimizer,
             total_parameters=self.partitioner.total_numel(),
             owned_parameters=self.partitioner.owned_numel(),
+            strategy=config.auto_memory_management,
+            max_gpu_bytes=config.max_gpu_memory_mb * 2**20,
+            max_cpu_bytes=config.max_cpu_memory_mb * 2**20,
+            gpu_param_budget=config.gpu_param_memory_budget,
         )
         self._record: ForwardRecord | None = None
         self._calls_since_update = 0  # optimizer_step calls since the last update
@@ -227,13 +248,20 @@ class Zero3CpuOffloadManager:
         self.cache.phase = "forward"
         h = self.executor.to_compute(x)
         inputs, rng = [], []
-        for name in names:
-            inputs.append(h.detach())
-            rng.append(self.executor.rng_state())
-            async with self.cache.use(name) as module:
+        try:
+            await self.prefetch.begin_pass("forward", names)
+            next_order = self.prefetch.next_after_forward(names)
+            for i, name in enumerate(names):
+                inputs.append(h.detach())
+                rng.append(self.executor.rng_state())
+                module = await self.prefetch.acquire(names, i)
                 t0 = time.perf_counter()
                 h = self.executor.forward(name, module, h)
                 self._record_compute(name, "forward", t0)
+                self.prefetch.finish_use(names, i, next_order=next_order)
+        except BaseException:
+            await self.prefetch.release_all()  # nothing stays in flight
+            raise
         self._record = ForwardRecord(
             layer_names=names, inputs=tuple(inputs), rng=tuple(rng), output_shape=h.shape
         )
@@ -298,28 +326,26 @@ class Zero3CpuOffloadManager:
         pending: list[PendingGradient] = []
         updates: list[asyncio.Task[None]] = []
         try:
-            for step in reversed(range(len(names))):
-                name = names[step]
+            order = names[::-1]
+            await self.prefetch.begin_pass("backward", order)
+            for i, name in enumerate(order):
+                step = len(names) - 1 - i
                 if g is None:
                     raise StateError(
                         f"layer {names[step + 1]!r} has a non-floating input, so no gradient "
                         f"reaches layer {name!r}: it must come first in layer_names"
                     )
-                async with self.cache.use(name) as module:
-                    t0 = time.perf_counter()
-                    g = self.executor.backward(
-                        name, module, record.inputs[step], record.rng[step], g
-                    )
-                    self._record_compute(name, "backward", t0)
-                    if self.layouts[name].numel:
-                        p = await self.grad_partitioner.start_reduce_scatter(name, module)
-                        pending.append(p)
-                        if early_lr is not None:
-                            updates.append(
-                                asyncio.ensure_future(
-                                    self.updater.land_and_update(self.grad_partitioner, p, early_lr)
-                                )
-                            )
+                module = await self.prefetch.acquire(order, i)
+                t0 = time.perf_counter()
+                g = self.executor.backward(name, module, record.inputs[step], record.rng[step], g)
+                self._record_compute(name, "backward", t0)
+                if self.layouts[name].numel:
+                    p = await self.grad_partitioner.start_reduce_scatter(name, module)
+                    pending.append(p)
+                    if early_lr is not None:
+                        landing = self.updater.land_and_update(self.grad_partitioner, p, early_lr)
+                        updates.append(asyncio.ensure_future(landing))
+                self.prefetch.finish_use(order, i)
             if early_lr is None:
                 shards = [(p.layer, await self.grad_partitioner.finish(p)) for p in pending]
                 await self.grads.commit(shards)
@@ -336,6 +362,8 @@ class Zero3CpuOffloadManager:
             for p in pending:
                 with contextlib.suppress(Zero3Error):
                     await p.collective.wait()
+            with contextlib.suppress(Zero3Error):
+                await self.prefetch.release_all()
             if self.updater.stepped and isinstance(exc, Zero3Error):
                 raise type(exc)(
                     f"{exc} (layers {sorted(self.updater.stepped)} were already updated by this "
@@ -383,16 +411,20 @@ class Zero3CpuOffloadManager:
         self._calls_since_update += 1
         k = self.config.gradient_accumulation_steps
         if self._calls_since_update < k:
+            await self.prefetch.after_update(())  # parameters unchanged: prefetch the forward
             return False
         started = time.perf_counter()
-        stepped = await self.updater.apply(lr)
+        await self.prefetch.drain()  # no gather may read a shard while it is updated
+        updated = await self.updater.apply(lr)
         self.grads.clear()
         self._calls_since_update = 0
         self._early_lr = None
-        if stepped:
+        if updated is not None:
             self._stats.optimizer_steps += 1
+        await relieve_pressure(self.memory, self.prefetch, self.comm)
+        await self.prefetch.after_update(updated or ())
         self._stats.total_optimizer_time += time.perf_counter() - started
-        return stepped
+        return updated is not None
 
     # ----------------------------------------------------------------- state
 
@@ -414,10 +446,56 @@ class Zero3CpuOffloadManager:
         return out
 
     def get_performance_stats(self) -> Zero3PerformanceStats:
-        """A snapshot of this rank's timings, counts and recent timeline."""
+        """A snapshot of this rank's timings, counts, prefetch metrics and recent timeline."""
         snapshot = self._stats.copy()
         snapshot.timeline = self.timeline.events()
+        snapshot.prefetch = attrs.asdict(self.prefetch.metrics)
+        snapshot.prefetch_hit_rate = self.prefetch.metrics.hit_rate()
+        snapshot.gathered_high_water_bytes = self.cache.high_water_bytes
         return snapshot
+
+    def get_prefetch_status(self) -> PrefetchQueueStatus:
+        """What the prefetcher holds now: gathers in flight, queued look-ahead, bytes."""
+        return self.prefetch.status()
+
+    async def force_memory_optimization(self) -> int:
+        """Free every gathered layer not in use now (persistent ones too) and collect garbage.
+
+        Call it between passes, not concurrently with one.
+
+        Returns:
+            Bytes of gathered parameters released.
+        """
+        self._check_open()
+        before = self.cache.reserved_bytes()
+        await self.prefetch.release_all(keep_persistent=False)
+        self.memory.collect_garbage()
+        freed = before - self.cache.reserved_bytes()
+        log.info("memory_optimized", rank=self.rank, freed_bytes=freed)
+        return freed
+
+    async def adapt_performance(self) -> int:
+        """Adapt the prefetch depth to measured gather and compute times (a collective).
+
+        See :meth:`PrefetchScheduler.adapt` for the rule; the times are the
+        maxima over ranks, so every rank picks the same depth.
+
+        Returns:
+            The new prefetch depth.
+        """
+        self._check_open()
+        gather_s, compute_s = layer_seconds(self.timeline.events())
+        agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=self.device)
+        await self.comm.all_reduce_max(agreed)
+        depth = self.prefetch.adapt(float(agreed[0]), float(agreed[1]))
+        log.info(
+            "prefetch_adapted",
+            rank=self.rank,
+            gather_s=float(agreed[0]),
+            compute_s=float(agreed[1]),
+            depth=depth,
+        )
+        return depth
 
     def get_memory_stats(self) -> Zero3MemoryStats:
         """Bytes this rank holds now, counted from the tensors."""
@@ -426,6 +504,7 @@ class Zero3CpuOffloadManager:
     async def reset_state(self) -> None:
         """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""
         self._check_open()
+        await self.prefetch.release_all()
         self.optimizer.reset()
         self.grads.clear()
         self._record = None
@@ -437,8 +516,7 @@ class Zero3CpuOffloadManager:
         """Release gathered parameters and pending state. Idempotent."""
         if self._closed:
             return
-        for name in list(self.layers):
-            self.cache.release(name)
+        await self.prefetch.release_all(keep_persistent=False)
         self._record = None
         self._closed = True
 

@@ -1,19 +1,46 @@
-"""Memory accounting: what this rank holds, counted from the tensors themselves.
+"""Memory accounting and the pressure policy.
 
-:class:`Zero3MemoryStats` is built from the stores on request; no figure is
-estimated from a ratio. Where a tensor lives (CPU or the compute device)
-decides which total it adds to.
+:class:`Zero3MemoryStats` is built from the stores on request, counted from
+the tensors themselves; no figure is estimated from a ratio. Where a tensor
+lives (CPU or the compute device) decides which total it adds to.
+
+[Note: memory pressure]
+Pressure is measured from real counters: on CUDA, ``torch.cuda.memory_allocated``
+over the device's capacity (at most ``max_gpu_memory_mb``); on the CPU device,
+the gathered-parameter bytes over ``gpu_param_memory_budget``; and the
+process's RSS over the system's memory (at most ``max_cpu_memory_mb``). As in
+the Rust source, ``pressure = min(1, 0.8*device + 0.2*cpu + 0.1*trend)``, where
+``trend`` is the recent rise of pressure (0 before 5 samples). The check runs in
+every ``optimizer_step`` and takes the maximum over ranks (one all-reduce) so
+that every rank makes the same decision (see [Note: deterministic prefetch]).
+Above the strategy's ``pressure_threshold()``, cached and persistent layers are
+released, persistence is suspended and the prefetch depth shrinks by the
+strategy's ``aggressiveness()`` (to at least 1); below 0.8 of the threshold
+both are restored.
 """
 
 from __future__ import annotations
 
-import attrs
+import gc
+import os
 
+import attrs
+import psutil
+import torch
+
+from zero3_offload.comm import Collectives
+from zero3_offload.config import AutoMemoryStrategy
 from zero3_offload.gradient_management import CpuGradientStore
+from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import CpuParameterStore, GpuParameterCache
+from zero3_offload.prefetch import PrefetchScheduler
 
-__all__ = ["Zero3MemoryManager", "Zero3MemoryStats"]
+__all__ = ["MemoryPressure", "Zero3MemoryManager", "Zero3MemoryStats", "relieve_pressure"]
+
+_HISTORY = 100
+
+log = get_logger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +63,12 @@ class Zero3MemoryStats:
     """Sum of the above that live in CPU memory."""
     gpu_memory_used: int
     """Sum of the above that live on an accelerator."""
+    process_rss_bytes: int
+    """Resident set size of this process (psutil)."""
+    device_allocated_bytes: int
+    """``torch.cuda.memory_allocated`` on CUDA; 0 on the CPU device."""
+    last_memory_pressure: float
+    """Pressure agreed across ranks at the last check (see [Note: memory pressure])."""
     total_parameters: int
     """Elements of the whole model (all ranks, no padding)."""
     owned_parameters: int
@@ -54,8 +87,19 @@ class Zero3MemoryStats:
         )
 
 
+@attrs.frozen(kw_only=True)
+class MemoryPressure:
+    """One pressure sample and what it decided."""
+
+    device: float  # fraction of the device's capacity in use
+    cpu: float  # fraction of the CPU's capacity in use (RSS)
+    trend: float
+    pressure: float  # agreed across ranks
+    relieved: bool  # cached/persistent layers were released and depth shrunk
+
+
 class Zero3MemoryManager:
-    """Counts the bytes held by the stores of one manager.
+    """Counts the bytes held by the stores of one manager; applies the pressure policy.
 
     Args:
         params: parameter shards.
@@ -75,6 +119,10 @@ class Zero3MemoryManager:
         optimizer: OptimizerStateManager,
         total_parameters: int,
         owned_parameters: int,
+        strategy: AutoMemoryStrategy = AutoMemoryStrategy.BALANCED,
+        max_gpu_bytes: int = 8192 * 2**20,
+        max_cpu_bytes: int = 65536 * 2**20,
+        gpu_param_budget: int = 2 * 2**30,
     ) -> None:
         self._params = params
         self._cache = cache
@@ -82,6 +130,15 @@ class Zero3MemoryManager:
         self._optimizer = optimizer
         self._total = total_parameters
         self._owned = owned_parameters
+        self.strategy = strategy
+        self._max_gpu = max_gpu_bytes
+        self._max_cpu = max_cpu_bytes
+        self._param_budget = gpu_param_budget
+        self._process = psutil.Process(os.getpid())
+        self.history: list[float] = []
+        self.last_pressure = 0.0
+        self.optimization_cycles = 0
+        self.relief_count = 0
 
     def stats(self) -> Zero3MemoryStats:
         """Count what is held now."""
@@ -102,6 +159,90 @@ class Zero3MemoryManager:
             gathered_high_water_bytes=self._cache.high_water_bytes,
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
+            process_rss_bytes=self._process.memory_info().rss,
+            device_allocated_bytes=self._device_allocated(),
+            last_memory_pressure=self.last_pressure,
             total_parameters=self._total,
             owned_parameters=self._owned,
         )
+
+    def _device_allocated(self) -> int:
+        device = self._cache.device
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+    def local_fractions(self) -> tuple[float, float]:
+        """(device, cpu) fractions of capacity in use on this rank, from real counters."""
+        device = self._cache.device
+        if device.type == "cuda":
+            capacity = min(torch.cuda.get_device_properties(device).total_memory, self._max_gpu)
+            dev = self._device_allocated() / capacity
+        else:
+            dev = self._cache.reserved_bytes() / self._param_budget
+        capacity = min(psutil.virtual_memory().total, self._max_cpu)
+        return dev, self._process.memory_info().rss / capacity
+
+    def _trend(self) -> float:
+        if len(self.history) < 5:
+            return 0.0
+        return min(1.0, max(0.0, (self.history[-1] - self.history[-5]) / 4 * 5))
+
+    async def sample_pressure(self, comm: Collectives) -> tuple[float, float, float, float]:
+        """Measure pressure here, agree on the maximum over ranks (a collective).
+
+        Returns:
+            (device fraction, cpu fraction, trend, agreed pressure).
+        """
+        dev, cpu = self.local_fractions()
+        trend = self._trend()
+        local = min(1.0, 0.8 * dev + 0.2 * cpu + 0.1 * trend)
+        agreed = torch.tensor([local], dtype=torch.float32, device=comm.device)
+        await comm.all_reduce_max(agreed)
+        pressure = float(agreed.item())
+        self.history = [*self.history[-(_HISTORY - 1) :], pressure]
+        self.last_pressure = pressure
+        self.optimization_cycles += 1
+        return dev, cpu, trend, pressure
+
+    def over_threshold(self, pressure: float) -> bool:
+        return pressure > self.strategy.pressure_threshold()
+
+    def under_restore_level(self, pressure: float) -> bool:
+        return pressure < 0.8 * self.strategy.pressure_threshold()
+
+    def shrunk_depth(self, depth: int) -> int:
+        """Prefetch depth under pressure: shrunk by the strategy's aggressiveness, >= 1."""
+        if depth == 0:
+            return 0
+        return max(1, int(depth * (1.0 - self.strategy.aggressiveness())))
+
+    def collect_garbage(self) -> None:
+        """Return freed memory: Python's collector, and the CUDA caching allocator's cache."""
+        gc.collect()
+        if self._cache.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+async def relieve_pressure(
+    memory: Zero3MemoryManager, prefetch: PrefetchScheduler, comm: Collectives
+) -> MemoryPressure:
+    """Sample pressure (agreed over ranks) and apply the strategy. See [Note: memory pressure]."""
+    dev, cpu, trend, pressure = await memory.sample_pressure(comm)
+    relieved = False
+    if memory.over_threshold(pressure):
+        await prefetch.release_all(keep_persistent=False)
+        prefetch.persistence_enabled = False
+        prefetch.set_depth(memory.shrunk_depth(prefetch.max_depth))
+        memory.relief_count += 1
+        relieved = True
+        log.info(
+            "memory_pressure_relieved",
+            rank=comm.rank,
+            pressure=pressure,
+            threshold=memory.strategy.pressure_threshold(),
+            depth=prefetch.depth,
+        )
+    elif memory.under_restore_level(pressure) and not prefetch.persistence_enabled:
+        prefetch.persistence_enabled = True
+        prefetch.set_depth(prefetch.max_depth)
+        log.info("memory_pressure_restored", rank=comm.rank, pressure=pressure)
+    return MemoryPressure(device=dev, cpu=cpu, trend=trend, pressure=pressure, relieved=relieved)

@@ -14,14 +14,13 @@ freed as soon as nothing else refers to it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Iterator, Mapping
 
 import attrs
 import torch
 from torch import nn
 
-from zero3_offload.comm import Collectives
+from zero3_offload.comm import Collectives, PendingCollective
 from zero3_offload.compression import CompressedShard, ShardCodec
 from zero3_offload.config import Zero3RankMapping
 from zero3_offload.errors import Zero3Error
@@ -31,6 +30,7 @@ from zero3_offload.streams import CopyStreams
 
 __all__ = [
     "CpuParameterStore",
+    "GatherHandle",
     "GpuParameterCache",
     "LayerLayout",
     "ParamSlot",
@@ -234,8 +234,26 @@ class CpuParameterStore:
         return sum(s.compute.nbytes() for s in self._shards.values() if not s.aliased)
 
 
+@attrs.define
+class GatherHandle:
+    """A layer's gather in flight: its buffer is allocated, the all-gather launched."""
+
+    layer: str
+    flat: torch.Tensor  # 1D [padded_numel] in the compute dtype, valid once complete
+    pending: PendingCollective | None  # None for a layer without parameters
+    started: float  # time.perf_counter() at launch
+
+    def is_completed(self) -> bool:
+        return self.pending is None or self.pending.is_completed()
+
+
 class GpuParameterCache:
     """Gathers layers' full parameters on the device and releases them.
+
+    A gather is launched (:meth:`launch`: buffer allocated, copy and decode on
+    the h2d stream, all-gather started) and later completed (:meth:`complete`:
+    awaited, parameters bound as views). Bytes of launched and gathered
+    buffers together are what the device holds for parameters.
 
     Args:
         layers: layer name -> module; the modules' parameters are rebound.
@@ -259,15 +277,16 @@ class GpuParameterCache:
         timeline: Timeline,
     ) -> None:
         self._layers = layers
-        self._streams = streams
-        self._timeline = timeline
-        self.phase = "forward"  # recorded with gathers; the manager sets it per pass
         self._layouts = layouts
         self._store = store
         self._comm = comm
         self.device = device
+        self._streams = streams
+        self._timeline = timeline
+        self.phase = "forward"  # recorded with gathers; the manager sets it per pass
         self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
-        self.high_water_bytes = 0
+        self._inflight: dict[str, GatherHandle] = {}
+        self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
 
     def release_all_views(self) -> None:
         """Point every parameter at an empty tensor (used once, after sharding)."""
@@ -284,30 +303,48 @@ class GpuParameterCache:
         for pname, view in self._layouts[name].unflatten(flat):
             params[pname].data = view
 
+    def nbytes(self, name: str) -> int:
+        """Bytes of ``name``'s gathered buffer (padded, in the compute dtype)."""
+        return self._layouts[name].padded_numel * self._store.codec.compute_itemsize
+
     def is_gathered(self, name: str) -> bool:
         return name in self._gathered
 
+    def is_inflight(self, name: str) -> bool:
+        return name in self._inflight
+
+    def inflight(self) -> list[GatherHandle]:
+        return list(self._inflight.values())
+
+    def gathered_layers(self) -> list[str]:
+        return list(self._gathered)
+
     def gathered_bytes(self) -> int:
-        """Bytes of full parameter buffers alive on the device now."""
+        """Bytes of full parameter buffers gathered on the device now."""
         return sum(tensor_bytes(t) for t in self._gathered.values())
 
-    async def gather(self, name: str) -> nn.Module:
-        """Rebuild ``name``'s full parameters on the device; returns the layer module.
+    def inflight_bytes(self) -> int:
+        """Bytes of buffers whose gather is in flight."""
+        return sum(tensor_bytes(h.flat) for h in self._inflight.values())
+
+    def reserved_bytes(self) -> int:
+        """Gathered plus in-flight buffer bytes: what the budget limits."""
+        return self.gathered_bytes() + self.inflight_bytes()
+
+    def launch(self, name: str) -> GatherHandle:
+        """Allocate ``name``'s buffer and start its gather; returns at once.
 
         The compute copy is copied to the device and decoded there on the h2d
         stream, and the all-gather is launched from that stream, so the compute
         stream only waits when it needs the result (see [Note: copy streams]).
-
-        Raises:
-            CommunicationError: when the all-gather fails or times out.
+        Collectives start here, in program order, identically on every rank.
         """
-        if name in self._gathered:
-            return self._layers[name]
         layout = self._layouts[name]
         dtype = self._store.compute_dtype
         flat = torch.empty(layout.padded_numel, dtype=dtype, device=self.device)
+        pending = None
+        started = time.perf_counter()
         if layout.padded_numel:
-            start = time.perf_counter()
             src = self._store.compute_copy(name)
             with self._streams.on(self._streams.h2d):
                 staged = src.to(self.device, non_blocking=True)
@@ -317,25 +354,41 @@ class GpuParameterCache:
                     shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
                     self._store.codec.decode_(staged, shard)
                 pending = self._comm.start_all_gather(flat, shard)
-            await pending.wait()
-            self._streams.mark_used_on_current(flat)
-            self._timeline.record(
-                "gather", name, self.phase, start, time.perf_counter(), _LOOP_THREAD
-            )
-        self._gathered[name] = flat
-        self._bind(name, flat)
-        self.high_water_bytes = max(self.high_water_bytes, self.gathered_bytes())
+        handle = GatherHandle(layer=name, flat=flat, pending=pending, started=started)
+        self._inflight[name] = handle
+        self.high_water_bytes = max(self.high_water_bytes, self.reserved_bytes())
+        return handle
+
+    async def complete(self, name: str) -> nn.Module:
+        """Wait for ``name``'s launched gather and bind its parameters.
+
+        Raises:
+            CommunicationError: when the all-gather fails or times out (the
+                buffer is dropped either way).
+        """
+        handle = self._inflight[name]
+        try:
+            if handle.pending is not None:
+                await handle.pending.wait()
+        finally:
+            del self._inflight[name]
+        self._streams.mark_used_on_current(handle.flat)
+        self._timeline.record(
+            "gather", name, self.phase, handle.started, time.perf_counter(), _LOOP_THREAD
+        )
+        self._gathered[name] = handle.flat
+        self._bind(name, handle.flat)
         return self._layers[name]
+
+    async def gather(self, name: str) -> nn.Module:
+        """Launch (if needed) and complete ``name``'s gather; returns the layer module."""
+        if name in self._gathered:
+            return self._layers[name]
+        if name not in self._inflight:
+            self.launch(name)
+        return await self.complete(name)
 
     def release(self, name: str) -> None:
         """Free ``name``'s full parameters (no-op if not gathered)."""
         if self._gathered.pop(name, None) is not None:
             self._unbind(name)
-
-    @asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[nn.Module]:
-        """Gather ``name`` for the duration of the block, release after, also on error."""
-        try:
-            yield await self.gather(name)
-        finally:
-            self.release(name)

@@ -106,6 +106,12 @@ class Zero3PerformanceStats:
     communication: dict[str, CommunicationStats] = attrs.Factory(dict)
     timeline: list[TimelineEvent] = attrs.Factory(list)
     """Recent intervals of work (filled in snapshots from :class:`Timeline`)."""
+    prefetch: dict[str, int] = attrs.Factory(dict)
+    """Prefetch counters (requests, hits, partial_hits, misses, wasted, cancelled, ...)."""
+    prefetch_hit_rate: float = 0.0
+    """Fraction of layer uses whose gather started before the layer needed it."""
+    gathered_high_water_bytes: int = 0
+    """Most bytes of gathered plus in-flight parameter buffers at once."""
 
     def record_layer(self, layer: str, phase: str, seconds: float) -> None:
         timing = self.layer_timings.setdefault(layer, LayerTimingStats())
@@ -137,4 +143,5 @@ class Zero3PerformanceStats:
             self,
             layer_timings={k: attrs.evolve(v) for k, v in self.layer_timings.items()},
             communication={k: attrs.evolve(v) for k, v in self.communication.items()},
+            prefetch=dict(self.prefetch),
         )

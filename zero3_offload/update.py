@@ -92,14 +92,17 @@ class ShardUpdater:
         await self._grads.commit_layer(pending.layer, shard)
         await self.update_layer(pending.layer, lr, 1.0 / self._k)
 
-    async def apply(self, lr: float) -> bool:
+    async def apply(self, lr: float) -> list[str] | None:
         """Update every layer not yet updated in this window; all layers in parallel.
 
         Returns:
-            False when fp16 loss scaling found inf/nan on some rank (step skipped).
+            The layers updated in this window (early ones included), or None
+            when fp16 loss scaling found inf/nan on some rank (step skipped).
         """
         try:
-            return await self._apply(lr)
+            if not await self._apply(lr):
+                return None
+            return sorted(self.stepped)
         finally:
             self.stepped.clear()
 
