@@ -115,3 +115,58 @@ async def memory_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         "shards": shards,
         "padded": padded,
     }
+
+
+@attrs.frozen
+class OrderSpec:
+    """Training where each step may run its own layer order (subsets of the model)."""
+
+    orders: tuple[tuple[str, ...], ...]
+    config: dict[str, Any] = attrs.Factory(dict)
+    batch: int = 8
+    lr: float = 1e-3
+
+
+async def train_orders(ctx: RankContext, spec: OrderSpec) -> dict[str, Any]:
+    """Like ``train`` with a per-step layer order; also returns prefetch metrics per step."""
+    import structlog
+
+    model = make_model()
+    config = Zero3CpuOffloadConfig(**spec.config)
+    per_step, statuses = [], []
+    with structlog.testing.capture_logs() as logs:
+        async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
+            batches = make_batches(len(spec.orders), spec.batch)
+            for names, (x, y) in zip(spec.orders, batches, strict=True):
+                out = await manager.forward_pass(local_slice(x, ctx), list(names))
+                out.requires_grad_()
+                lm_loss(out, local_slice(y, ctx)).backward()
+                await manager.backward_pass(out.grad, list(names))
+                await manager.optimizer_step(spec.lr)
+                stats = manager.get_performance_stats()
+                per_step.append(dict(stats.prefetch))
+                statuses.append(attrs.asdict(manager.get_prefetch_status()))
+            state = await manager.full_state_dict()
+            high_water = manager.get_memory_stats().gathered_high_water_bytes
+            memory_cycles = manager.memory.optimization_cycles
+            depth, persistent = manager.prefetch.depth, sorted(manager.prefetch.persistent)
+            persistence_on = manager.prefetch.persistence_enabled
+            freed = await manager.force_memory_optimization()
+            after_force = attrs.asdict(manager.get_memory_stats())
+            adapted = await manager.adapt_performance()
+        closed_status = attrs.asdict(manager.get_prefetch_status())
+    return {
+        "state": state,
+        "high_water": high_water,
+        "per_step": per_step,
+        "statuses": statuses,
+        "events": [e["event"] for e in logs],
+        "memory_cycles": memory_cycles,
+        "depth": depth,
+        "persistent": persistent,
+        "persistence_on": persistence_on,
+        "freed": freed,
+        "after_force": after_force,
+        "adapted": adapted,
+        "closed_status": closed_status,
+    }

@@ -131,12 +131,13 @@ class PrefetchScheduler:
         self.rank = rank
         self._cache = cache
         self._sizes = {name: cache.nbytes(name) for name in layers}
-        for name, size in self._sizes.items():
-            if size > budget:
-                raise MemoryBudgetError(
-                    f"layer {name!r} needs {size} bytes gathered, more than "
-                    f"gpu_param_memory_budget={budget}: raise the budget or split the layer"
-                )
+        largest = max(self._sizes, key=self._sizes.__getitem__, default=None)
+        if largest is not None and self._sizes[largest] > budget:
+            raise MemoryBudgetError(
+                f"layer {largest!r} needs {self._sizes[largest]} bytes gathered, more than "
+                f"gpu_param_memory_budget={budget}: raise the budget to at least that "
+                "or split the layer"
+            )
         self.budget = budget
         self.max_depth = depth
         self.depth = depth

@@ -1,0 +1,164 @@
+"""Budgets checked at construction, pressure relief, and recovery after errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import structlog
+import torch
+from models import lm_loss, make_batches, make_model
+from rank_bodies import local_slice
+
+from zero3_offload import (
+    AutoMemoryStrategy,
+    LayerExecutionError,
+    MemoryBudgetError,
+    Zero3CpuOffloadConfig,
+    Zero3CpuOffloadManager,
+)
+from zero3_offload.testing import RankContext, run_ranks
+
+NAMES = ["embed", "block0", "block1", "ln_f", "head"]
+
+
+async def step(manager: Zero3CpuOffloadManager, ctx: RankContext, i: int, names=NAMES) -> None:
+    (x, y) = make_batches(i + 1, 8)[i]
+    out = await manager.forward_pass(local_slice(x, ctx), names)
+    out.requires_grad_()
+    lm_loss(out, local_slice(y, ctx)).backward()
+    await manager.backward_pass(out.grad, names)
+    await manager.optimizer_step(1e-3)
+
+
+async def budgets(ctx: RankContext) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        Zero3CpuOffloadManager(
+            Zero3CpuOffloadConfig(gpu_param_memory_budget=10_000), ctx.group, make_model()
+        )
+    except MemoryBudgetError as exc:
+        out["gpu"] = str(exc)
+    try:
+        Zero3CpuOffloadManager(
+            Zero3CpuOffloadConfig(cpu_memory_budget=50_000), ctx.group, make_model()
+        )
+    except MemoryBudgetError as exc:
+        out["cpu"] = str(exc)
+    # The construction-time need equals the bytes counted from the tensors once
+    # optimizer state exists and gradients are held (after a backward).
+    manager = Zero3CpuOffloadManager(Zero3CpuOffloadConfig(), ctx.group, make_model())
+    await step(manager, ctx, 0)
+    (x, y) = make_batches(2, 8)[1]
+    out_ = await manager.forward_pass(local_slice(x, ctx), NAMES)
+    out_.requires_grad_()
+    lm_loss(out_, local_slice(y, ctx)).backward()
+    await manager.backward_pass(out_.grad, NAMES)
+    mem = manager.get_memory_stats()
+    out["need"] = attrs.asdict(manager.cpu_need) | {"total": manager.cpu_need.total}
+    out["counted"] = {
+        "master": mem.master_param_bytes,
+        "optimizer_state": mem.optimizer_state_bytes,
+        "compute_copies": mem.compute_copy_bytes,
+        "gradients": mem.gradient_bytes,
+        "cpu_memory_used_minus_gathered": mem.cpu_memory_used - mem.gathered_param_bytes,
+    }
+    await manager.close()
+    return out
+
+
+async def test_budgets_checked_at_construction_with_counted_need() -> None:
+    results = await run_ranks(budgets, 2)
+    for r in results:
+        assert "'block1'" in r["gpu"] and "29392 bytes" in r["gpu"] and "10000" in r["gpu"]
+        assert "cpu_memory_budget=50000" in r["cpu"] and "needs" in r["cpu"]
+        need, counted = r["need"], r["counted"]
+        for key in ("master", "optimizer_state", "compute_copies", "gradients"):
+            assert need[key] == counted[key], key
+        assert need["total"] == counted["cpu_memory_used_minus_gathered"]
+
+
+async def failing_forward(ctx: RankContext) -> dict[str, Any]:
+    config = Zero3CpuOffloadConfig(prefetch_buffer_size=3)
+    manager = Zero3CpuOffloadManager(config, ctx.group, make_model())
+    await step(manager, ctx, 0)
+    # head's output (vocabulary-sized) does not fit block0: the third layer raises.
+    (x, _), *_ = make_batches(1, 8)
+    try:
+        await manager.forward_pass(local_slice(x, ctx), ["embed", "head", "block0", "ln_f"])
+    except LayerExecutionError as exc:
+        error = str(exc)
+    after_error = attrs.asdict(manager.get_prefetch_status())
+    await step(manager, ctx, 1)  # still usable
+    await manager.reset_state()
+    after_reset = attrs.asdict(manager.get_prefetch_status())
+    state = await manager.full_state_dict()
+    await manager.close()
+    return {"error": error, "after_error": after_error, "after_reset": after_reset, "state": state}
+
+
+async def test_error_mid_forward_and_reset_leave_nothing_in_flight() -> None:
+    results = await run_ranks(failing_forward, 2)
+    for r in results:
+        assert "'block0'" in r["error"]
+        for status in (r["after_error"], r["after_reset"]):
+            assert status["active_operations"] == 0 and status["inflight_bytes"] == 0
+    # Two good steps after the error equal two plain steps.
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    for x, y in make_batches(2, 8):
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    state = results[0]["state"]
+    assert (
+        max((state[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()) < 1e-4
+    )
+
+
+async def pressure(ctx: RankContext) -> dict[str, Any]:
+    # Every layer but block1 may persist (threshold 7300 elements), and the budget
+    # is just what persistence plus block1 needs: at the check after an update the
+    # persistent layers alone fill 56% of it, so the device fraction puts the
+    # pressure above EXTREME's threshold (0.4); RSS against a 1 GiB cap adds more.
+    persistent = 4 * (1176 + 7202 + 48 + 926)
+    config = Zero3CpuOffloadConfig(
+        gpu_param_memory_budget=persistent + 4 * 7348,
+        param_persistence_threshold=7300,
+        auto_memory_management=AutoMemoryStrategy.EXTREME,
+        prefetch_buffer_size=3,
+        max_cpu_memory_mb=1024,
+        cpu_memory_budget=512 * 2**20,
+    )
+    with structlog.testing.capture_logs() as logs:
+        manager = Zero3CpuOffloadManager(config, ctx.group, make_model())
+        persistent_layers = sorted(manager.prefetch.persistent)
+        snapshots = []
+        for i in range(2):
+            await step(manager, ctx, i, NAMES)
+            snapshots.append(
+                {
+                    "pressure": manager.memory.last_pressure,
+                    "depth": manager.prefetch.depth,
+                    "persistence": manager.prefetch.persistence_enabled,
+                    "gathered": manager.get_memory_stats().gathered_param_bytes,
+                }
+            )
+        out = {"snapshots": snapshots, "persistent_layers": persistent_layers}
+        await manager.close()
+    out["events"] = [e["event"] for e in logs]
+    return out
+
+
+async def test_pressure_above_threshold_releases_and_shrinks_depth() -> None:
+    for r in await run_ranks(pressure, 2):
+        assert r["persistent_layers"] == ["block0", "embed", "head", "ln_f"]
+        relieved, restored = r["snapshots"]
+        # Step 1: persistent layers held -> pressure over the threshold -> relief.
+        assert relieved["pressure"] > AutoMemoryStrategy.EXTREME.pressure_threshold()
+        assert relieved["depth"] == 1 and relieved["persistence"] is False
+        # Step 2: nothing persistent held -> pressure below 0.8 x threshold -> restored.
+        assert restored["pressure"] < 0.8 * AutoMemoryStrategy.EXTREME.pressure_threshold()
+        assert restored["depth"] == 3 and restored["persistence"] is True
+        events = r["events"]
+        assert events.index("memory_pressure_relieved") < events.index("memory_pressure_restored")
