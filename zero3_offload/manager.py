@@ -477,7 +477,7 @@ class Zero3CpuOffloadManager:
     async def adapt_performance(self) -> int:
         """Adapt the prefetch depth to measured gather and compute times (a collective).
 
-        See :meth:`PrefetchScheduler.adapt` for the rule; the times are the
+        See :meth:`PrefetchScheduler.adapt_prefetch_strategy` for the rule; the times are the
         maxima over ranks, so every rank picks the same depth.
 
         Returns:
@@ -487,7 +487,7 @@ class Zero3CpuOffloadManager:
         gather_s, compute_s = layer_seconds(self.timeline.events())
         agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=self.device)
         await self.comm.all_reduce_max(agreed)
-        depth = self.prefetch.adapt(float(agreed[0]), float(agreed[1]))
+        depth = self.prefetch.adapt_prefetch_strategy(float(agreed[0]), float(agreed[1]))
         log.info(
             "prefetch_adapted",
             rank=self.rank,

@@ -293,7 +293,7 @@ class PrefetchScheduler:
     def set_depth(self, depth: int) -> None:
         self.depth = max(0, min(depth, self.max_depth))
 
-    def adapt(self, gather_seconds: float, compute_seconds: float) -> int:
+    def adapt_prefetch_strategy(self, gather_seconds: float, compute_seconds: float) -> int:
         """Set the depth from per-layer gather and compute times (agreed across ranks).
 
         Rule: to hide a gather of ``g`` seconds behind layers computing ``c``
