@@ -68,7 +68,7 @@ from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloa
 from zero3_offload.testing import RankContext, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from models import lm_loss, make_batches, make_model  # noqa: E402
+from models import lm_loss, make_batches, make_model
 
 try:
     from _common import (
@@ -76,7 +76,6 @@ try:
         apply_threads,
         check_common_args,
         default_out,
-        fmt,
         machine_info,
         machine_line,
         markdown_table,
@@ -88,7 +87,6 @@ except ModuleNotFoundError:  # run as ``python -m benchmarks.bench_overlap``
         apply_threads,
         check_common_args,
         default_out,
-        fmt,
         machine_info,
         machine_line,
         markdown_table,
@@ -206,9 +204,7 @@ async def overlap_run(ctx: RankContext, spec: RunSpec) -> dict[str, Any]:
         t_step = t5 - t0
         t_comm = sum(c["time_s"] for c in comm.values())
         gathered = [e.layer for e in events if e.kind == "gather"]
-        iso_comm = sum(iso["all_gather"][n] for n in gathered) + sum(
-            iso["reduce_scatter"].values()
-        )
+        iso_comm = sum(iso["all_gather"][n] for n in gathered) + sum(iso["reduce_scatter"].values())
         exposed = t_step - compute_only
         steps.append(
             {
@@ -255,6 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Median training-step time on 2 gloo ranks with async_prefetch on vs off "
         "(same model, data, seed; runs alternated over rounds), and the exposed-communication "
         "fraction from the library's own timeline and communication stats.",
+        epilog="Here --repeats is the number of timed steps per run (default 8), --warmup the "
+        "untimed steps before them (default 3), --threads the torch threads per rank (default 1).",
     )
     parser.add_argument("--d", type=int, default=None, help="model width (default 384; 64 quick)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads (default 6; 4)")
@@ -276,13 +274,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     add_common_args(parser, default_repeats=8)
     parser.set_defaults(warmup=3, threads=1)
-    for action in parser._actions:
-        if action.dest == "repeats":
-            action.help = "timed steps per run (>= 5; default 8). " + (action.help or "")
-        elif action.dest == "warmup":
-            action.help = "untimed steps per run first (default 3)"
-        elif action.dest == "threads":
-            action.help = "torch intra-op threads per rank (default 1)"
     args = parser.parse_args(argv)
     check_common_args(parser, args)
     quick = {"d": 64, "heads": 4, "blocks": 2, "batch": 8, "rounds": 2}
@@ -294,7 +285,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.repeats = min(args.repeats, 5)
         args.warmup = min(args.warmup, 2)
     if args.d % args.heads or args.batch % WORLD or min(args.rounds, args.buffer, args.blocks) < 1:
-        parser.error("need --d divisible by --heads, an even --batch, and rounds/buffer/blocks >= 1")
+        parser.error(
+            "need --d divisible by --heads, an even --batch, and rounds/buffer/blocks >= 1"
+        )
     return args
 
 
@@ -307,12 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args.threads)  # the parent only supervises; this makes machine info match
     info = machine_info()
     print(f"machine: {machine_line(info)} (per rank, {WORLD} ranks)", flush=True)
+    common = {
+        "prefetch_buffer_size": args.buffer,
+        "d": args.d,
+        "heads": args.heads,
+        "n_blocks": args.blocks,
+        "batch": args.batch,
+        "warmup": args.warmup,
+        "steps": args.repeats,
+        "seed": args.seed,
+    }
     specs = {
-        OFF: RunSpec(False, args.buffer, args.d, args.heads, args.blocks, args.batch, args.warmup,
-                     args.repeats, args.seed),
-        ON: RunSpec(True, args.buffer, args.d, args.heads, args.blocks, args.batch, args.warmup,
-                    args.repeats, args.seed),
-    }  # fmt: skip
+        OFF: RunSpec(async_prefetch=False, **common),
+        ON: RunSpec(async_prefetch=True, **common),
+    }
     model = make_model(seed=args.seed, d=args.d, heads=args.heads, n_blocks=args.blocks)
     n_params = sum(p.numel() for p in model.parameters())
     layer_params = {n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()}

@@ -204,6 +204,7 @@ class PendingCollective:
         self._done: asyncio.Future[None] | None = None
         self._finished = False
         self.seconds: float | None = None  # launch-to-completion time, once done
+        self.completed_at: float | None = None  # time.perf_counter() at completion
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (without waiting)."""
@@ -292,7 +293,8 @@ class PendingCollective:
         self._finished = True
         # Orders the current CUDA stream after NCCL's; a no-op on gloo.
         self._work.wait()
-        self.seconds = time.perf_counter() - self._started
+        self.completed_at = time.perf_counter()
+        self.seconds = self.completed_at - self._started
         if self._comm.observer is not None:
             self._comm.observer(self.op, self.seconds, self.nbytes)
         for fn in self._after:

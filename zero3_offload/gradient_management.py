@@ -15,6 +15,7 @@ gradients as they were.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -24,6 +25,7 @@ from torch import nn
 from zero3_offload.comm import Collectives, PendingCollective
 from zero3_offload.parameter_management import LayerLayout, tensor_bytes
 from zero3_offload.streams import CopyStreams
+from zero3_offload.timeline import Timeline
 from zero3_offload.workers import CpuWorkers
 
 __all__ = ["CpuGradientStore", "GpuGradientBuffer", "GradientPartitioner", "PendingGradient"]
@@ -37,6 +39,8 @@ class PendingGradient:
     shard: torch.Tensor  # 1D fp32 [shard_numel], filled when `collective` completes
     collective: PendingCollective
     slot: int  # the GpuGradientBuffer slot held until completion
+    started: float  # time.perf_counter() at launch
+    nbytes: int  # bytes of the full flat gradient reduced
 
 
 class GpuGradientBuffer:
@@ -85,6 +89,7 @@ class GradientPartitioner:
         layouts: each layer's flat layout.
         comm: collectives of the group.
         buffer: pool of flat device buffers.
+        timeline: where reduce-scatters and waits are recorded.
     """
 
     def __init__(
@@ -93,10 +98,12 @@ class GradientPartitioner:
         layouts: Mapping[str, LayerLayout],
         comm: Collectives,
         buffer: GpuGradientBuffer,
+        timeline: Timeline,
     ) -> None:
         self._layouts = layouts
         self._comm = comm
         self._buffer = buffer
+        self._timeline = timeline
 
     async def start_reduce_scatter(self, layer: str, module: nn.Module) -> PendingGradient:
         """Copy ``module``'s parameter gradients into a flat buffer and launch the reduce-scatter.
@@ -104,7 +111,9 @@ class GradientPartitioner:
         Parameters without a gradient contribute zeros, as do the padding elements.
         """
         layout = self._layouts[layer]
+        waited = time.perf_counter()
         slot, flat = await self._buffer.acquire(layout.padded_numel)
+        self._timeline.record("wait", layer, "backward", waited, time.perf_counter())
         params = dict(module.named_parameters())
         for s in layout.slots:
             grad = params[s.name].grad
@@ -120,14 +129,29 @@ class GradientPartitioner:
             shard=shard,
             collective=self._comm.start_reduce_scatter_mean(shard, flat),
             slot=slot,
+            started=time.perf_counter(),
+            nbytes=tensor_bytes(flat),
         )
         self._buffer.hold(slot, pending)
         return pending
 
     async def finish(self, pending: PendingGradient) -> torch.Tensor:
-        """Wait for ``pending``'s reduce-scatter; returns the averaged shard."""
+        """Wait for ``pending``'s reduce-scatter; returns the averaged shard.
+
+        Awaited in a task right after launch, so the recorded interval ends
+        when the collective completes.
+        """
         await pending.collective.wait()
         self._buffer.free(pending.slot)
+        self._timeline.record(
+            "reduce-scatter",
+            pending.layer,
+            "backward",
+            pending.started,
+            time.perf_counter(),
+            "comm",
+            nbytes=pending.nbytes,
+        )
         return pending.shard
 
 
@@ -138,13 +162,21 @@ class CpuGradientStore:
         device: where the shards live.
         streams: copy streams (device-to-host copies run on ``d2h``).
         workers: CPU worker threads (accumulation runs there).
+        timeline: where device-to-host copies are recorded.
         pin: stage device-to-host copies in pinned memory.
     """
 
     def __init__(
-        self, *, device: torch.device, streams: CopyStreams, workers: CpuWorkers, pin: bool = False
+        self,
+        *,
+        device: torch.device,
+        streams: CopyStreams,
+        workers: CpuWorkers,
+        timeline: Timeline,
+        pin: bool = False,
     ) -> None:
         self.device = device
+        self._timeline = timeline
         self._streams = streams
         self._workers = workers
         self._pin = pin and device.type == "cpu"
@@ -162,6 +194,7 @@ class CpuGradientStore:
             with self._streams.on(self._streams.d2h):
                 # The d2h stream must see the reduce-scatter's result first.
                 self._streams.wait(self._streams.record(), self._streams.d2h)
+                copy_started = self._streams.record(self._streams.d2h)
                 host = torch.empty(
                     shard.numel(), dtype=torch.float32, device=self.device, pin_memory=self._pin
                 )
@@ -169,6 +202,9 @@ class CpuGradientStore:
                 if shard.is_cuda:
                     shard.record_stream(self._streams.d2h)
                 event = self._streams.record(self._streams.d2h)
+                self._streams.track_copy(
+                    "d2h", layer, "backward", tensor_bytes(host), copy_started, self._streams.d2h
+                )
             shard = host
         held = self._grads.get(layer)
         if held is None and event is None:
@@ -177,6 +213,7 @@ class CpuGradientStore:
 
         def land() -> torch.Tensor:
             self._streams.host_wait(event)
+            self._streams.record_finished_copies(self._timeline)
             return shard if held is None else held.add_(shard)
 
         self._grads[layer] = await self._workers.run("grad-accumulate", layer, "backward", land)

@@ -56,16 +56,15 @@ from zero3_offload.parameter_management import (
     ParameterPartitioner,
 )
 from zero3_offload.prefetch import PrefetchQueueStatus, PrefetchScheduler, layer_seconds
-from zero3_offload.stats import Timeline, Zero3PerformanceStats
+from zero3_offload.stats import TransferStats, Zero3PerformanceStats
 from zero3_offload.streams import CopyStreams
+from zero3_offload.timeline import Timeline, wall_time
 from zero3_offload.update import ShardUpdater
 from zero3_offload.workers import CpuWorkers
 
 __all__ = ["Zero3CpuOffloadManager"]
 
 log = get_logger(__name__)
-
-_LOOP = "event-loop"
 
 
 class Zero3CpuOffloadManager:
@@ -104,7 +103,7 @@ class Zero3CpuOffloadManager:
         self.rank = self.mapping.rank
         self.layers = split_layers(model)
         self._stats = Zero3PerformanceStats()
-        self.timeline = Timeline()
+        self.timeline = Timeline(rank=self.rank)
         self.comm = Collectives(process_group, device=device, timeout_s=config.collective_timeout_s)
         self.comm.observer = self._stats.record_communication
         self.streams = CopyStreams(device)
@@ -160,11 +159,13 @@ class Zero3CpuOffloadManager:
             layouts=self.layouts,
             comm=self.comm,
             buffer=GpuGradientBuffer(numel=largest, device=device),
+            timeline=self.timeline,
         )
         self.grads = CpuGradientStore(
             device=cpu if config.offload_grads else device,
             streams=self.streams,
             workers=self.workers,
+            timeline=self.timeline,
             pin=pin,
         )
         self.optimizer = OptimizerStateManager(
@@ -195,6 +196,7 @@ class Zero3CpuOffloadManager:
         self._record: ForwardRecord | None = None
         self._calls_since_update = 0  # optimizer_step calls since the last update
         self._early_lr: float | None = None  # lr of updates started in the last backward
+        self._window_started: float | None = None  # first forward of the accumulation window
         self._closed = False
         log.info(
             "manager_ready",
@@ -245,6 +247,8 @@ class Zero3CpuOffloadManager:
         if not isinstance(x, torch.Tensor):
             raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
         started = time.perf_counter()
+        if self._window_started is None:
+            self._window_started = started
         self.cache.phase = "forward"
         h = self.executor.to_compute(x)
         inputs, rng = [], []
@@ -273,7 +277,7 @@ class Zero3CpuOffloadManager:
     def _record_compute(self, name: str, phase: str, t0: float) -> None:
         t1 = time.perf_counter()
         self._stats.record_layer(name, phase, t1 - t0)
-        self.timeline.record("compute", name, phase, t0, t1, _LOOP)
+        self.timeline.record("compute", name, phase, t0, t1)
 
     async def backward_pass(
         self,
@@ -324,7 +328,7 @@ class Zero3CpuOffloadManager:
         if self.loss_scale is not None:
             g = g * self.loss_scale
         pending: list[PendingGradient] = []
-        updates: list[asyncio.Task[None]] = []
+        updates: list[asyncio.Future[torch.Tensor | None]] = []  # reduce-scatter landings
         try:
             order = names[::-1]
             await self.prefetch.begin_pass("backward", order)
@@ -344,13 +348,16 @@ class Zero3CpuOffloadManager:
                     pending.append(p)
                     if early_lr is not None:
                         landing = self.updater.land_and_update(self.grad_partitioner, p, early_lr)
-                        updates.append(asyncio.ensure_future(landing))
+                    else:
+                        landing = self.grad_partitioner.finish(p)
+                    updates.append(asyncio.ensure_future(landing))
                 self.prefetch.finish_use(order, i)
+            waited = time.perf_counter()
+            results = await asyncio.gather(*updates)
+            self.timeline.record("wait", order[-1], "backward", waited, time.perf_counter())
             if early_lr is None:
-                shards = [(p.layer, await self.grad_partitioner.finish(p)) for p in pending]
-                await self.grads.commit(shards)
+                await self.grads.commit(zip((p.layer for p in pending), results, strict=True))
             else:
-                await asyncio.gather(*updates)
                 self.grads.count_micro_step()
         except BaseException as exc:
             # Nothing may stay in flight; the first error is the one raised.
@@ -421,10 +428,38 @@ class Zero3CpuOffloadManager:
         self._early_lr = None
         if updated is not None:
             self._stats.optimizer_steps += 1
-        await relieve_pressure(self.memory, self.prefetch, self.comm)
+        pressure = await relieve_pressure(self.memory, self.prefetch, self.comm)
         await self.prefetch.after_update(updated or ())
-        self._stats.total_optimizer_time += time.perf_counter() - started
+        ended = time.perf_counter()
+        self._stats.total_optimizer_time += ended - started
+        self._end_step(ended, stepped=updated is not None, pressure=pressure.pressure)
         return updated is not None
+
+    def _end_step(self, ended: float, *, stepped: bool, pressure: float) -> None:
+        window = self._window_started if self._window_started is not None else ended
+        self._window_started = None
+        self._stats.record_step(ended - window)
+        memory = self.memory.stats()
+        log.info(
+            "step",
+            rank=self.rank,
+            step=self.timeline.step,
+            stepped=stepped,
+            start=wall_time(window),
+            end=wall_time(ended),
+            seconds=ended - window,
+            compute_seconds=self.timeline.seconds("compute"),
+            wait_seconds=self.timeline.seconds("wait"),
+            prefetch_hit_rate=self.prefetch.metrics.hit_rate(),
+            gathered_high_water_bytes=memory.gathered_high_water_bytes,
+            cpu_memory_used=memory.cpu_memory_used,
+            gpu_memory_used=memory.gpu_memory_used,
+            process_rss_bytes=memory.process_rss_bytes,
+            device_allocated_bytes=memory.device_allocated_bytes,
+            memory_pressure=pressure,
+            loss_scale=self.loss_scale,
+        )
+        self.timeline.step += 1
 
     # ----------------------------------------------------------------- state
 
@@ -452,6 +487,14 @@ class Zero3CpuOffloadManager:
         snapshot.prefetch = attrs.asdict(self.prefetch.metrics)
         snapshot.prefetch_hit_rate = self.prefetch.metrics.hit_rate()
         snapshot.gathered_high_water_bytes = self.cache.high_water_bytes
+        totals = self.timeline.totals()
+        snapshot.total_compute_time = totals.get("compute", (0, 0.0, 0))[1]
+        snapshot.exposed_communication_time = totals.get("wait", (0, 0.0, 0))[1]
+        snapshot.transfers = {
+            kind: TransferStats(transfers=count, time=seconds, bytes=nbytes)
+            for kind, (count, seconds, nbytes) in totals.items()
+            if kind in ("h2d", "d2h")
+        }
         return snapshot
 
     def get_prefetch_status(self) -> PrefetchQueueStatus:

@@ -13,6 +13,7 @@ freed as soon as nothing else refers to it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator, Mapping
 
@@ -25,8 +26,8 @@ from zero3_offload.compression import CompressedShard, ShardCodec
 from zero3_offload.config import Zero3RankMapping
 from zero3_offload.errors import Zero3Error
 from zero3_offload.logging import get_logger
-from zero3_offload.stats import Timeline
 from zero3_offload.streams import CopyStreams
+from zero3_offload.timeline import Timeline
 
 __all__ = [
     "CpuParameterStore",
@@ -39,8 +40,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-_LOOP_THREAD = "event-loop"
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
@@ -242,6 +241,9 @@ class GatherHandle:
     flat: torch.Tensor  # 1D [padded_numel] in the compute dtype, valid once complete
     pending: PendingCollective | None  # None for a layer without parameters
     started: float  # time.perf_counter() at launch
+    # Awaits the collective from launch on, so its completion (and time) is seen
+    # when it happens, not when the layer is needed; awaited by complete().
+    waiter: asyncio.Future[None] | None = None
 
     def is_completed(self) -> bool:
         return self.pending is None or self.pending.is_completed()
@@ -347,14 +349,22 @@ class GpuParameterCache:
         if layout.padded_numel:
             src = self._store.compute_copy(name)
             with self._streams.on(self._streams.h2d):
+                copy_started = self._streams.record(self._streams.h2d)
                 staged = src.to(self.device, non_blocking=True)
+                if staged is not src:
+                    self._streams.track_copy(
+                        "h2d", name, self.phase, src.nbytes(), copy_started, self._streams.h2d
+                    )
                 if staged.scales is None and staged.payload.dtype == dtype:
                     shard = staged.payload
                 else:
                     shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
                     self._store.codec.decode_(staged, shard)
                 pending = self._comm.start_all_gather(flat, shard)
-        handle = GatherHandle(layer=name, flat=flat, pending=pending, started=started)
+        waiter = asyncio.ensure_future(pending.wait()) if pending is not None else None
+        handle = GatherHandle(
+            layer=name, flat=flat, pending=pending, started=started, waiter=waiter
+        )
         self._inflight[name] = handle
         self.high_water_bytes = max(self.high_water_bytes, self.reserved_bytes())
         return handle
@@ -368,14 +378,22 @@ class GpuParameterCache:
         """
         handle = self._inflight[name]
         try:
-            if handle.pending is not None:
-                await handle.pending.wait()
+            if handle.waiter is not None:
+                await handle.waiter
         finally:
             del self._inflight[name]
         self._streams.mark_used_on_current(handle.flat)
+        done = handle.pending.completed_at if handle.pending is not None else None
         self._timeline.record(
-            "gather", name, self.phase, handle.started, time.perf_counter(), _LOOP_THREAD
+            "gather",
+            name,
+            self.phase,
+            handle.started,
+            done if done is not None else time.perf_counter(),
+            "comm",
+            nbytes=tensor_bytes(handle.flat),
         )
+        self._streams.record_finished_copies(self._timeline)
         self._gathered[name] = handle.flat
         self._bind(name, handle.flat)
         return self._layers[name]
@@ -384,11 +402,18 @@ class GpuParameterCache:
         """Launch (if needed) and complete ``name``'s gather; returns the layer module."""
         if name in self._gathered:
             return self._layers[name]
+        start = time.perf_counter()
         if name not in self._inflight:
             self.launch(name)
-        return await self.complete(name)
+        module = await self.complete(name)
+        # The compute thread waited this long for the layer: exposed communication.
+        self._timeline.record("wait", name, self.phase, start, time.perf_counter())
+        return module
 
     def release(self, name: str) -> None:
         """Free ``name``'s full parameters (no-op if not gathered)."""
-        if self._gathered.pop(name, None) is not None:
+        flat = self._gathered.pop(name, None)
+        if flat is not None:
             self._unbind(name)
+            now = time.perf_counter()
+            self._timeline.record("release", name, self.phase, now, now, nbytes=tensor_bytes(flat))

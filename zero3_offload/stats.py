@@ -1,63 +1,35 @@
-"""Performance statistics, measured with monotonic clocks.
+"""Performance statistics, measured with monotonic clocks and CUDA events.
 
-Times are wall-clock seconds from ``time.perf_counter`` around the awaited
-work on this rank; communication figures come from the collectives themselves
-(bytes of the tensors moved, launch-to-completion time).
+Definitions (all per rank):
+
+- *compute time*: sum of the layers' forward and backward compute intervals on
+  the event loop's thread (``time.perf_counter`` around the layer call).
+- *step wall time*: from the first ``forward_pass`` of an accumulation window
+  to the end of the ``optimizer_step`` that updates.
+- *training efficiency*: compute time / step wall time.
+- *exposed communication*: time the compute thread waited for a gather, a
+  reduce-scatter or a copy to finish (the ``wait`` intervals), i.e. the
+  communication that did not overlap with compute.
+- *collective time*: launch-to-completion of each collective, from the
+  collective itself, with the bytes of the tensors it moved.
+- *transfers*: host-to-device copies of compute copies and device-to-host
+  copies of gradient shards, timed with CUDA events (none on a CPU device).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-
 import attrs
+
+from zero3_offload.timeline import Timeline, TimelineEvent
 
 __all__ = [
     "CommunicationStats",
     "LayerTimingStats",
     "Timeline",
     "TimelineEvent",
+    "TransferStats",
     "Zero3PerformanceStats",
 ]
-
-
-@attrs.frozen
-class TimelineEvent:
-    """One interval of work on this rank (``time.perf_counter`` seconds)."""
-
-    kind: str  # e.g. "compute", "gather", "reduce-scatter", "cpu-optimizer", "compress"
-    layer: str
-    phase: str  # "forward", "backward" or "step"
-    start: float
-    end: float
-    worker: str  # thread name (the event loop's thread for compute)
-
-
-class Timeline:
-    """The most recent intervals of work, appended from any thread.
-
-    Args:
-        maxlen: how many events are kept (oldest dropped first).
-    """
-
-    def __init__(self, maxlen: int = 100_000) -> None:
-        self._events: deque[TimelineEvent] = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
-
-    def record(
-        self, kind: str, layer: str, phase: str, start: float, end: float, worker: str
-    ) -> None:
-        with self._lock:
-            self._events.append(TimelineEvent(kind, layer, phase, start, end, worker))
-
-    def events(self) -> list[TimelineEvent]:
-        """A snapshot, oldest first."""
-        with self._lock:
-            return list(self._events)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._events.clear()
 
 
 @attrs.define
@@ -91,6 +63,18 @@ class CommunicationStats:
 
 
 @attrs.define
+class TransferStats:
+    """Copies in one direction between host and device."""
+
+    transfers: int = 0
+    time: float = 0.0
+    bytes: int = 0
+
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bytes / self.time if self.time > 0 else 0.0
+
+
+@attrs.define
 class Zero3PerformanceStats:
     """What this rank has done and how long it took."""
 
@@ -102,6 +86,16 @@ class Zero3PerformanceStats:
     total_backward_time: float = 0.0
     total_optimizer_time: float = 0.0
     forward_samples: int = 0
+    total_step_time: float = 0.0
+    """Sum of step wall times (see the module docstring)."""
+    total_compute_time: float = 0.0
+    """Sum of layer compute intervals."""
+    exposed_communication_time: float = 0.0
+    """Sum of the compute thread's waits on gathers, reduce-scatters and copies."""
+    step_times: list[float] = attrs.Factory(list)
+    """Wall time of each update step (the last 10,000)."""
+    transfers: dict[str, TransferStats] = attrs.Factory(dict)
+    """``"h2d"`` / ``"d2h"`` copies: count, seconds, bytes."""
     layer_timings: dict[str, LayerTimingStats] = attrs.Factory(dict)
     communication: dict[str, CommunicationStats] = attrs.Factory(dict)
     timeline: list[TimelineEvent] = attrs.Factory(list)
@@ -128,6 +122,23 @@ class Zero3PerformanceStats:
         entry.time += seconds
         entry.bytes += nbytes
 
+    def record_transfer(self, direction: str, seconds: float, nbytes: int) -> None:
+        entry = self.transfers.setdefault(direction, TransferStats())
+        entry.transfers += 1
+        entry.time += seconds
+        entry.bytes += nbytes
+
+    def record_step(self, seconds: float) -> None:
+        self.total_step_time += seconds
+        self.step_times = [*self.step_times[-9_999:], seconds]
+
+    def training_efficiency(self) -> float:
+        """Compute time / step wall time (0 before the first update)."""
+        return self.total_compute_time / self.total_step_time if self.total_step_time else 0.0
+
+    def average_step_time(self) -> float:
+        return self.total_step_time / len(self.step_times) if self.step_times else 0.0
+
     def average_forward_time(self) -> float:
         return self.total_forward_time / self.forward_passes if self.forward_passes else 0.0
 
@@ -143,5 +154,7 @@ class Zero3PerformanceStats:
             self,
             layer_timings={k: attrs.evolve(v) for k, v in self.layer_timings.items()},
             communication={k: attrs.evolve(v) for k, v in self.communication.items()},
+            transfers={k: attrs.evolve(v) for k, v in self.transfers.items()},
+            step_times=list(self.step_times),
             prefetch=dict(self.prefetch),
         )

@@ -16,9 +16,14 @@ On the CPU every method is a no-op and the same code path runs.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+
+from zero3_offload.timeline import Timeline
 
 __all__ = ["CopyStreams"]
 
@@ -32,6 +37,10 @@ class CopyStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # Copies whose CUDA events have not been read yet:
+        # (direction, layer, phase, bytes, start event, end event, host start time)
+        self._copies: list[tuple[str, str, str, int, Any, Any, float]] = []
+        self._copies_lock = threading.Lock()  # appended on the loop, read in workers too
         self.enabled = device.type == "cuda"
         # h2d: host-to-device copies overlap the compute stream's work.
         self.h2d = torch.cuda.Stream(device) if self.enabled else None
@@ -64,6 +73,37 @@ class CopyStreams:
         """Tell the allocator ``tensor`` (made on a side stream) is used on the current stream."""
         if self.enabled and tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(self.device))
+
+    def track_copy(
+        self,
+        direction: str,
+        layer: str,
+        phase: str,
+        nbytes: int,
+        started: torch.cuda.Event | None,
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """Remember a copy enqueued on ``stream`` since ``started``, to time it later."""
+        if started is None:
+            return
+        ended = self.record(stream)
+        with self._copies_lock:
+            self._copies.append(
+                (direction, layer, phase, nbytes, started, ended, time.perf_counter())
+            )
+
+    def record_finished_copies(self, timeline: Timeline) -> None:
+        """Record the copies whose events completed, timed by the events.
+
+        Only events already complete are read (``query()``), so timing adds no
+        host synchronisation; the rest wait for a later call.
+        """
+        with self._copies_lock:
+            done = [c for c in self._copies if c[5].query()]
+            self._copies = [c for c in self._copies if c not in done]
+        for direction, layer, phase, nbytes, start, end, host in done:
+            seconds = start.elapsed_time(end) / 1000.0
+            timeline.record(direction, layer, phase, host, host + seconds, "copy", nbytes=nbytes)
 
     @staticmethod
     def host_wait(event: torch.cuda.Event | None) -> None:

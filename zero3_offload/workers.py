@@ -17,7 +17,7 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
-from zero3_offload.stats import Timeline
+from zero3_offload.timeline import Timeline
 
 __all__ = ["CpuWorkers"]
 
