@@ -26,6 +26,9 @@ class TrainSpec:
     early_lr: bool = False  # pass learning_rate to backward_pass (updates may start early)
     inject_inf: tuple[int, int] | None = None  # (rank, step): that rank's grad_output gets an inf
     timeline: bool = False  # return rank's timeline events
+    first_step: int = 0  # index of the first batch (to continue a run)
+    load_dir: str | None = None  # load this checkpoint before training
+    save_dir: str | None = None  # save a checkpoint here after training
 
 
 def local_slice(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
@@ -44,7 +47,10 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
     config = Zero3CpuOffloadConfig(optimizer=OptimizerConfig(**spec.optimizer), **spec.config)
     losses, norms, stepped_flags, scales, states = [], [], [], [], []
     async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
-        for step, (x, y) in enumerate(make_batches(spec.steps, spec.batch)):
+        if spec.load_dir is not None:
+            await manager.load_checkpoint(spec.load_dir)
+        batches = make_batches(spec.first_step + spec.steps, spec.batch)[spec.first_step :]
+        for step, (x, y) in enumerate(batches, start=spec.first_step):
             xs, ys = local_slice(x, ctx), local_slice(y, ctx)
             per = xs.shape[0] // spec.micro_steps
             step_loss = 0.0
@@ -70,6 +76,8 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
             scales.append(manager.loss_scale)
             if spec.inject_inf is not None:
                 states.append(await manager.full_state_dict())
+        if spec.save_dir is not None:
+            await manager.save_checkpoint(spec.save_dir)
         state = await manager.full_state_dict()
         memory = manager.get_memory_stats()
         layouts = {

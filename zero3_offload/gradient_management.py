@@ -228,6 +228,11 @@ class CpuGradientStore:
         """Count one backward pass whose shards were committed layer by layer."""
         self.micro_steps += 1
 
+    def load(self, grads: dict[str, torch.Tensor], micro_steps: int) -> None:
+        """Replace the accumulated shards (e.g. from a checkpoint taken mid-window)."""
+        self._grads = {k: v.to(self.device, torch.float32).clone() for k, v in grads.items()}
+        self.micro_steps = micro_steps
+
     def get(self, layer: str) -> torch.Tensor | None:
         """The accumulated gradient shard of ``layer``, or None if it got none."""
         return self._grads.get(layer)

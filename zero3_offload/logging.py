@@ -9,6 +9,7 @@ logger with a ``NullHandler`` does. The library never configures logging.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -63,14 +64,17 @@ def configure(
     if console is not None:
         sinks.append(("console", console))
     renderer = structlog.dev.ConsoleRenderer(colors=False)
+    # Worker threads log too: one writer at a time keeps every JSON line whole.
+    lock = threading.Lock()
 
     def emit(_logger: Any, _method: str, event: dict[str, Any]) -> str:
-        for kind, stream in sinks:
-            if kind == "json":
-                stream.write(json.dumps(event, default=str) + "\n")
-            else:
-                stream.write(renderer(_logger, _method, dict(event)) + "\n")
-            stream.flush()
+        with lock:
+            for kind, stream in sinks:
+                if kind == "json":
+                    stream.write(json.dumps(event, default=str) + "\n")
+                else:
+                    stream.write(renderer(_logger, _method, dict(event)) + "\n")
+                stream.flush()
         raise structlog.DropEvent
 
     structlog.configure(

@@ -46,6 +46,7 @@ from zero3_offload.gradient_management import (
 )
 from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
 from zero3_offload.logging import get_logger
+from zero3_offload.manager_checkpoint import CheckpointMixin
 from zero3_offload.memory_budget import check_cpu_budget, cpu_memory_need
 from zero3_offload.memory_management import Zero3MemoryManager, Zero3MemoryStats, relieve_pressure
 from zero3_offload.model_sharding import shard_initial_values, split_layers
@@ -67,7 +68,7 @@ __all__ = ["Zero3CpuOffloadManager"]
 log = get_logger(__name__)
 
 
-class Zero3CpuOffloadManager:
+class Zero3CpuOffloadManager(CheckpointMixin):
     """Trains a model with ZeRO stage 3 across the ranks of a process group.
 
     Every rank builds the manager with the same model; rank 0's initial values

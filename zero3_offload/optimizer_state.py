@@ -126,6 +126,18 @@ class OptimizerStateManager:
         master = self._masters[layer]
         return {k: v for k, v in opt.state.get(master, {}).items() if torch.is_tensor(v)}
 
+    def layers(self) -> list[str]:
+        return list(self._optimizers)
+
+    def load_layer_state(self, layer: str, state: dict[str, torch.Tensor]) -> None:
+        """Replace ``layer``'s state with ``state`` (tensors are copied to the master's device)."""
+        master = self._masters[layer]
+        opt = self._optimizers[layer]
+        if state:
+            opt.state[master] = {k: v.to(master.device).clone() for k, v in state.items()}
+        else:
+            opt.state.pop(master, None)
+
     def reset(self) -> None:
         """Drop all optimizer state (moments and step counts)."""
         for opt in self._optimizers.values():
