@@ -2,22 +2,11 @@
 
 It holds no algorithm of its own: sharding lives in ``parameter_management``,
 autograd in ``layer_execution``, gradients in ``gradient_management``, the step
-math in ``optimizer_state``, loss scaling in ``mixed_precision``. See
-[Note: backward by recomputation] in ``layer_execution``.
-
-[Note: optimizer update during backward]
-With ``overlap_computation`` and a ``learning_rate`` passed to
-``backward_pass``, a layer's update starts as soon as its gradient shard is
-final: when its reduce-scatter completed on the last micro-step of an
-accumulation window. The update (CPU optimizer math, then re-encoding the
-compute copy) runs in a worker thread while the event loop's thread computes
-the backward of the layers before it. ``optimizer_step`` then only waits.
-Updates cannot start early when the step needs every gradient first: global
-norm clipping (the norm covers all shards of all ranks) and fp16 loss scaling
-(an inf anywhere skips the whole step); then, and when a layer occurs twice in
-``layer_names``, every update starts in ``optimizer_step``, still one worker
-task per layer. A failure in a backward whose updates started early leaves the
-layers already updated as they are (the error says so).
+math in ``optimizer_state``, updates in ``update``, loss scaling in
+``mixed_precision``, prefetch in ``prefetch``; checkpoints and stats live in the
+``manager_checkpoint`` and ``manager_observe`` mixins. See [Note: backward by
+recomputation] in ``layer_execution`` and [Note: optimizer update during
+backward] in ``update``.
 """
 
 from __future__ import annotations
@@ -28,7 +17,6 @@ import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,8 +35,9 @@ from zero3_offload.gradient_management import (
 from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
 from zero3_offload.logging import get_logger
 from zero3_offload.manager_checkpoint import CheckpointMixin
+from zero3_offload.manager_observe import ObservabilityMixin
 from zero3_offload.memory_budget import check_cpu_budget, cpu_memory_need
-from zero3_offload.memory_management import Zero3MemoryManager, Zero3MemoryStats, relieve_pressure
+from zero3_offload.memory_management import Zero3MemoryManager, relieve_pressure
 from zero3_offload.model_sharding import shard_initial_values, split_layers
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import (
@@ -56,10 +45,10 @@ from zero3_offload.parameter_management import (
     GpuParameterCache,
     ParameterPartitioner,
 )
-from zero3_offload.prefetch import PrefetchQueueStatus, PrefetchScheduler, layer_seconds
-from zero3_offload.stats import TransferStats, Zero3PerformanceStats
+from zero3_offload.prefetch import PrefetchScheduler
+from zero3_offload.stats import Zero3PerformanceStats
 from zero3_offload.streams import CopyStreams
-from zero3_offload.timeline import Timeline, wall_time
+from zero3_offload.timeline import Timeline
 from zero3_offload.update import ShardUpdater
 from zero3_offload.workers import CpuWorkers
 
@@ -68,7 +57,7 @@ __all__ = ["Zero3CpuOffloadManager"]
 log = get_logger(__name__)
 
 
-class Zero3CpuOffloadManager(CheckpointMixin):
+class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
     """Trains a model with ZeRO stage 3 across the ranks of a process group.
 
     Every rank builds the manager with the same model; rank 0's initial values
@@ -436,32 +425,6 @@ class Zero3CpuOffloadManager(CheckpointMixin):
         self._end_step(ended, stepped=updated is not None, pressure=pressure.pressure)
         return updated is not None
 
-    def _end_step(self, ended: float, *, stepped: bool, pressure: float) -> None:
-        window = self._window_started if self._window_started is not None else ended
-        self._window_started = None
-        self._stats.record_step(ended - window)
-        memory = self.memory.stats()
-        log.info(
-            "step",
-            rank=self.rank,
-            step=self.timeline.step,
-            stepped=stepped,
-            start=wall_time(window),
-            end=wall_time(ended),
-            seconds=ended - window,
-            compute_seconds=self.timeline.seconds("compute"),
-            wait_seconds=self.timeline.seconds("wait"),
-            prefetch_hit_rate=self.prefetch.metrics.hit_rate(),
-            gathered_high_water_bytes=memory.gathered_high_water_bytes,
-            cpu_memory_used=memory.cpu_memory_used,
-            gpu_memory_used=memory.gpu_memory_used,
-            process_rss_bytes=memory.process_rss_bytes,
-            device_allocated_bytes=memory.device_allocated_bytes,
-            memory_pressure=pressure,
-            loss_scale=self.loss_scale,
-        )
-        self.timeline.step += 1
-
     # ----------------------------------------------------------------- state
 
     async def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -480,70 +443,6 @@ class Zero3CpuOffloadManager(CheckpointMixin):
             for pname, view in layout.unflatten(full):
                 out[f"{name}.{pname}"] = view.detach().to("cpu", copy=True)
         return out
-
-    def get_performance_stats(self) -> Zero3PerformanceStats:
-        """A snapshot of this rank's timings, counts, prefetch metrics and recent timeline."""
-        snapshot = self._stats.copy()
-        snapshot.timeline = self.timeline.events()
-        snapshot.prefetch = attrs.asdict(self.prefetch.metrics)
-        snapshot.prefetch_hit_rate = self.prefetch.metrics.hit_rate()
-        snapshot.gathered_high_water_bytes = self.cache.high_water_bytes
-        totals = self.timeline.totals()
-        snapshot.total_compute_time = totals.get("compute", (0, 0.0, 0))[1]
-        snapshot.exposed_communication_time = totals.get("wait", (0, 0.0, 0))[1]
-        snapshot.transfers = {
-            kind: TransferStats(transfers=count, time=seconds, bytes=nbytes)
-            for kind, (count, seconds, nbytes) in totals.items()
-            if kind in ("h2d", "d2h")
-        }
-        return snapshot
-
-    def get_prefetch_status(self) -> PrefetchQueueStatus:
-        """What the prefetcher holds now: gathers in flight, queued look-ahead, bytes."""
-        return self.prefetch.status()
-
-    async def force_memory_optimization(self) -> int:
-        """Free every gathered layer not in use now (persistent ones too) and collect garbage.
-
-        Call it between passes, not concurrently with one.
-
-        Returns:
-            Bytes of gathered parameters released.
-        """
-        self._check_open()
-        before = self.cache.reserved_bytes()
-        await self.prefetch.release_all(keep_persistent=False)
-        self.memory.collect_garbage()
-        freed = before - self.cache.reserved_bytes()
-        log.info("memory_optimized", rank=self.rank, freed_bytes=freed)
-        return freed
-
-    async def adapt_performance(self) -> int:
-        """Adapt the prefetch depth to measured gather and compute times (a collective).
-
-        See :meth:`PrefetchScheduler.adapt_prefetch_strategy` for the rule; the times are the
-        maxima over ranks, so every rank picks the same depth.
-
-        Returns:
-            The new prefetch depth.
-        """
-        self._check_open()
-        gather_s, compute_s = layer_seconds(self.timeline.events())
-        agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=self.device)
-        await self.comm.all_reduce_max(agreed)
-        depth = self.prefetch.adapt_prefetch_strategy(float(agreed[0]), float(agreed[1]))
-        log.info(
-            "prefetch_adapted",
-            rank=self.rank,
-            gather_s=float(agreed[0]),
-            compute_s=float(agreed[1]),
-            depth=depth,
-        )
-        return depth
-
-    def get_memory_stats(self) -> Zero3MemoryStats:
-        """Bytes this rank holds now, counted from the tensors."""
-        return self.memory.stats()
 
     async def reset_state(self) -> None:
         """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""

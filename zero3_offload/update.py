@@ -1,7 +1,18 @@
 """Applying optimizer updates to this rank's shards, in worker threads.
 
-See [Note: optimizer update during backward] in ``manager`` for when an update
-may start before ``optimizer_step``.
+[Note: optimizer update during backward]
+With ``overlap_computation`` and a ``learning_rate`` passed to
+``backward_pass``, a layer's update starts as soon as its gradient shard is
+final: when its reduce-scatter completed on the last micro-step of an
+accumulation window. The update (CPU optimizer math, then re-encoding the
+compute copy) runs in a worker thread while the event loop's thread computes
+the backward of the layers before it. ``optimizer_step`` then only waits.
+Updates cannot start early when the step needs every gradient first: global
+norm clipping (the norm covers all shards of all ranks) and fp16 loss scaling
+(an inf anywhere skips the whole step); then, and when a layer occurs twice in
+``layer_names``, every update starts in ``optimizer_step``, still one worker
+task per layer. A failure in a backward whose updates started early leaves the
+layers already updated as they are (the error says so).
 """
 
 from __future__ import annotations
