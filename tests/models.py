@@ -48,7 +48,12 @@ class Embed(nn.Module):
     def __init__(self, vocab: int, d: int, seq: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.pos = nn.Parameter(torch.empty(seq, d))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Children first, then own parameters: meta initialisation replays this order.
+        nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tok(idx) + self.pos[: idx.shape[1]]

@@ -61,7 +61,11 @@ async def budgets(ctx: RankContext) -> dict[str, Any]:
         "optimizer_state": mem.optimizer_state_bytes,
         "compute_copies": mem.compute_copy_bytes,
         "gradients": mem.gradient_bytes,
-        "cpu_memory_used_minus_gathered": mem.cpu_memory_used - mem.gathered_param_bytes,
+        # Everything on the CPU except parameter buffers (gathered, in flight, pooled).
+        "cpu_memory_used_minus_gathered": mem.cpu_memory_used
+        - mem.gathered_param_bytes
+        - mem.gather_pool_bytes
+        - manager.get_prefetch_status().inflight_bytes,
     }
     await manager.close()
     return out

@@ -154,7 +154,11 @@ def destroy_process_group() -> None:
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
-    return f"{dist.get_backend(group)} group of {group.size()} ranks (this is rank {group.rank()})"
+    try:
+        backend = dist.get_backend(group)
+    except (ValueError, RuntimeError):  # the group was destroyed meanwhile
+        backend = "destroyed"
+    return f"{backend} group of {group.size()} ranks (this is rank {group.rank()})"
 
 
 @attrs.frozen

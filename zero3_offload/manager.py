@@ -38,7 +38,12 @@ from zero3_offload.manager_checkpoint import CheckpointMixin
 from zero3_offload.manager_observe import ObservabilityMixin
 from zero3_offload.memory_budget import check_cpu_budget, cpu_memory_need
 from zero3_offload.memory_management import Zero3MemoryManager, relieve_pressure
-from zero3_offload.model_sharding import shard_initial_values, split_layers
+from zero3_offload.model_sharding import (
+    InitFn,
+    reset_parameters_in_order,
+    shard_initial_values,
+    split_layers,
+)
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import (
     CpuParameterStore,
@@ -68,7 +73,12 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
         process_group: the group whose ranks share the model (e.g. from
             :func:`init_process_group`).
         model: an ``nn.Module`` whose named children are the layers, or a
-            mapping of layer name to module.
+            mapping of layer name to module. It may be built on the meta
+            device: layers are then materialised one at a time (see
+            [Note: meta initialisation] in ``model_sharding``).
+        init_fn: ``init_fn(layer_name, module)`` initialises a materialised
+            meta layer in place; the default calls ``reset_parameters()`` of
+            its submodules in registration order.
 
     Raises:
         ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
@@ -81,6 +91,8 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
         config: Zero3CpuOffloadConfig,
         process_group: dist.ProcessGroup,
         model: nn.Module | Mapping[str, nn.Module],
+        *,
+        init_fn: InitFn = reset_parameters_in_order,
     ) -> None:
         config.validate()
         device = torch.device(config.device)
@@ -126,6 +138,12 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
             config, [lay.shard_numel for lay in self.layouts.values() if lay.numel], device
         )
         check_cpu_budget(self.cpu_need, config.cpu_memory_budget)
+        # Enough reusable buffers for what is gathered at once: the layer in use,
+        # the look-ahead, and one being released; never more than the budget.
+        largest_bytes = max((self.cache.nbytes(n) for n in self.layers), default=0)
+        self.cache.pool_limit = min(
+            config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
+        )
         self.prefetch = PrefetchScheduler(
             cache=self.cache,
             layers=list(self.layers),
@@ -143,6 +161,7 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
             cache=self.cache,
             comm=self.comm,
             device=device,
+            init_fn=init_fn,
         )
         largest = max((lay.padded_numel for lay in self.layouts.values()), default=0)
         self.grad_partitioner = GradientPartitioner(
@@ -198,6 +217,33 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
         )
 
     # ----------------------------------------------------------------- checks
+
+    @classmethod
+    def from_meta(
+        cls,
+        config: Zero3CpuOffloadConfig,
+        process_group: dist.ProcessGroup,
+        model: nn.Module | Mapping[str, nn.Module],
+        *,
+        seed: int | None = None,
+        init_fn: InitFn = reset_parameters_in_order,
+    ) -> Zero3CpuOffloadManager:
+        """Build the manager from a model constructed on the meta device.
+
+        No rank ever holds the full model: each layer is materialised,
+        initialised, sharded and freed before the next. With ``seed`` (the seed
+        the model would have been built with eagerly) and the default
+        ``init_fn``, the values equal eager construction's.
+
+        Example::
+
+            with torch.device("meta"):
+                model = GPT(config)
+            manager = Zero3CpuOffloadManager.from_meta(cfg, pg, model, seed=0)
+        """
+        if seed is not None:
+            torch.manual_seed(seed)
+        return cls(config, process_group, model, init_fn=init_fn)
 
     def _check_open(self) -> None:
         if self._closed:

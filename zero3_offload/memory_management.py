@@ -21,6 +21,8 @@ both are restored.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 
@@ -36,7 +38,13 @@ from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_management import CpuParameterStore, GpuParameterCache
 from zero3_offload.prefetch import PrefetchScheduler
 
-__all__ = ["MemoryPressure", "Zero3MemoryManager", "Zero3MemoryStats", "relieve_pressure"]
+__all__ = [
+    "MemoryPressure",
+    "Zero3MemoryManager",
+    "Zero3MemoryStats",
+    "relieve_pressure",
+    "set_mmap_threshold",
+]
 
 _HISTORY = 100
 
@@ -58,7 +66,9 @@ class Zero3MemoryStats:
     gathered_param_bytes: int
     """Full layer parameter buffers gathered on the device now."""
     gathered_high_water_bytes: int
-    """Largest ``gathered_param_bytes`` seen since construction."""
+    """Largest gathered plus in-flight parameter bytes seen since construction."""
+    gather_pool_bytes: int
+    """Released gather buffers kept for reuse (CPU device only; within the budget)."""
     cpu_memory_used: int
     """Sum of the above that live in CPU memory."""
     gpu_memory_used: int
@@ -147,7 +157,8 @@ class Zero3MemoryManager:
             (self._params.copy_device, self._params.compute_copy_bytes()),
             (self._grads.device, self._grads.nbytes()),
             (self._optimizer.device, self._optimizer.state_bytes()),
-            (self._cache.device, self._cache.gathered_bytes()),
+            (self._cache.device, self._cache.reserved_bytes()),
+            (self._cache.device, self._cache.pooled_bytes()),
         ]
         cpu = sum(n for dev, n in parts if dev.type == "cpu")
         return Zero3MemoryStats(
@@ -157,6 +168,7 @@ class Zero3MemoryManager:
             optimizer_state_bytes=self._optimizer.state_bytes(),
             gathered_param_bytes=self._cache.gathered_bytes(),
             gathered_high_water_bytes=self._cache.high_water_bytes,
+            gather_pool_bytes=self._cache.pooled_bytes(),
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
             process_rss_bytes=self._process.memory_info().rss,
@@ -216,10 +228,46 @@ class Zero3MemoryManager:
         return max(1, int(depth * (1.0 - self.strategy.aggressiveness())))
 
     def collect_garbage(self) -> None:
-        """Return freed memory: Python's collector, and the CUDA caching allocator's cache."""
+        """Return freed memory: the gather pool, Python's collector, the CUDA caching
+        allocator's cache, and (glibc) the C heap's free pages (``malloc_trim``)."""
+        self._cache.clear_pool()
         gc.collect()
         if self._cache.device.type == "cuda":
             torch.cuda.empty_cache()
+        _malloc_trim()
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def set_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+    """Make glibc serve allocations of ``nbytes`` or more with mmap (returned on free).
+
+    For applications, never called by the library: glibc raises its mmap
+    threshold after large frees and then keeps freed blocks in its heap, so the
+    process RSS stays at its high-water mark although the tensors are gone.
+    Same as starting the process with ``MALLOC_MMAP_THRESHOLD_=nbytes``.
+
+    Returns:
+        Whether the setting took effect (False off glibc).
+    """
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
+
+
+def _malloc_trim() -> None:
+    # glibc keeps freed large blocks in its heap; malloc_trim returns them to
+    # the OS. Other C libraries have no such call: nothing to do there.
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 async def relieve_pressure(
@@ -230,6 +278,7 @@ async def relieve_pressure(
     relieved = False
     if memory.over_threshold(pressure):
         await prefetch.release_all(keep_persistent=False)
+        memory.collect_garbage()
         prefetch.persistence_enabled = False
         prefetch.set_depth(memory.shrunk_depth(prefetch.max_depth))
         memory.relief_count += 1

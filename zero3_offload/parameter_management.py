@@ -289,11 +289,16 @@ class GpuParameterCache:
         self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
         self._inflight: dict[str, GatherHandle] = {}
         self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
+        # Released CPU buffers kept for the next gather of the same size (see
+        # _take); a fresh large allocation costs several times a copy on the
+        # CPU, and freed ones are not returned to the OS by glibc anyway. CUDA
+        # has its own caching allocator, so nothing is pooled there.
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.pool_limit = 0  # bytes the pool may hold (the manager sets the budget)
 
-    def release_all_views(self) -> None:
-        """Point every parameter at an empty tensor (used once, after sharding)."""
-        for name in self._layers:
-            self._unbind(name)
+    def release_views(self, name: str) -> None:
+        """Point ``name``'s parameters at empty tensors (used once, after sharding it)."""
+        self._unbind(name)
 
     def _unbind(self, name: str) -> None:
         for param in self._layers[name].parameters():
@@ -329,6 +334,26 @@ class GpuParameterCache:
         """Bytes of buffers whose gather is in flight."""
         return sum(tensor_bytes(h.flat) for h in self._inflight.values())
 
+    def pooled_bytes(self) -> int:
+        """Bytes of released buffers kept for reuse."""
+        return sum(tensor_bytes(t) for ts in self._pool.values() for t in ts)
+
+    def clear_pool(self) -> None:
+        """Free the pooled buffers (their storage goes back to the allocator)."""
+        self._pool.clear()
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._pool.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _give(self, flat: torch.Tensor) -> None:
+        # Pool only while gathered + in flight + pooled stays within the limit.
+        fits = self.reserved_bytes() + self.pooled_bytes() + tensor_bytes(flat) <= self.pool_limit
+        if self.device.type == "cpu" and fits:
+            self._pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
+
     def reserved_bytes(self) -> int:
         """Gathered plus in-flight buffer bytes: what the budget limits."""
         return self.gathered_bytes() + self.inflight_bytes()
@@ -343,7 +368,7 @@ class GpuParameterCache:
         """
         layout = self._layouts[name]
         dtype = self._store.compute_dtype
-        flat = torch.empty(layout.padded_numel, dtype=dtype, device=self.device)
+        flat = self._take(layout.padded_numel, dtype)
         pending = None
         started = time.perf_counter()
         if layout.padded_numel:
@@ -415,5 +440,6 @@ class GpuParameterCache:
         flat = self._gathered.pop(name, None)
         if flat is not None:
             self._unbind(name)
+            self._give(flat)
             now = time.perf_counter()
             self._timeline.record("release", name, self.phase, now, now, nbytes=tensor_bytes(flat))

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from zero3_offload.comm import destroy_process_group, init_process_group
 from zero3_offload.errors import Zero3Error
+from zero3_offload.memory_management import set_mmap_threshold
 
 __all__ = ["RankContext", "RankFailedError", "free_port", "rank_pids_alive", "run_ranks"]
 
@@ -70,9 +71,12 @@ def _rank_main(
     threads: int,
     timeout_s: float,
     backend: str,
+    mmap_threshold: int | None,
     results: Any,
 ) -> None:
     torch.set_num_threads(threads)
+    if mmap_threshold is not None:
+        set_mmap_threshold(mmap_threshold)
 
     async def main() -> Any:
         group = await init_process_group(
@@ -143,6 +147,7 @@ async def run_ranks(
     timeout_s: float = 180.0,
     threads_per_rank: int = 1,
     backend: str = "gloo",
+    mmap_threshold: int | None = None,
 ) -> list[Any]:
     """Run ``await fn(RankContext, *args)`` on ``world_size`` gloo ranks.
 
@@ -153,6 +158,8 @@ async def run_ranks(
         timeout_s: limit for the whole run (also the group's collective timeout).
         threads_per_rank: torch intra-op threads in each rank.
         backend: ``"gloo"``, or ``"nccl"`` for ranks that each own a GPU.
+        mmap_threshold: if set, each rank calls
+            :func:`~zero3_offload.memory_management.set_mmap_threshold` with it.
 
     Returns:
         Each rank's return value, in rank order.
@@ -166,7 +173,18 @@ async def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, threads_per_rank, timeout_s, backend, results),
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                args,
+                threads_per_rank,
+                timeout_s,
+                backend,
+                mmap_threshold,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)

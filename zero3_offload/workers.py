@@ -51,8 +51,8 @@ class CpuWorkers:
             try:
                 return fn()
             finally:
-                self._timeline.record(
-                    kind, layer, phase, start, time.perf_counter(), threading.current_thread().name
-                )
+                # anyio names every worker alike: the native id tells them apart.
+                worker = f"worker-{threading.get_native_id()}"
+                self._timeline.record(kind, layer, phase, start, time.perf_counter(), worker)
 
         return await anyio.to_thread.run_sync(timed, limiter=self._limiter)

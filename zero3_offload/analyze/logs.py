@@ -116,7 +116,12 @@ _STEP_KEYS: dict[str, tuple[type, ...]] = {
     "prefetch_hit_rate": _NUMBER,
     "gathered_high_water_bytes": (int,),
 }
-_STEP_OPTIONAL = ("process_rss_bytes", "device_allocated_bytes", "cpu_memory_used", "gpu_memory_used")
+_STEP_OPTIONAL = (
+    "process_rss_bytes",
+    "device_allocated_bytes",
+    "cpu_memory_used",
+    "gpu_memory_used",
+)
 
 
 def _checked(obj: Mapping[str, Any], keys: Mapping[str, tuple[type, ...]]) -> dict[str, Any]:

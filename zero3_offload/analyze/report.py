@@ -43,7 +43,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from zero3_offload.analyze.logs import RunLog, StepRecord, WorkRecord
 
@@ -268,10 +270,10 @@ def _pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction * 100:.1f}%"
 
 
-def _layer_table(title: str, rows: Sequence[LayerRow]) -> Table:
+def _layer_table(rows: Sequence[LayerRow]) -> Table:
     h2d = any(r.h2d_bytes_per_s is not None for r in rows)
     d2h = any(r.d2h_bytes_per_s is not None for r in rows)
-    table = Table(title=title, title_justify="left")
+    table = Table()
     table.add_column("layer", no_wrap=True)
     for header in (
         "fwd n",
@@ -311,7 +313,7 @@ def _layer_table(title: str, rows: Sequence[LayerRow]) -> Table:
 
 def _summary_table(report: Report) -> Table:
     columns = [*((f"rank {r.rank}", r.summary) for r in report.ranks), ("overall", None)]
-    table = Table(title="Steps", title_justify="left")
+    table = Table()
     table.add_column("metric", no_wrap=True)
     for name, _ in columns:
         table.add_column(name, justify="right")
@@ -335,10 +337,15 @@ def _summary_table(report: Report) -> Table:
     return table
 
 
-def report_tables(report: Report) -> list[Table]:
-    """Rich tables: layers of each rank, layers overall, then the step summary."""
-    tables = [_layer_table(f"Layers, rank {r.rank}", r.layers) for r in report.ranks]
+def _titled(title: str, table: Table) -> Group:
+    # A title of its own line: rich pads a table's title to the table's width.
+    return Group(Text(title, style="bold"), table)
+
+
+def report_tables(report: Report) -> list[Group]:
+    """Rich renderables: layers of each rank, of all ranks, then the step summary."""
+    tables = [_titled(f"Layers, rank {r.rank}", _layer_table(r.layers)) for r in report.ranks]
     if len(report.ranks) > 1:
-        tables.append(_layer_table("Layers, all ranks", report.overall.layers))
-    tables.append(_summary_table(report))
+        tables.append(_titled("Layers, all ranks", _layer_table(report.overall.layers)))
+    tables.append(_titled("Steps", _summary_table(report)))
     return tables
