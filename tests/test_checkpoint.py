@@ -150,3 +150,24 @@ async def test_consolidated_file_loads_strict_into_plain_model(tmp_path: Path) -
     reference = make_model(seed=9)
     reference.load_state_dict(state, strict=True)
     assert torch.equal(model(x), reference(x))
+
+
+async def test_consolidate_command(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    saved = await run_ranks(train, 2, TrainSpec(steps=1, save_dir=str(tmp_path / "ckpt")))
+    out = tmp_path / "full.safetensors"
+    cmd = [sys.executable, "-m", "zero3_offload", "consolidate", str(tmp_path / "ckpt"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out}" in proc.stdout
+    assert_bitwise(load_file(str(out)), saved[0]["state"])
+    bad = subprocess.run(
+        [sys.executable, "-m", "zero3_offload", "consolidate", str(tmp_path / "nope"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "no checkpoint" in bad.stderr and "Traceback" not in bad.stderr

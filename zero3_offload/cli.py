@@ -160,6 +160,52 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------- consolidate
+
+
+def _add_consolidate(commands: Any) -> None:
+    parser = commands.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint's full fp32 parameters to one file",
+        description=(
+            "Assemble every parameter of a sharded checkpoint (a checkpoint directory, or a "
+            "root whose `latest` names one) and write a state dict that "
+            "model.load_state_dict(..., strict=True) accepts. safetensors output is "
+            "streamed parameter by parameter (peak memory near the largest tensor); "
+            "--format pt holds the whole model in memory."
+        ),
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or root")
+    parser.add_argument("out", metavar="OUT", help="output file")
+    parser.add_argument(
+        "--format", choices=("safetensors", "pt"), default=None, help="default: from OUT's suffix"
+    )
+    parser.set_defaults(handler=_consolidate)
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from zero3_offload.consolidate import consolidate_checkpoint
+    from zero3_offload.errors import CheckpointError
+
+    fmt = args.format or ("pt" if Path(args.out).suffix in (".pt", ".pth") else "safetensors")
+    console = _console(stderr=True)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("consolidating", total=None)
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        try:
+            out = consolidate_checkpoint(args.checkpoint, args.out, fmt=fmt, progress=advance)
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from exc
+    size = out.stat().st_size
+    _console().print(f"wrote {out} ({size} bytes, {fmt})", markup=False)
+    return 0
+
+
 # ----------------------------------------------------------------- entry point
 
 
@@ -168,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="ZeRO-3 with CPU offloading: tools.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_analyze(commands)
+    _add_consolidate(commands)
     return parser
 
 
