@@ -52,6 +52,7 @@ __all__ = [
     "checkpoint_name",
     "commit_save",
     "layout_metadata",
+    "open_for_reading",
     "prepare_save",
     "read_shards",
     "resolve_checkpoint",
@@ -244,6 +245,16 @@ def _check_layout(meta: dict[str, Any], layouts: Mapping[str, LayerLayout], file
             )
 
 
+def open_for_reading(file: Path) -> Any:
+    """``safe_open`` with the ``pread`` backend where safetensors offers it."""
+    # pread copies only the slices asked for; the default maps the whole file
+    # and keeps the pages read resident (see benchmarks/bench_consolidate.py).
+    try:
+        return safe_open(str(file), framework="pt", backend="pread")
+    except TypeError:  # safetensors < 0.7: no backend argument
+        return safe_open(str(file), framework="pt")
+
+
 class _Reader:
     """Reads ranges of saved flat shards from the per-rank files."""
 
@@ -255,7 +266,7 @@ class _Reader:
     def _open(self, rank: int) -> Any:
         if rank not in self._handles:
             try:
-                self._handles[rank] = safe_open(str(self._files[rank]), framework="pt")
+                self._handles[rank] = open_for_reading(self._files[rank])
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"{self._files[rank]}: unreadable shard ({exc})") from exc
         return self._handles[rank]

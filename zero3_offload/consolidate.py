@@ -20,9 +20,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from zero3_offload.checkpoint import read_metadata, resolve_checkpoint, shard_file
+from zero3_offload.checkpoint import (
+    open_for_reading,
+    read_metadata,
+    resolve_checkpoint,
+    shard_file,
+)
 from zero3_offload.errors import CheckpointError
 
 __all__ = ["consolidate_checkpoint", "iter_full_parameters"]
@@ -49,7 +53,7 @@ def iter_full_parameters(
     def open_rank(rank: int) -> object:
         if rank not in handles:
             try:
-                handles[rank] = safe_open(str(files[rank]), framework="pt")
+                handles[rank] = open_for_reading(files[rank])
             except Exception as exc:
                 raise CheckpointError(f"{files[rank]}: unreadable shard ({exc})") from exc
         return handles[rank]

@@ -390,7 +390,8 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
                 self.prefetch.finish_use(order, i)
             waited = time.perf_counter()
             results = await asyncio.gather(*updates)
-            self.timeline.record("wait", order[-1], "backward", waited, time.perf_counter())
+            # Waits for every layer's reduce-scatter (and early update): no single layer's.
+            self.timeline.record("wait", "*", "backward", waited, time.perf_counter())
             if early_lr is None:
                 await self.grads.commit(zip((p.layer for p in pending), results, strict=True))
             else:

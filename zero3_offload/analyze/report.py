@@ -16,6 +16,8 @@ Per layer (phases: forward/backward compute on the event loop's thread):
   (CUDA only; absent otherwise).
 - *wait total*: sum of the layer's ``wait`` intervals: time the event loop's
   thread waited for a gather, a reduce-scatter or a copy (exposed communication).
+  The wait at the end of a backward for every layer's reduce-scatter is logged
+  with layer ``*`` and counts only in the step summary.
 
 Per rank:
 
@@ -153,7 +155,9 @@ def _layer_rows(work: Sequence[WorkRecord]) -> list[LayerRow]:
         return (nbytes / seconds if seconds > 0 else 0.0) if n else None
 
     rows = []
-    for layer in sorted(first_seen, key=first_seen.__getitem__):
+    # Layer "*" marks waits for all layers at once (the end of a backward): they
+    # count in the step summary's exposed communication, not in a layer's row.
+    for layer in sorted((n for n in first_seen if n != "*"), key=first_seen.__getitem__):
         fn, ft, _ = total(layer, "compute-forward")
         bn, bt, _ = total(layer, "compute-backward")
         gn, gt, _ = total(layer, "gather")
