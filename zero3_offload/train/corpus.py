@@ -1,0 +1,130 @@
+"""The byte-level training text: the Python standard library's own source.
+
+Every machine with Python has it, so the default run needs no download. The
+files are read in a fixed (sorted) order up to a size limit, so the corpus is
+the same on every run of the same Python; the last ``eval_fraction`` of it is
+held out for evaluation. Batches are drawn at positions that depend only on
+``(seed, split, step, micro-step, rank)``, so a resumed run continues exactly
+where the interrupted one stopped, whatever happened before.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import attrs
+import torch
+
+__all__ = ["ByteCorpus", "VOCAB_SIZE", "stdlib_files"]
+
+VOCAB_SIZE = 256
+"""One token per byte value."""
+
+# Not the library's source: installed packages, byte-code caches and the test
+# suites (which hold deliberately odd data such as bad encodings).
+_SKIPPED_PARTS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+)
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads nearby seeds apart
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The ``.py`` files of the standard library, sorted by relative path.
+
+    Args:
+        root: the library directory (default: ``sysconfig.get_paths()["stdlib"]``).
+
+    Returns:
+        The files, in an order that does not depend on the file system.
+    """
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    found = [
+        p
+        for p in base.rglob("*.py")
+        if p.is_file() and not _SKIPPED_PARTS.intersection(p.relative_to(base).parts)
+    ]
+    return sorted(found, key=lambda p: p.relative_to(base).as_posix())
+
+
+@attrs.frozen
+class ByteCorpus:
+    """Training and evaluation bytes as 1-D ``uint8`` tensors."""
+
+    train: torch.Tensor  # 1D uint8
+    eval: torch.Tensor  # 1D uint8
+    source: str  # where the bytes came from, for the run's banner
+
+    @classmethod
+    def load(
+        cls, *, data: Path | None = None, max_bytes: int, eval_fraction: float = 0.05
+    ) -> ByteCorpus:
+        """Read the corpus: ``data`` (a file or a directory of text), or the stdlib.
+
+        Args:
+            data: a file, or a directory whose files are read in sorted order;
+                ``None`` reads the standard library's ``.py`` files.
+            max_bytes: stop reading once this many bytes are in.
+            eval_fraction: the share held out at the end for evaluation.
+
+        Returns:
+            The corpus.
+
+        Raises:
+            ValueError: when there is too little text to split.
+        """
+        if data is None:
+            files, source = stdlib_files(), f"Python {sysconfig.get_python_version()} stdlib"
+        elif data.is_dir():
+            files, source = sorted(p for p in data.rglob("*") if p.is_file()), str(data)
+        else:
+            files, source = [data], str(data)
+        chunks, size = [], 0
+        for path in files:
+            if size >= max_bytes:
+                break
+            chunk = path.read_bytes()[: max_bytes - size]
+            chunks.append(chunk)
+            size += len(chunk)
+        blob = b"".join(chunks)
+        n_eval = max(int(len(blob) * eval_fraction), 1)
+        if len(blob) - n_eval < 2 or n_eval < 2:
+            raise ValueError(f"{source}: {len(blob)} bytes are too few to train on")
+        tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        source = f"{source}, {len(files) if data is None else len(chunks)} files"
+        return cls(train=tensor[:-n_eval], eval=tensor[-n_eval:], source=source)
+
+    def batch(
+        self,
+        *,
+        split: str,
+        seed: int,
+        step: int,
+        micro: int,
+        rank: int,
+        batch_size: int,
+        seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch of ``rank`` at ``(step, micro)``: inputs and next-byte targets.
+
+        Args:
+            split: ``"train"`` or ``"eval"``.
+            seed: the run's seed.
+            step: the optimizer step (or eval batch index).
+            micro: the micro-step inside the step's accumulation window.
+            rank: the data-parallel rank.
+            batch_size: sequences in the batch.
+            seq_len: bytes per sequence.
+
+        Returns:
+            ``(x, y)``, both ``int64`` of shape ``(batch_size, seq_len)``; ``y`` is
+            ``x`` shifted by one byte.
+        """
+        data = self.train if split == "train" else self.eval
+        span = min(seq_len, data.numel() - 1)
+        key = (seed, 0 if split == "train" else 1, step, micro, rank)
+        g = torch.Generator().manual_seed(hash(key) * _MIX % 2**63)
+        starts = torch.randint(0, data.numel() - span, (batch_size, 1), generator=g)
+        idx = starts + torch.arange(span + 1)
+        window = data[idx].long()
+        return window[:, :-1], window[:, 1:]
