@@ -16,6 +16,7 @@ from zero3_offload.config import (
     Zero3CpuOffloadConfig,
     Zero3RankMapping,
 )
+from zero3_offload.consolidate import consolidate_checkpoint
 from zero3_offload.errors import (
     CheckpointError,
     CommunicationError,
@@ -30,6 +31,7 @@ from zero3_offload.errors import (
 from zero3_offload.manager import Zero3CpuOffloadManager
 from zero3_offload.memory_management import Zero3MemoryStats
 from zero3_offload.model_parameters import ModelParameters
+from zero3_offload.prefetch import PrefetchQueueStatus
 from zero3_offload.stats import Zero3PerformanceStats
 
 __version__ = "0.1.0"
@@ -47,6 +49,7 @@ __all__ = [
     "MemoryBudgetError",
     "ModelParameters",
     "OptimizerConfig",
+    "PrefetchQueueStatus",
     "StateError",
     "Zero3CpuOffloadConfig",
     "Zero3CpuOffloadManager",
@@ -55,6 +58,7 @@ __all__ = [
     "Zero3PerformanceStats",
     "Zero3RankMapping",
     "__version__",
+    "consolidate_checkpoint",
     "destroy_process_group",
     "init_process_group",
     "init_process_group_from_env",
