@@ -65,7 +65,7 @@ async def budgets(ctx: RankContext) -> dict[str, Any]:
         "cpu_memory_used_minus_gathered": mem.cpu_memory_used
         - mem.gathered_param_bytes
         - mem.gather_pool_bytes
-        - manager.get_prefetch_status().inflight_bytes,
+        - mem.inflight_param_bytes,
     }
     await manager.close()
     return out

@@ -84,9 +84,11 @@ def test_compute_copy_bytes_are_counted(compressed_runs: dict, method: str) -> N
         else:
             expected = mem["master_param_bytes"] // 2
         assert mem["compute_copy_bytes"] == expected
-        assert (
-            mem["cpu_memory_used"]
-            == mem["master_param_bytes"] + expected + mem["optimizer_state_bytes"]
+        parameter_buffers = (
+            mem["gathered_param_bytes"] + mem["inflight_param_bytes"] + mem["gather_pool_bytes"]
+        )
+        assert mem["cpu_memory_used"] == (
+            mem["master_param_bytes"] + expected + mem["optimizer_state_bytes"] + parameter_buffers
         )
     # With fp32 and no compression the compute copy is the master itself.
     assert compressed_runs["none"][0]["memory"]["compute_copy_bytes"] == 0

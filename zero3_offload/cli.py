@@ -212,9 +212,12 @@ def _consolidate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = _Parser(prog=PROG, description="ZeRO-3 with CPU offloading: tools.")
+    from zero3_offload.train import add_train
+
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_analyze(commands)
     _add_consolidate(commands)
+    add_train(commands)
     return parser
 
 

@@ -65,6 +65,8 @@ class Zero3MemoryStats:
     """Optimizer state tensors (moments, step counters)."""
     gathered_param_bytes: int
     """Full layer parameter buffers gathered on the device now."""
+    inflight_param_bytes: int
+    """Parameter buffers whose gather is in flight (prefetched)."""
     gathered_high_water_bytes: int
     """Largest gathered plus in-flight parameter bytes seen since construction."""
     gather_pool_bytes: int
@@ -167,6 +169,7 @@ class Zero3MemoryManager:
             gradient_bytes=self._grads.nbytes(),
             optimizer_state_bytes=self._optimizer.state_bytes(),
             gathered_param_bytes=self._cache.gathered_bytes(),
+            inflight_param_bytes=self._cache.inflight_bytes(),
             gathered_high_water_bytes=self._cache.high_water_bytes,
             gather_pool_bytes=self._cache.pooled_bytes(),
             cpu_memory_used=cpu,

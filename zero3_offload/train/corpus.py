@@ -10,13 +10,14 @@ where the interrupted one stopped, whatever happened before.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
 import attrs
 import torch
 
-__all__ = ["ByteCorpus", "VOCAB_SIZE", "stdlib_files"]
+__all__ = ["VOCAB_SIZE", "ByteCorpus", "stdlib_files"]
 
 VOCAB_SIZE = 256
 """One token per byte value."""
@@ -39,11 +40,11 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
         The files, in an order that does not depend on the file system.
     """
     base = Path(root or sysconfig.get_paths()["stdlib"])
-    found = [
-        p
-        for p in base.rglob("*.py")
-        if p.is_file() and not _SKIPPED_PARTS.intersection(p.relative_to(base).parts)
-    ]
+    found = []
+    for folder, dirs, files in os.walk(base):
+        # Pruned while walking: site-packages alone can hold far more than the stdlib.
+        dirs[:] = [d for d in dirs if d not in _SKIPPED_PARTS]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
     return sorted(found, key=lambda p: p.relative_to(base).as_posix())
 
 
@@ -91,7 +92,7 @@ class ByteCorpus:
         if len(blob) - n_eval < 2 or n_eval < 2:
             raise ValueError(f"{source}: {len(blob)} bytes are too few to train on")
         tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        source = f"{source}, {len(files) if data is None else len(chunks)} files"
+        source = f"{source}, {len(chunks)} files"
         return cls(train=tensor[:-n_eval], eval=tensor[-n_eval:], source=source)
 
     def batch(

@@ -1,0 +1,290 @@
+"""The training loop that every rank runs, with the public API only.
+
+Each rank builds the GPT on the meta device and hands it to
+``Zero3CpuOffloadManager.from_meta``, so no rank ever holds the whole model;
+then every step runs ``forward_pass``, the loss outside the manager,
+``backward_pass`` (with the learning rate, so layer updates start during
+backward) and ``optimizer_step``, once per micro-step. Batches depend only on
+``(seed, step, micro-step, rank)``, so a resumed run sees the data the
+uninterrupted run would have seen.
+
+A stop request (SIGINT/Ctrl-C or SIGTERM on any rank, or the launcher's stop
+file) is agreed by all ranks at the end of a step, in the same all-reduce as
+the loss, so every rank stops after the same step and saves one checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from zero3_offload import logging as zlogging
+from zero3_offload.comm import Collectives
+from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.errors import CheckpointError, ConfigError, MemoryBudgetError
+from zero3_offload.manager import Zero3CpuOffloadManager
+from zero3_offload.testing import RankContext
+from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
+from zero3_offload.train.model import GPT, GPTShape
+from zero3_offload.train.options import TrainOptions
+from zero3_offload.train.progress import Reporter
+from zero3_offload.train.sources import flagify
+
+__all__ = ["RankResult", "RunSettings", "TrainError", "learning_rate", "train_rank"]
+
+log = zlogging.get_logger(__name__)
+
+
+class TrainError(Exception):
+    """A user's mistake found inside a rank (e.g. resuming another model): one line."""
+
+
+@attrs.frozen
+class RunSettings:
+    """Everything a rank needs (sent to each rank process, so it must pickle)."""
+
+    train: TrainOptions
+    zero3: Zero3CpuOffloadConfig
+    bar: bool  # progress bar (a terminal) rather than plain lines
+    stop_file: str | None = None  # the local launcher creates it to ask for a stop
+
+
+@attrs.frozen
+class RankResult:
+    """What a rank reports back when it finished."""
+
+    first_step: int  # the step training started from (0, or the checkpoint's)
+    last_step: int  # the last step completed
+    initial_eval: float | None
+    final_eval: float | None
+    interrupted: bool
+    checkpoint: str | None  # the last checkpoint saved
+
+
+def learning_rate(step: int, options: TrainOptions) -> float:
+    """The learning rate of step ``step`` (0-based): linear warmup, cosine decay to lr/10."""
+    if step < options.warmup_steps:
+        return options.lr * (step + 1) / options.warmup_steps
+    span = max(options.steps - options.warmup_steps, 1)
+    cosine = 0.5 * (1 + math.cos(math.pi * min((step - options.warmup_steps) / span, 1.0)))
+    return options.lr * (0.1 + 0.9 * cosine)
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM or by the launcher's stop file; read at step ends."""
+
+    def __init__(self, stop_file: str | None, *, announce: bool) -> None:
+        self.stop_file = Path(stop_file) if stop_file else None
+        self.announce = announce  # say that the signal was heard (the launcher does otherwise)
+        self._first: float | None = None
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._signalled)
+
+    def uninstall(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+
+    def _signalled(self) -> None:
+        now = time.monotonic()
+        # A launcher forwards the terminal's Ctrl-C a moment later (torchrun
+        # does): only a second request a while after the first aborts.
+        if self._first is not None and now - self._first > 1.0:
+            raise KeyboardInterrupt
+        if self._first is None and self.announce:
+            print("stopping after the current step", file=sys.stderr, flush=True)
+        self._first = self._first or now
+
+    @property
+    def requested(self) -> bool:
+        return self._first is not None or bool(self.stop_file and self.stop_file.exists())
+
+
+class _Trainer:
+    def __init__(self, ctx: RankContext, run: RunSettings, manager: Zero3CpuOffloadManager) -> None:
+        self.ctx, self.run, self.opts, self.manager = ctx, run, run.train, manager
+        self.names = list(manager.layers)
+        self.comm = Collectives(
+            ctx.group, device=manager.device, timeout_s=run.zero3.collective_timeout_s
+        )
+        opts = self.opts
+        self.corpus = ByteCorpus.load(
+            data=Path(opts.data) if opts.data else None, max_bytes=int(opts.corpus_mb * 1e6)
+        )
+        self.checkpoints = Path(opts.out) / "checkpoints" if opts.out else None
+        accum = run.zero3.gradient_accumulation_steps
+        self.reporter = Reporter(
+            enabled=ctx.rank == 0,
+            bar=run.bar,
+            total=opts.steps,
+            log_every=opts.log_every,
+            tokens_per_step=accum * opts.batch_size * opts.seq_len * ctx.world_size,
+        )
+
+    def _batch(self, split: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        opts = self.opts
+        return self.corpus.batch(
+            split=split,
+            seed=opts.seed,
+            step=step,
+            micro=micro,
+            rank=self.ctx.rank,
+            batch_size=opts.batch_size,
+            seq_len=opts.seq_len,
+        )
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = out.float().requires_grad_()  # the loss is computed outside the manager
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), y.to(out.device).reshape(-1))
+        return loss, logits
+
+    async def mean(self, *values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
+        await self.comm.all_reduce_sum(t)
+        return [v / self.ctx.world_size for v in t.tolist()]
+
+    async def evaluate(self) -> float:
+        total = 0.0
+        for i in range(self.opts.eval_batches):
+            x, y = self._batch("eval", i, 0)
+            loss, _ = self._loss(await self.manager.forward_pass(x, self.names), y)
+            total += loss.item()
+        (mean,) = await self.mean(total / self.opts.eval_batches)
+        return mean
+
+    async def train_step(self, step: int, lr: float) -> float:
+        losses = []
+        for micro in range(self.run.zero3.gradient_accumulation_steps):
+            x, y = self._batch("train", step, micro)
+            out = await self.manager.forward_pass(x, self.names)
+            loss, logits = self._loss(out, y)
+            loss.backward()
+            await self.manager.backward_pass(logits.grad, self.names, learning_rate=lr)
+            await self.manager.optimizer_step(lr)
+            losses.append(loss.item())
+        return sum(losses) / len(losses)
+
+    async def save(self) -> str | None:
+        if self.checkpoints is None:
+            return None
+        path = str(await self.manager.save_checkpoint(self.checkpoints))
+        self.reporter.line(f"saved checkpoint {path}")
+        return path
+
+    async def resume(self) -> int:
+        assert self.checkpoints is not None
+        try:
+            path = await self.manager.load_checkpoint(self.checkpoints)
+        except CheckpointError as exc:
+            raise TrainError(f"--resume: {exc}") from exc
+        step = self.manager.timeline.step  # optimizer steps, skipped fp16 steps included
+        self.reporter.line(f"resumed from {path} at step {step}")
+        return step
+
+
+async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
+    opts, rep, rank = trainer.opts, trainer.reporter, trainer.ctx.rank
+    first = await trainer.resume() if opts.resume else 0
+    if first >= opts.steps:
+        rep.line(f"the checkpoint is at step {first} and --steps is {opts.steps}: nothing to do")
+        return RankResult(first, first, None, None, False, None)
+    initial = await trainer.evaluate()
+    rep.line(f"step {first}: eval loss {initial:.4f}")
+    saved, done, interrupted, started = None, first, False, time.perf_counter()
+    rep.start(first)
+    try:
+        for step in range(first, opts.steps):
+            lr = learning_rate(step, opts)
+            t0 = time.perf_counter()
+            loss = await trainer.train_step(step, lr)
+            loss, stops = await trainer.mean(loss, float(stop.requested))
+            done, seconds = step + 1, time.perf_counter() - t0
+            log.info("train_step", rank=rank, step=done, loss=loss, lr=lr, seconds=seconds)
+            rep.step(
+                done, loss=loss, lr=lr, seconds=seconds, memory=trainer.manager.get_memory_stats()
+            )
+            if opts.eval_every and done % opts.eval_every == 0 and done < opts.steps:
+                rep.line(f"step {done}: eval loss {await trainer.evaluate():.4f}")
+            if opts.save_every and done % opts.save_every == 0:
+                saved = await trainer.save()
+            interrupted = stops > 0
+            if interrupted:
+                break
+        final = await trainer.evaluate()
+        log.info("train_done", rank=rank, step=done, eval_loss=final, initial_eval_loss=initial)
+        if saved is None or not saved.endswith(f"{done:08d}"):
+            saved = await trainer.save()
+    finally:
+        rep.close()
+    elapsed = time.perf_counter() - started
+    verb = "interrupted after" if interrupted else "finished"
+    rep.line(
+        f"{verb} step {done}/{opts.steps} in {elapsed:.1f} s: "
+        f"eval loss {initial:.4f} -> {final:.4f} (initial -> final)"
+    )
+    if interrupted:
+        rep.line("resume with --resume" if saved else "nothing saved: give --out DIR to keep it")
+    return RankResult(first, done, initial, final, interrupted, saved)
+
+
+async def train_rank(ctx: RankContext, run: RunSettings) -> RankResult:
+    """Train on this rank (every rank of the group calls it).
+
+    Raises:
+        TrainError: for a user's mistake (a budget too small for the model, a
+            checkpoint of another model, CUDA asked for but absent).
+    """
+    opts = run.train
+    if opts.out:
+        logs = Path(opts.out) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        zlogging.configure(json_path=logs / f"rank{ctx.rank}.jsonl", level=opts.log_level)
+    stop = _StopFlag(run.stop_file, announce=ctx.rank == 0 and run.stop_file is None)
+    stop.install()
+    try:
+        shape = GPTShape(
+            seq_len=opts.seq_len, d_model=opts.d_model, layers=opts.layers, heads=opts.heads
+        )
+        with torch.device("meta"):
+            model = GPT(shape)
+        try:
+            manager = Zero3CpuOffloadManager.from_meta(run.zero3, ctx.group, model, seed=opts.seed)
+        except (ConfigError, MemoryBudgetError) as exc:
+            raise TrainError(flagify(str(exc))) from exc
+        async with manager:
+            trainer = _Trainer(ctx, run, manager)
+            _banner(trainer, shape)
+            return await _loop(trainer, stop)
+    finally:
+        stop.uninstall()
+
+
+def _banner(trainer: _Trainer, shape: GPTShape) -> None:
+    ctx, opts, corpus = trainer.ctx, trainer.opts, trainer.corpus
+    backend = "nccl" if trainer.manager.device.type == "cuda" else "gloo"
+    trainer.reporter.line(
+        f"GPT with {shape.parameter_count() / 1e6:.2f}M parameters ({shape.layers} blocks, "
+        f"d_model {shape.d_model}, {shape.heads} heads, context {shape.seq_len} bytes) on "
+        f"{ctx.world_size} rank(s) ({backend}, {trainer.manager.device}); each rank holds "
+        f"1/{ctx.world_size} of the parameters, gradients and optimizer state"
+    )
+    trainer.reporter.line(
+        f"data: {corpus.source}: {corpus.train.numel() / 1e6:.2f} MB train, "
+        f"{corpus.eval.numel() / 1e6:.2f} MB eval; {trainer.reporter.tokens_per_step} "
+        f"tokens per step ({opts.batch_size} x {opts.seq_len} bytes per rank"
+        f"{' x accumulation' if trainer.run.zero3.gradient_accumulation_steps > 1 else ''})"
+    )

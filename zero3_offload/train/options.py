@@ -1,0 +1,242 @@
+"""What ``zero3-offload train`` can be told: training options and their flags.
+
+Every option has one name, used as the key in ``--config`` files and, with
+dashes, as the flag: the training options of :class:`TrainOptions`, every field
+of :class:`~zero3_offload.config.Zero3CpuOffloadConfig` (``--offload-params``,
+``--cpu-memory-budget``, ...) and every field of its optimizer section with an
+``optimizer_`` prefix (``--optimizer-kind``, ``--optimizer-betas``, ...). The
+list is generated from the attrs classes, so a new config field gets its flag
+without a change here; help texts are the fields' docstrings.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import inspect
+import itertools
+import re
+import textwrap
+from typing import Any
+
+import attrs
+import torch
+
+from zero3_offload._validation import _bool_field, _float_field, _int_field, _rule
+from zero3_offload.config import OptimizerConfig, Zero3CpuOffloadConfig
+from zero3_offload.errors import ConfigError
+
+__all__ = ["OPTIONS", "Option", "TrainOptions", "format_size", "parse_size"]
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_check_level = _rule(f"must be one of {', '.join(_LOG_LEVELS)}", lambda v: v in _LOG_LEVELS)
+_optional_str = attrs.validators.optional(_rule("must be a string", lambda v: isinstance(v, str)))
+_optional_bool = attrs.validators.optional(
+    _rule("must be true or false", lambda v: isinstance(v, bool))
+)
+
+
+@attrs.frozen(kw_only=True)
+class TrainOptions:
+    """The training run (the ZeRO-3 configuration is a separate object)."""
+
+    world_size: int = _int_field(2, 1, "ranks")
+    """Local ranks to start, gloo on 127.0.0.1 (under torchrun its WORLD_SIZE is used)."""
+    steps: int = _int_field(300, 1, "optimizer steps")
+    """Optimizer steps of the whole run; a resumed run continues up to this step."""
+    batch_size: int = _int_field(8, 1, "sequences")
+    """Sequences per rank per micro-step."""
+    seq_len: int = _int_field(128, 2, "bytes")
+    """Bytes per training sequence (the model's context length)."""
+    d_model: int = _int_field(128, 1)
+    """Width of the model."""
+    layers: int = _int_field(4, 1, "blocks")
+    """Transformer blocks."""
+    heads: int = _int_field(4, 1)
+    """Attention heads; must divide d_model."""
+    lr: float = _float_field(3e-3, "> 0", lambda v: v > 0)
+    """Peak learning rate, reached after warmup_steps, then cosine decay to a tenth."""
+    warmup_steps: int = _int_field(20, 0, "steps")
+    """Steps of linear learning-rate warmup."""
+    eval_every: int = _int_field(100, 0, "steps; 0: at the start and end only")
+    """Evaluate on held-out text every this many steps."""
+    eval_batches: int = _int_field(4, 1)
+    """Micro-batches per rank in each evaluation."""
+    log_every: int = _int_field(10, 1, "steps")
+    """Steps per printed line without a progress bar; the loss shown is their mean."""
+    save_every: int = _int_field(0, 0, "steps; 0: at the end only")
+    """Save a checkpoint to OUT/checkpoints every this many steps (needs --out)."""
+    seed: int = _int_field(0, 0)
+    """Seed of the initial values and of the data positions (batch i depends on seed and i)."""
+    out: str | None = attrs.field(default=None, validator=_optional_str)
+    """Directory for logs/rank{r}.jsonl and checkpoints/ (nothing is written without it)."""
+    resume: bool = _bool_field(False)
+    """Continue from the latest checkpoint in OUT/checkpoints (needs --out)."""
+    threads: int = _int_field(0, 0, "0: CPU cores / local ranks")
+    """torch threads per rank."""
+    corpus_mb: float = _float_field(16.0, "> 0", lambda v: v > 0)
+    """Megabytes of text to read (from --data or the Python standard library)."""
+    data: str | None = attrs.field(default=None, validator=_optional_str)
+    """Train on this file or directory of text instead of the standard library's source."""
+    progress: bool | None = attrs.field(default=None, validator=_optional_bool)
+    """Progress bar on rank 0 (default: only when stdout is a terminal)."""
+    log_level: str = attrs.field(default="info", validator=_check_level)
+    """Lowest level written to the JSON logs: debug, info, warning or error."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ConfigError(f"heads={self.heads} is invalid: must divide d_model={self.d_model}")
+        if self.resume and self.out is None:
+            raise ConfigError("resume=True is invalid: give out=DIR, where the checkpoints are")
+
+
+@attrs.frozen
+class Option:
+    """One option: its file key, its flag and how a value is read."""
+
+    name: str  # key in --config files; flag is --name-with-dashes
+    section: str  # "train", "zero3" or "optimizer"
+    field: str  # the attrs field in its section
+    kind: str  # "bool", "optional_bool", "int", "size", "float", "str", "choice", "betas"
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag, e.g. ``--cpu-memory-budget``."""
+        return "--" + self.name.replace("_", "-")
+
+
+# Byte counts accept suffixes (512MiB, 2GiB); which int fields hold bytes.
+_SIZE_FIELDS = frozenset({"cpu_memory_budget", "gpu_param_memory_budget", "prefetch_bucket_size"})
+_ALIASES = {
+    "optimizer_weight_decay": ("--weight-decay",),
+    "optimizer_betas": ("--betas",),
+    "optimizer_eps": ("--eps",),
+    "optimizer_momentum": ("--momentum",),
+}
+# Defaults the command resolves itself (see ``sources.resolve_device``).
+_DEFAULT_TEXT = {"device": "cuda when available, else cpu", "threads": "0"}
+_DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+
+
+def parse_size(text: str | int) -> int:
+    """A byte count from ``text``: an integer, or a number with a unit such as ``2GiB``.
+
+    Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024),
+    and K/M/G/T (read as the binary units); case-insensitive.
+
+    Raises:
+        ValueError: for text that is not a size.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*", str(text).lower())
+    if m is None:
+        raise ValueError(f"{text!r} is not a size: give bytes, or e.g. 512MiB, 2GiB, 1.5GB")
+    number, unit, binary, b = m.groups()
+    power = "kmgt".index(unit) + 1 if unit else 0
+    base = (1000 if b and not binary else 1024) ** power  # "GB" is decimal, "G" and "GiB" binary
+    return int(float(number) * base)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under the fields of ``cls`` (empty if its source is missing)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _kind(field: attrs.Attribute[Any], default: Any) -> tuple[str, tuple[str, ...]]:
+    type_text = str(field.type)
+    if isinstance(default, bool):
+        return "bool", ()
+    if isinstance(default, enum.Enum):
+        return "choice", tuple(member.value for member in type(default))
+    if isinstance(default, torch.dtype):
+        return "choice", _DTYPE_CHOICES
+    if field.name == "kind":
+        return "choice", ("adamw", "adam", "sgd")
+    if field.name == "log_level":
+        return "choice", _LOG_LEVELS
+    if isinstance(default, tuple):
+        return "betas", ()
+    if default is None:
+        return ("optional_bool" if "bool" in type_text else "str"), ()
+    if isinstance(default, int):
+        return ("size" if field.name in _SIZE_FIELDS else "int"), ()
+    if isinstance(default, float):
+        return "float", ()
+    return "str", ()
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that divides it (``34359738368`` -> ``32GiB``)."""
+    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
+        if nbytes and nbytes % 1024**power == 0:
+            return f"{nbytes // 1024**power}{unit}"
+    return str(nbytes)
+
+
+def _default_text(name: str, default: Any) -> str:
+    if name in _DEFAULT_TEXT:
+        return _DEFAULT_TEXT[name]
+    if name in _SIZE_FIELDS:
+        return format_size(default)
+    if isinstance(default, enum.Enum):
+        return str(default.value)
+    if isinstance(default, torch.dtype):
+        return str(default).removeprefix("torch.")
+    return str(default)
+
+
+def _options_of(cls: type, section: str, prefix: str = "") -> list[Option]:
+    docs, out = _field_docs(cls), []
+    for field in attrs.fields(cls):
+        if field.name == "optimizer":  # its fields become optimizer_* options
+            continue
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory()
+        kind, choices = _kind(field, default)
+        name = prefix + field.name
+        note = "" if default is None else f" (default: {_default_text(name, default)})"
+        out.append(
+            Option(
+                name=name,
+                section=section,
+                field=field.name,
+                kind=kind,
+                default=default,
+                help=docs.get(field.name, "").replace("``", "") + note,
+                choices=choices,
+                aliases=_ALIASES.get(name, ()),
+            )
+        )
+    return out
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        _options_of(TrainOptions, "train")
+        + _options_of(Zero3CpuOffloadConfig, "zero3")
+        + _options_of(OptimizerConfig, "optimizer", "optimizer_")
+    )
+}
+"""Every option by name, training options first."""
