@@ -45,11 +45,8 @@ from zero3_offload.model_sharding import (
     split_layers,
 )
 from zero3_offload.optimizer_state import OptimizerStateManager
-from zero3_offload.parameter_management import (
-    CpuParameterStore,
-    GpuParameterCache,
-    ParameterPartitioner,
-)
+from zero3_offload.parameter_cache import GpuParameterCache
+from zero3_offload.parameter_management import CpuParameterStore, ParameterPartitioner
 from zero3_offload.prefetch import PrefetchScheduler
 from zero3_offload.stats import Zero3PerformanceStats
 from zero3_offload.streams import CopyStreams

@@ -35,7 +35,8 @@ from zero3_offload.config import AutoMemoryStrategy
 from zero3_offload.gradient_management import CpuGradientStore
 from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state import OptimizerStateManager
-from zero3_offload.parameter_management import CpuParameterStore, GpuParameterCache
+from zero3_offload.parameter_cache import GpuParameterCache
+from zero3_offload.parameter_management import CpuParameterStore
 from zero3_offload.prefetch import PrefetchScheduler
 
 __all__ = [

@@ -23,7 +23,8 @@ from torch import nn
 
 from zero3_offload.comm import Collectives
 from zero3_offload.errors import Zero3Error
-from zero3_offload.parameter_management import CpuParameterStore, GpuParameterCache, LayerLayout
+from zero3_offload.parameter_cache import GpuParameterCache
+from zero3_offload.parameter_management import CpuParameterStore, LayerLayout
 
 __all__ = ["InitFn", "reset_parameters_in_order", "shard_initial_values", "split_layers"]
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from zero3_offload.errors import MemoryBudgetError
 from zero3_offload.logging import get_logger
-from zero3_offload.parameter_management import GpuParameterCache
+from zero3_offload.parameter_cache import GpuParameterCache
 from zero3_offload.timeline import TimelineEvent
 
 __all__ = ["PrefetchMetrics", "PrefetchQueueStatus", "PrefetchScheduler", "layer_seconds"]
