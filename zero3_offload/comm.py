@@ -212,7 +212,7 @@ class PendingCollective:
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (without waiting)."""
-        return self._finished or bool(self._work.is_completed())
+        return self._finished or bool(self._work is not None and self._work.is_completed())
 
     def then(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the event loop right after the collective completes."""
@@ -247,9 +247,11 @@ class PendingCollective:
                 # the wait may last until the group's own timeout, and
                 # asyncio.run() joins the default executor's threads on exit,
                 # which would hang the process that reported the timeout.
+                work = self._work  # the attribute is dropped once the op completes
+
                 def wait_work() -> None:
                     try:
-                        self._work.wait()
+                        work.wait()
                     except Exception as exc:
                         settle_from_thread(exc)
                     else:
@@ -297,6 +299,10 @@ class PendingCollective:
         self._finished = True
         # Orders the current CUDA stream after NCCL's; a no-op on gloo.
         self._work.wait()
+        # Drop the Work now: it holds the backend's buffers for the op (gloo
+        # keeps full-size staging copies), which would otherwise live as long
+        # as this object, e.g. until the end of a backward pass.
+        self._work = None
         self.completed_at = time.perf_counter()
         self.seconds = self.completed_at - self._started
         if self._comm.observer is not None:
