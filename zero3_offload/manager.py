@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from zero3_offload.gradient_management import (
 from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
 from zero3_offload.logging import get_logger
 from zero3_offload.manager_checkpoint import CheckpointMixin
+from zero3_offload.manager_lifecycle import LifecycleMixin
 from zero3_offload.manager_observe import ObservabilityMixin
 from zero3_offload.memory_budget import check_cpu_budget, cpu_memory_need
 from zero3_offload.memory_management import Zero3MemoryManager, relieve_pressure
@@ -59,7 +59,7 @@ __all__ = ["Zero3CpuOffloadManager"]
 log = get_logger(__name__)
 
 
-class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
+class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin):
     """Trains a model with ZeRO stage 3 across the ranks of a process group.
 
     Every rank builds the manager with the same model; rank 0's initial values
@@ -468,52 +468,3 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin):
         self._stats.total_optimizer_time += ended - started
         self._end_step(ended, stepped=updated is not None, pressure=pressure.pressure)
         return updated is not None
-
-    # ----------------------------------------------------------------- state
-
-    async def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full fp32 value, on every rank (a collective).
-
-        Returns:
-            ``{name as in model.named_parameters(): fp32 CPU tensor}``.
-        """
-        self._check_open()
-        out: dict[str, torch.Tensor] = {}
-        for name, layout in self.layouts.items():
-            if not layout.padded_numel:
-                continue
-            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=self.device)
-            await self.comm.all_gather(full, self.params.master(name).to(self.device))
-            for pname, view in layout.unflatten(full):
-                out[f"{name}.{pname}"] = view.detach().to("cpu", copy=True)
-        return out
-
-    async def reset_state(self) -> None:
-        """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""
-        self._check_open()
-        await self.prefetch.release_all()
-        self.optimizer.reset()
-        self.grads.clear()
-        self._record = None
-        self._calls_since_update = 0
-        self._early_lr = None
-        self.updater.reset()
-
-    async def close(self) -> None:
-        """Release gathered parameters and pending state. Idempotent."""
-        if self._closed:
-            return
-        await self.prefetch.release_all(keep_persistent=False)
-        self._record = None
-        self._closed = True
-
-    async def __aenter__(self) -> Zero3CpuOffloadManager:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
