@@ -167,6 +167,31 @@ async def run_ranks(
     Raises:
         RankFailedError: when a rank raises, crashes or the run times out.
     """
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return await _run_once(
+                fn, world_size, args, timeout_s, threads_per_rank, backend, mmap_threshold
+            )
+        except RankFailedError as exc:
+            # free_port() releases the port before rank 0 binds it, so another
+            # process can take it in between: only that race is retried.
+            if attempt + 1 == _PORT_ATTEMPTS or "address already in use" not in str(exc).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+async def _run_once(
+    fn: Callable[..., Awaitable[Any]],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    threads_per_rank: int,
+    backend: str,
+    mmap_threshold: int | None,
+) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
