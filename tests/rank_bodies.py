@@ -29,6 +29,7 @@ class TrainSpec:
     first_step: int = 0  # index of the first batch (to continue a run)
     load_dir: str | None = None  # load this checkpoint before training
     save_dir: str | None = None  # save a checkpoint here after training
+    seed: int | None = None  # torch.manual_seed(seed + step) before each step's forwards
 
 
 def local_slice(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
@@ -54,6 +55,8 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
             xs, ys = local_slice(x, ctx), local_slice(y, ctx)
             per = xs.shape[0] // spec.micro_steps
             step_loss = 0.0
+            if spec.seed is not None:
+                torch.manual_seed(spec.seed + step)
             for m in range(spec.micro_steps):
                 mine = slice(m * per, (m + 1) * per)
                 out = await manager.forward_pass(xs[mine], names)
@@ -106,6 +109,7 @@ async def memory_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
     async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
         (x, y), *_ = make_batches(1, spec.batch)
         out = await manager.forward_pass(local_slice(x, ctx), names)
+        after_forward = attrs.asdict(manager.get_memory_stats())
         out.requires_grad_()
         lm_loss(out, local_slice(y, ctx)).backward()
         await manager.backward_pass(out.grad, names)
@@ -117,6 +121,7 @@ async def memory_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         shards = {n: lay.shard_numel for n, lay in manager.layouts.items()}
         padded = {n: lay.padded_numel for n, lay in manager.layouts.items()}
     return {
+        "after_forward": after_forward,
         "after_backward": after_backward,
         "after_step": after_step,
         "model_param_elements": model_param_elements,

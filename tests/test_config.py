@@ -41,6 +41,7 @@ EXPECTED_DEFAULTS = {
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
+    "activation_checkpointing": False,
 }
 
 BOOL_FIELDS = [k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]

@@ -314,6 +314,10 @@ class Zero3CpuOffloadConfig:
     """Most bytes of prefetched gathers in flight; 0 means no byte cap."""
     param_persistence_threshold: int = _int_field(0, 0, "elements")
     """Layers with fewer parameter elements than this stay gathered between uses."""
+    activation_checkpointing: bool = _bool_field(False)
+    """Keep only each layer's input between the passes and recompute the layer's forward
+    in backward (about a third more compute, far fewer activations kept); False keeps
+    every layer's activations for backward, as plain PyTorch does."""
 
     def __attrs_post_init__(self) -> None:
         self._check_cross_field()

@@ -1,26 +1,41 @@
-"""Running one layer: forward without a graph, backward by recomputation.
+"""Running one layer: forward, and backward through its kept graph or by recomputation.
+
+[Note: kept activations]
+By default (``activation_checkpointing=False``) forward runs each layer with
+autograd on, from a detached leaf copy of its input, and keeps the layer's
+graph until backward, as plain PyTorch, FSDP2 and DeepSpeed do. The graph
+must not keep the layer's gathered parameters alive, though: they are
+released right after the layer ran. So forward runs under
+``saved_tensors_hooks``: a tensor autograd saves whose storage is the layer's
+gathered flat buffer (a parameter, or a view of one such as ``weight.t()``)
+is packed as its place in that buffer (size, stride, offset), not as the
+tensor; every other saved tensor (the activations) is kept as is. Backward
+gathers the layer again and the unpack hook rebuilds the saved view from the
+new buffer, which has the same layout. Parameter gradients still flow to the
+layer's ``nn.Parameter`` objects (rebound to the new buffer), so
+``param.grad`` ends up as with plain autograd.
 
 [Note: backward by recomputation]
-Forward runs every layer under ``torch.no_grad()`` with its parameters gathered
-just for that layer, and keeps only the layer's input (and the RNG state it ran
-with). Backward gathers the layer again, reruns its forward from the saved input
-with autograd on and the same RNG state (so dropout draws the same mask), and
-backpropagates the incoming gradient through that one layer: this gives the
-layer's input gradient and its parameter gradients with real autograd, while no
-autograd graph ever refers to released parameter storage. The cost is one extra
-forward per layer, the same trade as activation checkpointing per layer; the
-saving is that only layer inputs are kept between the passes.
+With ``activation_checkpointing=True`` forward runs every layer under
+``torch.no_grad()`` and keeps only the layer's input (and the RNG state it ran
+with). Backward gathers the layer again, reruns its forward from the saved
+input with autograd on and the same RNG state (so dropout draws the same mask),
+and backpropagates the incoming gradient through that one layer. The cost is
+one extra forward per layer (about a third more compute); the saving is that
+only layer inputs are kept between the passes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import torch
 from torch import nn
 
-from zero3_offload.errors import LayerExecutionError, Zero3Error
+from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
 
-__all__ = ["ForwardRecord", "LayerExecutor", "RngState"]
+__all__ = ["ForwardRecord", "LayerExecutor", "RngState", "SavedStep"]
 
 
 @attrs.frozen
@@ -31,14 +46,49 @@ class RngState:
     cuda: torch.Tensor | None
 
 
-@attrs.frozen
+@attrs.define
+class SavedStep:
+    """What backward needs from one layer's forward.
+
+    ``inp`` is the layer input (detached; with kept activations a leaf that
+    requires grad when floating). ``out`` is the output with its graph (kept
+    activations) or None (recomputation, then ``rng`` is set).
+    """
+
+    inp: torch.Tensor
+    out: torch.Tensor | None
+    rng: RngState | None
+    kept: dict[int, int]  # storage pointer -> bytes, of what this step keeps for backward
+
+
+@attrs.define
 class ForwardRecord:
-    """What backward needs from the last forward. See [Note: backward by recomputation]."""
+    """What backward needs from the last forward. See [Note: kept activations]."""
 
     layer_names: tuple[str, ...]
-    inputs: tuple[torch.Tensor, ...]  # input of each step, detached, on the device
-    rng: tuple[RngState, ...]  # RNG state each step ran with
+    steps: list[SavedStep | None]  # one per layer use; None once backward used it
     output_shape: torch.Size
+
+    @property
+    def keeps_graph(self) -> bool:
+        return any(s is not None and s.out is not None for s in self.steps)
+
+    def activation_bytes(self) -> int:
+        """Bytes of the distinct storages (inputs, activations) still kept for backward."""
+        kept: dict[int, int] = {}
+        for s in self.steps:
+            if s is not None:
+                kept.update(s.kept)
+        return sum(kept.values())
+
+
+@attrs.frozen
+class _ParamSlot:
+    """A saved tensor's place in its layer's gathered flat buffer."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements from the buffer's start
 
 
 class LayerExecutor:
@@ -47,11 +97,24 @@ class LayerExecutor:
     Args:
         device: the compute device.
         compute_dtype: dtype of parameters and floating activations.
+        recompute: True for [Note: backward by recomputation], False for
+            [Note: kept activations].
+        gathered_flat: layer name -> its gathered flat buffer now (raises
+            KeyError when the layer is not gathered).
     """
 
-    def __init__(self, device: torch.device, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        *,
+        recompute: bool,
+        gathered_flat: Callable[[str], torch.Tensor],
+    ) -> None:
         self.device = device
         self.compute_dtype = compute_dtype
+        self.recompute = recompute
+        self._gathered_flat = gathered_flat
 
     def to_compute(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` on the device; floating tensors in the compute dtype."""
@@ -62,53 +125,144 @@ class LayerExecutor:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return RngState(cpu=torch.get_rng_state(), cuda=cuda)
 
-    def forward(self, name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` without autograd history.
+    # ---------------------------------------------------------------- forward
+
+    def forward(
+        self, name: str, module: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, SavedStep]:
+        """Run ``module(x)``.
+
+        Returns:
+            The output (without autograd history) and what backward needs.
 
         Raises:
             LayerExecutionError: when the layer raises or returns no Tensor.
         """
+        if self.recompute:
+            rng = self.rng_state()
+            inp = x.detach()
+            try:
+                with torch.no_grad():
+                    out = module(inp)
+            except Exception as exc:
+                raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
+            _check_output(name, out)
+            return out, SavedStep(inp=inp, out=None, rng=rng, kept=_storage_bytes(inp))
+        leaf = x.detach().requires_grad_(x.is_floating_point())
+        pack, unpack, kept = self._param_hooks(name)
         try:
-            with torch.no_grad():
-                out = module(x)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out = module(leaf)
         except Exception as exc:
             raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
-        if not isinstance(out, torch.Tensor):
-            raise LayerExecutionError(
-                f"layer {name!r} returned {type(out).__name__}: layers must return a Tensor"
+        _check_output(name, out)
+        kept.update(_storage_bytes(leaf))
+        return out.detach(), SavedStep(inp=leaf, out=out, rng=None, kept=kept)
+
+    def _param_hooks(
+        self, name: str
+    ) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor], dict[int, int]]:
+        """Saved-tensor hooks for ``name``'s forward. See [Note: kept activations]."""
+        try:
+            flat = self._gathered_flat(name)
+        except KeyError:
+            flat = None
+        base = None
+        if flat is not None and flat.numel():
+            base = flat.untyped_storage().data_ptr()
+            base_offset = flat.storage_offset()
+        kept: dict[int, int] = {}  # storage pointer -> bytes, of saved activations
+
+        def pack(t: torch.Tensor) -> object:
+            in_flat = (
+                base is not None
+                and t.device == flat.device
+                and not t.is_sparse
+                and t.untyped_storage().data_ptr() == base
             )
-        return out
+            if in_flat:
+                return _ParamSlot(t.size(), t.stride(), t.storage_offset() - base_offset)
+            kept.update(_storage_bytes(t))
+            return t
+
+        def unpack(saved: object) -> torch.Tensor:
+            if not isinstance(saved, _ParamSlot):
+                assert isinstance(saved, torch.Tensor)
+                return saved
+            try:
+                now = self._gathered_flat(name)
+            except KeyError:
+                raise StateError(
+                    f"layer {name!r}'s backward needs its parameters but they are not gathered"
+                ) from None
+            return now.as_strided(saved.size, saved.stride, now.storage_offset() + saved.offset)
+
+        return pack, unpack, kept
+
+    # ---------------------------------------------------------------- backward
 
     def backward(
-        self, name: str, module: nn.Module, inp: torch.Tensor, rng: RngState, grad: torch.Tensor
+        self, name: str, module: nn.Module, step: SavedStep, grad: torch.Tensor
     ) -> torch.Tensor | None:
-        """Recompute ``module(inp)`` with ``rng`` and backpropagate ``grad`` through it.
+        """Backpropagate ``grad`` through ``name``'s forward (kept or recomputed).
 
-        Leaves the parameter gradients in ``param.grad``.
+        Leaves the parameter gradients in ``param.grad``. The layer must be
+        gathered (its parameters bound).
 
         Returns:
-            The gradient with respect to ``inp``, or None if ``inp`` is not floating.
+            The gradient with respect to the layer's input, or None if it is not floating.
 
         Raises:
             LayerExecutionError: when the layer raises or its output shape changed.
         """
-        leaf = inp.detach().requires_grad_(inp.is_floating_point())
-        devices = [self.device] if self.device.type == "cuda" else []
+        if step.out is None:
+            leaf, out = self._recompute(name, module, step)
+        else:
+            leaf, out = step.inp, step.out
         try:
-            with torch.random.fork_rng(devices=devices):
-                torch.set_rng_state(rng.cpu)
-                if rng.cuda is not None:
-                    torch.cuda.set_rng_state(rng.cuda, self.device)
-                with torch.enable_grad():
-                    out = module(leaf)
             if out.shape != grad.shape:
                 raise LayerExecutionError(
-                    f"layer {name!r} recomputed an output of shape {tuple(out.shape)} but the "
+                    f"layer {name!r} produced an output of shape {tuple(out.shape)} but the "
                     f"incoming gradient has shape {tuple(grad.shape)}"
                 )
-            torch.autograd.backward(out, grad.to(out.dtype))
+            if out.requires_grad:
+                torch.autograd.backward(out, grad.to(out.dtype))
         except Zero3Error:
             raise
         except Exception as exc:
             raise LayerExecutionError(f"layer {name!r} raised in backward: {exc}") from exc
         return leaf.grad if leaf.requires_grad else None
+
+    def _recompute(
+        self, name: str, module: nn.Module, step: SavedStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rerun ``module`` on the saved input with the saved RNG state, autograd on."""
+        assert step.rng is not None
+        leaf = step.inp.detach().requires_grad_(step.inp.is_floating_point())
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(step.rng.cpu)
+                if step.rng.cuda is not None:
+                    torch.cuda.set_rng_state(step.rng.cuda, self.device)
+                with torch.enable_grad():
+                    out = module(leaf)
+        except Exception as exc:
+            raise LayerExecutionError(f"layer {name!r} raised in backward: {exc}") from exc
+        _check_output(name, out)
+        return leaf, out
+
+
+def _storage_bytes(t: torch.Tensor) -> dict[int, int]:
+    """{storage pointer: bytes} of ``t``'s storage ({} for sparse or meta tensors)."""
+    if t.is_sparse or t.device.type == "meta":
+        return {}
+    storage = t.untyped_storage()
+    return {storage.data_ptr(): storage.nbytes()}
+
+
+def _check_output(name: str, out: object) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise LayerExecutionError(
+            f"layer {name!r} returned {type(out).__name__}: layers must return a Tensor"
+        )

@@ -31,7 +31,7 @@ from zero3_offload.gradient_management import (
     GradientPartitioner,
     PendingGradient,
 )
-from zero3_offload.layer_execution import ForwardRecord, LayerExecutor
+from zero3_offload.layer_execution import ForwardRecord, LayerExecutor, SavedStep
 from zero3_offload.logging import get_logger
 from zero3_offload.manager_checkpoint import CheckpointMixin
 from zero3_offload.manager_lifecycle import LifecycleMixin
@@ -107,7 +107,6 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
         self.comm.observer = self._stats.record_communication
         self.streams = CopyStreams(device)
         self.workers = CpuWorkers(threads=config.cpu_worker_threads, timeline=self.timeline)
-        self.executor = LayerExecutor(device, config.compute_dtype)
         self.partitioner = ParameterPartitioner(self.layers, self.mapping)
         self.layouts = self.partitioner.layouts
         cpu = torch.device("cpu")
@@ -130,6 +129,12 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
             device=device,
             streams=self.streams,
             timeline=self.timeline,
+        )
+        self.executor = LayerExecutor(
+            device,
+            config.compute_dtype,
+            recompute=config.activation_checkpointing,
+            gathered_flat=self.cache.gathered_flat,
         )
         self.cpu_need = cpu_memory_need(
             config, [lay.shard_numel for lay in self.layouts.values() if lay.numel], device
@@ -284,24 +289,21 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
             self._window_started = started
         self.cache.phase = "forward"
         h = self.executor.to_compute(x)
-        inputs, rng = [], []
+        steps: list[SavedStep | None] = []
         try:
             await self.prefetch.begin_pass("forward", names)
             next_order = self.prefetch.next_after_forward(names)
             for i, name in enumerate(names):
-                inputs.append(h.detach())
-                rng.append(self.executor.rng_state())
                 module = await self.prefetch.acquire(names, i)
                 t0 = time.perf_counter()
-                h = self.executor.forward(name, module, h)
+                h, saved = self.executor.forward(name, module, h)
+                steps.append(saved)
                 self._record_compute(name, "forward", t0)
                 self.prefetch.finish_use(names, i, next_order=next_order)
         except BaseException:
             await self.prefetch.release_all()  # nothing stays in flight
             raise
-        self._record = ForwardRecord(
-            layer_names=names, inputs=tuple(inputs), rng=tuple(rng), output_shape=h.shape
-        )
+        self._record = ForwardRecord(layer_names=names, steps=steps, output_shape=h.shape)
         self._stats.forward_passes += 1
         self._stats.forward_samples += x.shape[0] if x.dim() else 1
         self._stats.total_forward_time += time.perf_counter() - started
@@ -374,7 +376,10 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
                     )
                 module = await self.prefetch.acquire(order, i)
                 t0 = time.perf_counter()
-                g = self.executor.backward(name, module, record.inputs[step], record.rng[step], g)
+                saved = record.steps[step]
+                record.steps[step] = None  # its activations go as soon as the layer is done
+                assert saved is not None
+                g = self.executor.backward(name, module, saved, g)
                 self._record_compute(name, "backward", t0)
                 if self.layouts[name].numel:
                     p = await self.grad_partitioner.start_reduce_scatter(name, module)
@@ -394,7 +399,9 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
             else:
                 self.grads.count_micro_step()
         except BaseException as exc:
-            # Nothing may stay in flight; the first error is the one raised.
+            # Nothing may stay in flight; the first error is the one raised. The
+            # forward's graphs are (partly) consumed: the next backward needs a new forward.
+            self._record = None
             for task in updates:
                 task.cancel()
             for task in updates:

@@ -114,4 +114,5 @@ class ObservabilityMixin:
 
     def get_memory_stats(self: Zero3CpuOffloadManager) -> Zero3MemoryStats:
         """Bytes this rank holds now, counted from the tensors."""
-        return self.memory.stats()
+        record = self._record
+        return self.memory.stats(record.activation_bytes() if record is not None else 0)

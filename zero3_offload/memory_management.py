@@ -73,9 +73,9 @@ class Zero3MemoryStats:
     gather_pool_bytes: int
     """Released gather buffers kept for reuse (CPU device only; within the budget)."""
     cpu_memory_used: int
-    """Sum of the above that live in CPU memory."""
+    """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
     gpu_memory_used: int
-    """Sum of the above that live on an accelerator."""
+    """Bytes of the kinds above, and of kept activations, that live on an accelerator."""
     process_rss_bytes: int
     """Resident set size of this process (psutil)."""
     device_allocated_bytes: int
@@ -86,6 +86,9 @@ class Zero3MemoryStats:
     """Elements of the whole model (all ranks, no padding)."""
     owned_parameters: int
     """Elements of this rank's shards (padding included)."""
+    activation_bytes: int = 0
+    """Layer inputs and activations the last forward keeps for its backward (distinct
+    storages of the tensors autograd saved, gathered parameters excluded)."""
 
     def total_memory_used(self) -> int:
         return self.cpu_memory_used + self.gpu_memory_used
@@ -153,9 +156,10 @@ class Zero3MemoryManager:
         self.optimization_cycles = 0
         self.relief_count = 0
 
-    def stats(self) -> Zero3MemoryStats:
-        """Count what is held now."""
+    def stats(self, activation_bytes: int = 0) -> Zero3MemoryStats:
+        """Count what is held now (``activation_bytes``: what the pending forward keeps)."""
         parts = [
+            (self._cache.device, activation_bytes),
             (self._params.master_device, self._params.master_bytes()),
             (self._params.copy_device, self._params.compute_copy_bytes()),
             (self._grads.device, self._grads.nbytes()),
@@ -180,6 +184,7 @@ class Zero3MemoryManager:
             last_memory_pressure=self.last_pressure,
             total_parameters=self._total,
             owned_parameters=self._owned,
+            activation_bytes=activation_bytes,
         )
 
     def _device_allocated(self) -> int:

@@ -103,6 +103,10 @@ class GpuParameterCache:
         """Bytes of ``name``'s gathered buffer (padded, in the compute dtype)."""
         return self._layouts[name].padded_numel * self._store.codec.compute_itemsize
 
+    def gathered_flat(self, name: str) -> torch.Tensor:
+        """``name``'s gathered flat buffer (KeyError when it is not gathered)."""
+        return self._gathered[name]
+
     def is_gathered(self, name: str) -> bool:
         return name in self._gathered
 
