@@ -218,11 +218,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 
 
 def machine_line(info: Mapping[str, Any]) -> str:
+    """One line naming the machine: CPU, cores, GPU (when ``info`` has ``gpu_name``), torch."""
     load = info.get("load_average_at_start")
     load_txt = f", load average {load[0]:.2f} at start" if load else ""
+    gpu = info.get("gpu_name")
+    gpu_txt = f", GPU {gpu}" if gpu else ""
     return (
         f"{info['cpu_model']}, {info['usable_cores']} usable cores "
-        f"({info['logical_cores']} logical), torch {info['torch_version']}, "
+        f"({info['logical_cores']} logical){gpu_txt}, torch {info['torch_version']}, "
         f"{info['torch_threads']} torch threads, {info['date_utc']}{load_txt}"
     )
 

@@ -117,6 +117,12 @@ SYSTEMS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
         WORLD,
         {"lr_in_backward": True, "prefetch_buffer_size": 1},
     ),
+    "ours_ckpt": (
+        "zero3_offload tuned + activation ckpt",
+        "zero3_offload",
+        WORLD,
+        {"lr_in_backward": True, "prefetch_buffer_size": 1, "activation_checkpointing": True},
+    ),
 }
 DEFAULT_SYSTEMS = list(SYSTEMS)
 
@@ -194,9 +200,13 @@ def launch(
     py_spy_out: Path | None = None,
     log_dir: Path | None = None,
     mmap_threshold: int | None = None,
+    rank_threads: int | None = None,
 ) -> dict[str, Any]:
     """Run one system once: ``world`` fresh processes; their results, or the error.
 
+    Every rank runs ``rank_threads`` torch threads when given; otherwise
+    ``threads``, and plain torch (one process) ``threads * WORLD``. Every
+    system but plain torch gets torchrun's environment, also with one rank.
     With ``py_spy_out``, rank 0 runs under ``py-spy record`` (collapsed stacks
     written there); with ``log_dir``, zero3_offload ranks write JSON-lines logs
     there for ``zero3-offload analyze``.
@@ -206,7 +216,11 @@ def launch(
         log_dir.mkdir(parents=True, exist_ok=True)
         options = {**options, "log_dir": str(log_dir)}
     run_dir.mkdir(parents=True)
-    per_rank_threads = threads * WORLD if world == 1 else threads
+    distributed = kind != "torch"
+    if rank_threads is not None:
+        per_rank_threads = rank_threads
+    else:
+        per_rank_threads = threads if distributed else threads * WORLD
     spec = {
         **common,
         "key": key,
@@ -229,7 +243,7 @@ def launch(
         # glibc: allocations of this size or more are mmapped and returned on free
         # (what zero3_offload.memory_management.set_mmap_threshold sets).
         base_env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    if world > 1:
+    if distributed:
         base_env.update(
             {
                 "MASTER_ADDR": "127.0.0.1",
@@ -246,7 +260,7 @@ def launch(
     try:
         for rank in range(world):
             env = dict(base_env)
-            if world > 1:
+            if distributed:
                 env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
             log = (run_dir / f"rank{rank}.log").open("w", encoding="utf-8")
             logs.append(log)

@@ -183,3 +183,43 @@ async def train_orders(ctx: RankContext, spec: OrderSpec) -> dict[str, Any]:
         "adapted": adapted,
         "closed_status": closed_status,
     }
+
+
+async def eval_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
+    """A forward under torch.no_grad() between training steps: output, what it keeps,
+    what a backward after it says; then the training continues."""
+    from zero3_offload.errors import StateError
+
+    model = make_model(**spec.model)
+    names = model.layer_names
+    config = Zero3CpuOffloadConfig(**spec.config)
+    (x, y), (x2, y2) = make_batches(2, spec.batch)
+    async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
+        with torch.no_grad():
+            evaluated = await manager.forward_pass(local_slice(x, ctx), names)
+        kept_by_eval = manager.get_memory_stats().activation_bytes
+        try:
+            await manager.backward_pass(torch.zeros_like(evaluated), names)
+            error = ""
+        except StateError as exc:
+            error = str(exc)
+        losses = []
+        for xb, yb in ((x, y), (x2, y2)):
+            out = await manager.forward_pass(local_slice(xb, ctx), names)
+            if not losses:
+                trained_out = out.clone()
+            out.requires_grad_()
+            loss = lm_loss(out, local_slice(yb, ctx))
+            loss.backward()
+            await manager.backward_pass(out.grad, names)
+            await manager.optimizer_step(spec.lr)
+            losses.append(loss.item())
+        state = await manager.full_state_dict()
+    return {
+        "evaluated": evaluated,
+        "trained_out": trained_out,
+        "kept_by_eval": kept_by_eval,
+        "error": error,
+        "losses": losses,
+        "state": state if ctx.rank == 0 else None,
+    }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import SEQ, lm_loss, make_batches, make_model, make_torch_optimizer
-from rank_bodies import TrainSpec, memory_probe, train
+from rank_bodies import TrainSpec, eval_probe, memory_probe, train
 from torch import nn
 
 from zero3_offload.errors import StateError
@@ -150,3 +150,17 @@ async def test_activation_bytes_are_counted() -> None:
         # Activations count towards the memory of their device (CPU here).
         after = probe["after_forward"]
         assert after["cpu_memory_used"] >= after["activation_bytes"]
+
+
+async def test_forward_under_no_grad_keeps_nothing() -> None:
+    """Evaluation forward: same output, nothing kept, no backward; training goes on exactly."""
+    spec = TrainSpec(steps=2)
+    results = await run_ranks(eval_probe, 2, spec)
+    trained = await run_ranks(train, 2, spec)
+    for r, t in zip(results, trained, strict=True):
+        assert torch.equal(r["evaluated"], r["trained_out"])
+        assert r["kept_by_eval"] == 0
+        assert "torch.no_grad()" in r["error"]
+        assert r["losses"] == t["losses"]
+    for name, value in results[0]["state"].items():
+        assert torch.equal(value, trained[0]["state"][name]), name

@@ -53,7 +53,8 @@ def check_backward_args(
     if record is None:
         raise StateError(
             "backward_pass called without a forward_pass to go back through: call "
-            "forward_pass(x, layer_names) first (each forward is used by one backward)"
+            "forward_pass(x, layer_names) first (each forward is used by one backward; a "
+            "forward under torch.no_grad() keeps nothing for one)"
         )
     if names != record.layer_names:
         raise StateError(

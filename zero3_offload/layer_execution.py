@@ -128,18 +128,19 @@ class LayerExecutor:
     # ---------------------------------------------------------------- forward
 
     def forward(
-        self, name: str, module: nn.Module, x: torch.Tensor
-    ) -> tuple[torch.Tensor, SavedStep]:
+        self, name: str, module: nn.Module, x: torch.Tensor, *, keep: bool = True
+    ) -> tuple[torch.Tensor, SavedStep | None]:
         """Run ``module(x)``.
 
         Returns:
-            The output (without autograd history) and what backward needs.
+            The output (without autograd history) and what backward needs (None
+            without ``keep``: an evaluation forward keeps nothing).
 
         Raises:
             LayerExecutionError: when the layer raises or returns no Tensor.
         """
-        if self.recompute:
-            rng = self.rng_state()
+        if self.recompute or not keep:
+            rng = self.rng_state() if keep else None
             inp = x.detach()
             try:
                 with torch.no_grad():
@@ -147,6 +148,8 @@ class LayerExecutor:
             except Exception as exc:
                 raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
             _check_output(name, out)
+            if not keep:
+                return out, None
             return out, SavedStep(inp=inp, out=None, rng=rng, kept=_storage_bytes(inp))
         leaf = x.detach().requires_grad_(x.is_floating_point())
         pack, unpack, kept = self._param_hooks(name)

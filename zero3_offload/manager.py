@@ -267,6 +267,9 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
     async def forward_pass(self, x: torch.Tensor, layer_names: Sequence[str]) -> torch.Tensor:
         """Run ``layer_names`` in order on ``x``; keep what backward needs.
 
+        Under ``torch.no_grad()`` (evaluation) nothing is kept: no graph, no
+        inputs, and no backward may follow.
+
         Args:
             x: input of the first layer (moved to the device; floating inputs
                 are cast to the compute dtype).
@@ -290,20 +293,27 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
         self.cache.phase = "forward"
         h = self.executor.to_compute(x)
         steps: list[SavedStep | None] = []
+        training = torch.is_grad_enabled()
         try:
-            await self.prefetch.begin_pass("forward", names)
-            next_order = self.prefetch.next_after_forward(names)
+            # An evaluation forward has its own trace, so it does not disturb
+            # the prediction that a training forward is followed by its backward.
+            await self.prefetch.begin_pass("forward" if training else "inference", names)
+            next_order = self.prefetch.next_after_forward(names) if training else ()
             for i, name in enumerate(names):
                 module = await self.prefetch.acquire(names, i)
                 t0 = time.perf_counter()
-                h, saved = self.executor.forward(name, module, h)
+                h, saved = self.executor.forward(name, module, h, keep=training)
                 steps.append(saved)
                 self._record_compute(name, "forward", t0)
                 self.prefetch.finish_use(names, i, next_order=next_order)
         except BaseException:
             await self.prefetch.release_all()  # nothing stays in flight
             raise
-        self._record = ForwardRecord(layer_names=names, steps=steps, output_shape=h.shape)
+        self._record = (
+            ForwardRecord(layer_names=names, steps=steps, output_shape=h.shape)
+            if training
+            else None
+        )
         self._stats.forward_passes += 1
         self._stats.forward_samples += x.shape[0] if x.dim() else 1
         self._stats.total_forward_time += time.perf_counter() - started

@@ -60,7 +60,8 @@ class CopyStreams:
         """An event recorded now on ``stream`` (default: the current stream)."""
         if not self.enabled:
             return None
-        event = torch.cuda.Event()
+        # Timing on: copy intervals are read from these (elapsed_time needs it).
+        event = torch.cuda.Event(enable_timing=True)
         event.record(stream or torch.cuda.current_stream(self.device))
         return event
 

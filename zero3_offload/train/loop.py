@@ -161,7 +161,9 @@ class _Trainer:
         total = 0.0
         for i in range(self.opts.eval_batches):
             x, y = self._batch("eval", i, 0)
-            loss, _ = self._loss(await self.manager.forward_pass(x, self.names), y)
+            with torch.no_grad():  # forward only: the manager keeps nothing for backward
+                out = await self.manager.forward_pass(x, self.names)
+            loss, _ = self._loss(out, y)
             total += loss.item()
         (mean,) = await self.mean(total / self.opts.eval_batches)
         return mean
