@@ -3,11 +3,14 @@ the kept graphs never hold on to released parameter storage."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from models import SEQ, lm_loss, make_batches, make_model, make_torch_optimizer
 from rank_bodies import TrainSpec, eval_probe, memory_probe, train
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zero3_offload.errors import StateError
 from zero3_offload.layer_execution import LayerExecutor
@@ -60,6 +63,25 @@ def test_kept_graph_rebuilds_parameters_from_the_new_gather() -> None:
     torch.testing.assert_close(grad_in, ref_x.grad)
     for p, q in zip(layer.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_kept_graph_does_not_keep_the_released_buffer_alive() -> None:
+    layer = _layer()
+    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
+    _bind(layer, flat)
+    gathered = {"l": flat}
+    executor = LayerExecutor(
+        torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
+    )
+    released = StorageWeakRef(flat.untyped_storage())
+    _, saved = executor.forward("l", layer, torch.randn(4, 8))
+    # Release as the cache does: parameters point elsewhere, the buffer is dropped.
+    for p in layer.parameters():
+        p.data = torch.empty(0)
+    del gathered["l"], flat
+    gc.collect()
+    assert released.expired(), "the kept graph still holds the released parameter buffer"
+    assert saved.kept
 
 
 def test_kept_graph_needs_the_layer_gathered() -> None:

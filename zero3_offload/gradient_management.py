@@ -28,7 +28,13 @@ from zero3_offload.streams import CopyStreams
 from zero3_offload.timeline import Timeline
 from zero3_offload.workers import CpuWorkers
 
-__all__ = ["CpuGradientStore", "GpuGradientBuffer", "GradientPartitioner", "PendingGradient"]
+__all__ = [
+    "CpuGradientStore",
+    "GpuGradientBuffer",
+    "GradientPartitioner",
+    "GradientSlot",
+    "PendingGradient",
+]
 
 
 @attrs.define
@@ -41,6 +47,16 @@ class PendingGradient:
     slot: int  # the GpuGradientBuffer slot held until completion
     started: float  # time.perf_counter() at launch
     nbytes: int  # bytes of the full flat gradient reduced
+
+
+@attrs.define
+class GradientSlot:
+    """A flat gradient buffer taken for one layer's backward (see GradientPartitioner.prepare)."""
+
+    layer: str
+    index: int  # the GpuGradientBuffer slot
+    flat: torch.Tensor  # 1D fp32 [padded_numel] view of the slot
+    in_place: bool  # the parameters' .grad are views of ``flat``
 
 
 class GpuGradientBuffer:
@@ -105,34 +121,76 @@ class GradientPartitioner:
         self._buffer = buffer
         self._timeline = timeline
 
-    async def start_reduce_scatter(self, layer: str, module: nn.Module) -> PendingGradient:
-        """Copy ``module``'s parameter gradients into a flat buffer and launch the reduce-scatter.
+    async def prepare(self, layer: str, module: nn.Module) -> GradientSlot:
+        """Take a flat buffer for ``layer``'s gradients before its backward runs.
 
-        Parameters without a gradient contribute zeros, as do the padding elements.
+        When the parameters are fp32 on the buffer's device, each ``param.grad``
+        is set to its zeroed view of the buffer, so autograd accumulates into
+        the buffer in place (see [Note: gradients in place]); otherwise the
+        gradients are copied in by :meth:`start_reduce_scatter`.
         """
         layout = self._layouts[layer]
         waited = time.perf_counter()
         slot, flat = await self._buffer.acquire(layout.padded_numel)
         self._timeline.record("wait", layer, "backward", waited, time.perf_counter())
         params = dict(module.named_parameters())
+        in_place = all(
+            params[s.name].dtype == flat.dtype and params[s.name].device == flat.device
+            for s in layout.slots
+        )
+        if in_place:
+            flat.zero_()
+            for s in layout.slots:
+                params[s.name].grad = flat[s.offset : s.offset + s.numel].view_as(params[s.name])
+        return GradientSlot(layer=layer, index=slot, flat=flat, in_place=in_place)
+
+    async def start_reduce_scatter(
+        self, layer: str, module: nn.Module, prepared: GradientSlot | None = None
+    ) -> PendingGradient:
+        """Launch the reduce-scatter of ``module``'s parameter gradients.
+
+        Gradients not already in ``prepared``'s buffer are copied in; parameters
+        without a gradient contribute zeros, as do the padding elements. The
+        parameters' ``.grad`` are cleared (the buffer holds the gradient now).
+
+        [Note: gradients in place]
+        With a buffer from :meth:`prepare`, autograd adds each parameter's
+        gradient into its view of the flat buffer (``AccumulateGrad`` adds in
+        place into a defined ``.grad``), which saves a layer-sized allocation
+        and a copy per layer. A gradient that autograd replaced instead (a
+        hook assigning ``.grad``) no longer points into the buffer and is
+        copied like any other.
+        """
+        layout = self._layouts[layer]
+        if prepared is None:
+            prepared = await self.prepare(layer, module)
+        flat = prepared.flat
+        params = dict(module.named_parameters())
+        base = flat.untyped_storage().data_ptr()
         for s in layout.slots:
-            grad = params[s.name].grad
+            param = params[s.name]
+            grad = param.grad
             dest = flat[s.offset : s.offset + s.numel]
             if grad is None:
                 dest.zero_()
-            else:
+            elif not (
+                prepared.in_place
+                and grad.untyped_storage().data_ptr() == base
+                and grad.data_ptr() == dest.data_ptr()
+            ):
                 dest.copy_(grad.view(-1))
+            param.grad = None
         flat[layout.numel :].zero_()
         shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
         pending = PendingGradient(
             layer=layer,
             shard=shard,
             collective=self._comm.start_reduce_scatter_mean(shard, flat),
-            slot=slot,
+            slot=prepared.index,
             started=time.perf_counter(),
             nbytes=tensor_bytes(flat),
         )
-        self._buffer.hold(slot, pending)
+        self._buffer.hold(prepared.index, pending)
         return pending
 
     async def finish(self, pending: PendingGradient) -> torch.Tensor:
@@ -273,6 +331,10 @@ class CpuGradientStore:
         if coef < 1.0:
             self.scale_(coef)
         return norm
+
+    def drop(self, layer: str) -> None:
+        """Drop ``layer``'s shard (its update is done; the window is closed for it)."""
+        self._grads.pop(layer, None)
 
     def clear(self) -> None:
         """Drop every gradient shard (after an optimizer step)."""

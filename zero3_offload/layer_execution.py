@@ -166,25 +166,29 @@ class LayerExecutor:
         self, name: str
     ) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor], dict[int, int]]:
         """Saved-tensor hooks for ``name``'s forward. See [Note: kept activations]."""
+        # Where the gathered buffer lives (device, storage pointer, offset), not the
+        # buffer itself: autograd keeps these hooks with the graph, and a reference
+        # to the buffer here would keep every layer's gathered parameters alive.
+        where: tuple[torch.device, int, int] | None = None
         try:
             flat = self._gathered_flat(name)
+            if flat.numel():
+                where = (flat.device, flat.untyped_storage().data_ptr(), flat.storage_offset())
+            del flat
         except KeyError:
-            flat = None
-        base = None
-        if flat is not None and flat.numel():
-            base = flat.untyped_storage().data_ptr()
-            base_offset = flat.storage_offset()
+            pass
         kept: dict[int, int] = {}  # storage pointer -> bytes, of saved activations
 
         def pack(t: torch.Tensor) -> object:
             in_flat = (
-                base is not None
-                and t.device == flat.device
+                where is not None
+                and t.device == where[0]
                 and not t.is_sparse
-                and t.untyped_storage().data_ptr() == base
+                and t.untyped_storage().data_ptr() == where[1]
             )
             if in_flat:
-                return _ParamSlot(t.size(), t.stride(), t.storage_offset() - base_offset)
+                assert where is not None
+                return _ParamSlot(t.size(), t.stride(), t.storage_offset() - where[2])
             kept.update(_storage_bytes(t))
             return t
 

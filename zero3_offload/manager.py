@@ -385,14 +385,17 @@ class Zero3CpuOffloadManager(CheckpointMixin, ObservabilityMixin, LifecycleMixin
                         f"reaches layer {name!r}: it must come first in layer_names"
                     )
                 module = await self.prefetch.acquire(order, i)
+                has_params = self.layouts[name].numel > 0
+                if has_params:
+                    prepared = await self.grad_partitioner.prepare(name, module)
                 t0 = time.perf_counter()
                 saved = record.steps[step]
                 record.steps[step] = None  # its activations go as soon as the layer is done
                 assert saved is not None
                 g = self.executor.backward(name, module, saved, g)
                 self._record_compute(name, "backward", t0)
-                if self.layouts[name].numel:
-                    p = await self.grad_partitioner.start_reduce_scatter(name, module)
+                if has_params:
+                    p = await self.grad_partitioner.start_reduce_scatter(name, module, prepared)
                     pending.append(p)
                     if early_lr is not None:
                         landing = self.updater.land_and_update(self.grad_partitioner, p, early_lr)

@@ -98,10 +98,15 @@ class ShardUpdater:
     async def land_and_update(
         self, partitioner: GradientPartitioner, pending: PendingGradient, lr: float
     ) -> None:
-        """Wait for a layer's reduce-scatter, commit its shard and update it at once."""
+        """Wait for a layer's reduce-scatter, commit its shard and update it at once.
+
+        The shard is dropped once the layer is updated, so a backward holds only
+        the shards in flight, not every layer's (its step no longer needs them).
+        """
         shard = await partitioner.finish(pending)
         await self._grads.commit_layer(pending.layer, shard)
         await self.update_layer(pending.layer, lr, 1.0 / self._k)
+        self._grads.drop(pending.layer)
 
     async def apply(self, lr: float) -> list[str] | None:
         """Update every layer not yet updated in this window; all layers in parallel.
