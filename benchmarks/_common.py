@@ -171,6 +171,22 @@ def add_common_args(parser: Any, *, default_repeats: int = 7) -> None:
     )
 
 
+def add_rank_run_args(parser: Any, *, render_extra: str = "") -> None:
+    """Options of the benchmarks that launch ranks (compare_peers, scaling): --keep, --render."""
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs, per-rank results)"
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="run nothing: rebuild the markdown of an earlier run from its results JSON, "
+        "written beside --out (as PATH.md; no JSON is written) or, without --out, printed"
+        f"{render_extra}; the other options are ignored",
+    )
+
+
 def check_common_args(parser: Any, args: Any) -> None:
     """Reject option values that would break the timing rules (via ``parser.error``)."""
     if args.repeats < MIN_REPEATS:
@@ -245,10 +261,19 @@ def write_results(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n", encoding="utf-8")
     md_path = out.with_suffix(".md")
-    parts = [f"# {title}", "", machine_line(payload["machine"]), "", table_md, ""]
-    parts += [f"- {n}" for n in notes]
-    md_path.write_text("\n".join(parts).rstrip() + "\n", encoding="utf-8")
+    md_path.write_text(
+        markdown_report(payload["machine"], table_md, title=title, notes=notes), encoding="utf-8"
+    )
     return out, md_path
+
+
+def markdown_report(
+    info: Mapping[str, Any], table_md: str, *, title: str, notes: Sequence[str] = ()
+) -> str:
+    """The ``.md`` file :func:`write_results` writes: title, machine line, tables, notes."""
+    parts = [f"# {title}", "", machine_line(info), "", table_md, ""]
+    parts += [f"- {n}" for n in notes]
+    return "\n".join(parts).rstrip() + "\n"
 
 
 def _json_default(obj: object) -> object:

@@ -23,7 +23,10 @@ AdamW (lr, betas, eps and weight decay alike), fp32:
   ``--sweep-ours`` compares: the learning rate passed to ``backward_pass`` (each
   layer's update overlaps the backward of the layers before it) and
   ``prefetch_buffer_size=1``. On the small model it differed from the default
-  by less than the machine's noise (see ``benchmarks/README.md``).
+  by less than the machine's noise (see ``benchmarks/README.md``);
+- ``ours_ckpt``: ``ours_fast`` with ``activation_checkpointing=True`` (only
+  layer inputs kept between the passes, each layer's forward recomputed in
+  backward): the memory-lean configuration.
 
 Each run of a system is a fresh set of processes (one interpreter per rank,
 torchrun's environment variables, ``OMP_NUM_THREADS`` = threads per rank),
@@ -43,18 +46,20 @@ Run ``python benchmarks/compare_peers.py`` (small model, ~10 minutes here),
 parameters, for the memory comparison, ~17 minutes per round),
 ``--sweep-ours`` (configurations of ours only), ``--mmap-threshold 1048576``
 (glibc returns freed blocks >= 1 MiB to the OS in every rank, as
-``zero3-offload train`` does). ``--help`` lists the options.
+``zero3-offload train`` does). ``--render JSON`` rebuilds the markdown of an
+earlier run from its results JSON without running anything. ``--help`` lists
+the options.
+
+The pieces: ``_peers_run.py`` (sizes, the systems, launching one run) and
+``_peers_report.py`` (summaries, ratios, tables and notes).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,454 +67,26 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    RESULTS_DIR,
+    add_common_args,
+    add_rank_run_args,
+    machine_info,
+    machine_line,
+    write_results,
+)
 from _peers_model import corpus_info, count_params, make_model
-
-try:
-    from _common import (
-        RESULTS_DIR,
-        add_common_args,
-        load_average,
-        machine_info,
-        machine_line,
-        markdown_table,
-        write_results,
-    )
-except ModuleNotFoundError:  # run as ``python -m benchmarks.compare_peers``
-    from benchmarks._common import (
-        RESULTS_DIR,
-        add_common_args,
-        load_average,
-        machine_info,
-        machine_line,
-        markdown_table,
-        write_results,
-    )
-
-WORKER = Path(__file__).resolve().parent / "_peers_worker.py"
-WORLD = 2
-LR = 3e-4
-WEIGHT_DECAY = 0.01
-LOSS_CHECK_STEPS = 5
-LOSS_TOLERANCE = 1e-3
-MIB = 2**20
-
-SIZES = {
-    "quick": {"d": 128, "heads": 4, "n_layers": 2, "seq": 64, "global_batch": 8},
-    "small": {"d": 512, "heads": 8, "n_layers": 6, "seq": 128, "global_batch": 8},
-    "large": {"d": 1024, "heads": 16, "n_layers": 24, "seq": 128, "global_batch": 8},
-}
-
-# key -> (label, kind, world size, options)
-SYSTEMS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
-    "torch": ("plain torch (1 process)", "torch", 1, {"fused": True}),
-    "fsdp2": ("FSDP2", "fsdp2", WORLD, {"fused": True}),
-    "fsdp2_offload": (
-        "FSDP2 + CPUOffloadPolicy",
-        "fsdp2",
-        WORLD,
-        {"fused": True, "cpu_offload": True},
-    ),
-    "deepspeed": ("DeepSpeed ZeRO-3 offload", "deepspeed", WORLD, {}),
-    "ours_default": ("zero3_offload default", "zero3_offload", WORLD, {}),
-    "ours_fast": (
-        "zero3_offload tuned",
-        "zero3_offload",
-        WORLD,
-        {"lr_in_backward": True, "prefetch_buffer_size": 1},
-    ),
-    "ours_ckpt": (
-        "zero3_offload tuned + activation ckpt",
-        "zero3_offload",
-        WORLD,
-        {"lr_in_backward": True, "prefetch_buffer_size": 1, "activation_checkpointing": True},
-    ),
-}
-DEFAULT_SYSTEMS = list(SYSTEMS)
-
-# Candidates for ours' fastest configuration (``--sweep-ours``).
-_NO_OFFLOAD = {"offload_params": False, "offload_grads": False, "offload_optimizer_states": False}
-SWEEP: dict[str, tuple[str, str, int, dict[str, Any]]] = {
-    "ours_default": SYSTEMS["ours_default"],
-    "lr_bwd": ("lr in backward_pass", "zero3_offload", WORLD, {"lr_in_backward": True}),
-    "lr_bwd_nooffload": (
-        "lr in backward, offload off",
-        "zero3_offload",
-        WORLD,
-        {"lr_in_backward": True, **_NO_OFFLOAD},
-    ),
-    "lr_bwd_1worker": (
-        "lr in backward, cpu_worker_threads=1",
-        "zero3_offload",
-        WORLD,
-        {"lr_in_backward": True, "cpu_worker_threads": 1},
-    ),
-    "lr_bwd_depth1": (
-        "lr in backward, prefetch_buffer_size=1",
-        "zero3_offload",
-        WORLD,
-        {"lr_in_backward": True, "prefetch_buffer_size": 1},
-    ),
-    "lr_bwd_persist": (
-        "lr in backward, small layers persistent",
-        "zero3_offload",
-        WORLD,
-        {"lr_in_backward": True, "param_persistence_threshold": 300_000},
-    ),
-    "no_prefetch": ("async_prefetch=False", "zero3_offload", WORLD, {"async_prefetch": False}),
-}
-
-
-# ---------------------------------------------------------------- launching
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def deepspeed_status() -> tuple[bool, str]:
-    """Whether ``import deepspeed`` works here (in a child, with DS_ACCELERATOR=cpu)."""
-    if importlib.util.find_spec("deepspeed") is None:
-        return False, "deepspeed is not installed (pip install deepspeed to include it)"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return False, "import deepspeed failed: " + " | ".join(tail)
-    return True, proc.stdout.strip().splitlines()[-1]
-
-
-def launch(
-    key: str,
-    system: tuple[str, str, int, dict[str, Any]],
-    common: dict[str, Any],
-    run_dir: Path,
-    *,
-    threads: int,
-    timeout_s: float,
-    py_spy_out: Path | None = None,
-    log_dir: Path | None = None,
-    mmap_threshold: int | None = None,
-    rank_threads: int | None = None,
-) -> dict[str, Any]:
-    """Run one system once: ``world`` fresh processes; their results, or the error.
-
-    Every rank runs ``rank_threads`` torch threads when given; otherwise
-    ``threads``, and plain torch (one process) ``threads * WORLD``. Every
-    system but plain torch gets torchrun's environment, also with one rank.
-    With ``py_spy_out``, rank 0 runs under ``py-spy record`` (collapsed stacks
-    written there); with ``log_dir``, zero3_offload ranks write JSON-lines logs
-    there for ``zero3-offload analyze``.
-    """
-    _label, kind, world, options = system
-    if log_dir is not None and kind == "zero3_offload":
-        log_dir.mkdir(parents=True, exist_ok=True)
-        options = {**options, "log_dir": str(log_dir)}
-    run_dir.mkdir(parents=True)
-    distributed = kind != "torch"
-    if rank_threads is not None:
-        per_rank_threads = rank_threads
-    else:
-        per_rank_threads = threads if distributed else threads * WORLD
-    spec = {
-        **common,
-        "key": key,
-        "kind": kind,
-        "options": options,
-        "threads": per_rank_threads,
-        "out_dir": str(run_dir),
-    }
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    base_env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(per_rank_threads),
-        "MKL_NUM_THREADS": str(per_rank_threads),
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONUNBUFFERED": "1",
-    }
-    base_env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/zero3_offload_peers_torch_extensions")
-    if mmap_threshold is not None:
-        # glibc: allocations of this size or more are mmapped and returned on free
-        # (what zero3_offload.memory_management.set_mmap_threshold sets).
-        base_env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    if distributed:
-        base_env.update(
-            {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world),
-                "GROUP_RANK": "0",
-            }
-        )
-    procs = []
-    logs = []
-    load = load_average()
-    t0 = time.perf_counter()
-    try:
-        for rank in range(world):
-            env = dict(base_env)
-            if distributed:
-                env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
-            log = (run_dir / f"rank{rank}.log").open("w", encoding="utf-8")
-            logs.append(log)
-            cmd = [sys.executable, str(WORKER), str(spec_path)]
-            if py_spy_out is not None and rank == 0:
-                cmd = ["py-spy", "record", "--format", "raw", "--rate", "50", "--threads",
-                       "--output", str(py_spy_out), "--", *cmd]  # fmt: skip
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        deadline = time.monotonic() + timeout_s
-        error = None
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                error = f"rank {failed[0]} exited with code {procs[failed[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                error = f"did not finish within {timeout_s:g} s"
-                break
-            time.sleep(0.2)
-        if error is None:
-            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if failed:
-                error = f"rank {failed[0]} exited with code {procs[failed[0]].returncode}"
-    finally:
-        for p in procs:  # only the processes started here, by their own handle
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    wall = time.perf_counter() - t0
-    if error is not None:
-        tails = {}
-        for rank in range(len(procs)):
-            lines = (run_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
-            tails[rank] = [ln for ln in lines if ln.strip()][-15:]
-        return {
-            "key": key,
-            "ok": False,
-            "error": error,
-            "log_tails": tails,
-            "wall_s": wall,
-            "load_average_at_start": load,
-        }
-    ranks = [
-        json.loads((run_dir / f"result-rank{r}.json").read_text(encoding="utf-8"))
-        for r in range(world)
-    ]
-    return {"key": key, "ok": True, "ranks": ranks, "wall_s": wall, "load_average_at_start": load}
-
-
-# ---------------------------------------------------------------- summaries
-
-
-def _global_losses(run: dict[str, Any]) -> list[float]:
-    """Per step, the mean of the ranks' local mean losses (= the global-batch mean)."""
-    per_rank = [[s["loss"] for s in rk["steps"]] for rk in run["ranks"]]
-    return [statistics.fmean(v) for v in zip(*per_rank, strict=True)]
-
-
-def _step_cpu(run: dict[str, Any], warmup: int) -> list[float]:
-    """Per timed step, the CPU seconds of all ranks' processes together."""
-    per_rank = [[s["cpu_s"] for s in rk["steps"][warmup:]] for rk in run["ranks"]]
-    return [sum(v) for v in zip(*per_rank, strict=True)]
-
-
-def summarize(
-    systems: dict[str, tuple[str, str, int, dict[str, Any]]],
-    runs: list[dict[str, Any]],
-    warmup: int,
-) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for key, (label, kind, world, options) in systems.items():
-        ok = [r for r in runs if r["key"] == key and r["ok"]]
-        if not ok:
-            continue
-        timed = [s for r in ok for rk in r["ranks"] for s in rk["steps"][warmup:]]
-        losses = [_global_losses(r) for r in ok]
-        s: dict[str, Any] = {
-            "label": label,
-            "kind": kind,
-            "world_size": world,
-            "threads_per_rank": ok[0]["ranks"][0]["torch_threads"],
-            "options": options,
-            "runs": len(ok),
-            "samples": len(timed),
-            "median_step_s": statistics.median(x["step_s"] for x in timed),
-            "min_step_s": min(x["step_s"] for x in timed),
-            "max_step_s": max(x["step_s"] for x in timed),
-            "run_median_step_s": [
-                statistics.median(x["step_s"] for rk in r["ranks"] for x in rk["steps"][warmup:])
-                for r in ok
-            ],
-            "peak_rss_bytes": statistics.median(
-                max(rk["peak_rss_bytes"] for rk in r["ranks"]) for r in ok
-            ),
-            "peak_rss_per_rank_bytes": [[rk["peak_rss_bytes"] for rk in r["ranks"]] for r in ok],
-            "import_rss_bytes": statistics.median(
-                max(rk["marks"]["imported"]["rss_bytes"] for rk in r["ranks"]) for r in ok
-            ),
-            "model_state_bytes": max(rk["model_state"]["total"] for rk in ok[0]["ranks"]),
-            "model_state": ok[0]["ranks"][0]["model_state"],
-            "losses": losses[0],
-            "losses_max_run_spread": max(
-                abs(a - b) for ls in losses[1:] for a, b in zip(ls, losses[0], strict=True)
-            )
-            if len(losses) > 1
-            else 0.0,
-        }
-        s["median_cpu_s"] = statistics.median(c for r in ok for c in _step_cpu(r, warmup))
-        s["run_median_cpu_s"] = [statistics.median(_step_cpu(r, warmup)) for r in ok]
-        for phase in ("forward_s", "backward_s", "optimizer_s"):
-            s[f"median_{phase}"] = statistics.median(x[phase] for x in timed)
-        for extra in ("optimizer", "deepspeed_version", "persistent_params"):
-            if extra in ok[0]["ranks"][0]:
-                s[extra] = ok[0]["ranks"][0][extra]
-        out[key] = s
-    return out
-
-
-def _ratio(a: float, b: float | None) -> str:
-    return f"{a / b:.2f}x" if b else "-"
-
-
-def render(
-    summary: dict[str, dict[str, Any]],
-    runs: list[dict[str, Any]],
-    rounds: int,
-    loss_steps: int,
-) -> tuple[str, dict[str, Any]]:
-    """The markdown tables and the loss-agreement verdict."""
-    fsdp = summary.get("fsdp2")
-    ref = summary.get("torch")
-    headers = [
-        "system",
-        "ranks x threads",
-        "median step s",
-        "vs FSDP2",
-        "vs torch",
-        "best run step s",
-        "CPU s / step",
-        "vs FSDP2",
-        "fwd+loss s",
-        "backward s",
-        "optimizer s",
-        "peak RSS / rank MiB",
-        "vs FSDP2",
-        "vs torch",
-        "RSS after import MiB",
-        "model state / rank MiB",
-    ]
-    rows = []
-    for s in summary.values():
-        rows.append(
-            [
-                s["label"],
-                f"{s['world_size']} x {s['threads_per_rank']}",
-                f"{s['median_step_s']:.3f}",
-                _ratio(s["median_step_s"], fsdp and fsdp["median_step_s"]),
-                _ratio(s["median_step_s"], ref and ref["median_step_s"]),
-                f"{min(s['run_median_step_s']):.3f}",
-                f"{s['median_cpu_s']:.3f}",
-                _ratio(s["median_cpu_s"], fsdp and fsdp["median_cpu_s"]),
-                f"{s['median_forward_s']:.3f}",
-                f"{s['median_backward_s']:.3f}",
-                f"{s['median_optimizer_s']:.3f}",
-                f"{s['peak_rss_bytes'] / MIB:,.0f}",
-                _ratio(s["peak_rss_bytes"], fsdp and fsdp["peak_rss_bytes"]),
-                _ratio(s["peak_rss_bytes"], ref and ref["peak_rss_bytes"]),
-                f"{s['import_rss_bytes'] / MIB:,.0f}",
-                f"{s['model_state_bytes'] / MIB:,.1f}",
-            ]
-        )
-    main_table = markdown_table(headers, rows)
-
-    # Loss agreement: every system against plain torch (or the first system).
-    base = ref or next(iter(summary.values()))
-    k = min(loss_steps, len(base["losses"]))
-    l_headers = [
-        "system",
-        *[f"step {i}" for i in range(k)],
-        f"max |diff| vs {base['label']} (first {LOSS_CHECK_STEPS})",
-        "max spread between runs",
-    ]
-    l_rows = []
-    agreement: dict[str, Any] = {"reference": base["label"], "tolerance": LOSS_TOLERANCE}
-    worst = 0.0
-    for key, s in summary.items():
-        n = min(LOSS_CHECK_STEPS, len(s["losses"]), len(base["losses"]))
-        diff = max(abs(a - b) for a, b in zip(s["losses"][:n], base["losses"][:n], strict=True))
-        worst = max(worst, diff)
-        agreement[key] = diff
-        l_rows.append(
-            [
-                s["label"],
-                *[f"{v:.5f}" for v in s["losses"][:k]],
-                f"{diff:.2e}",
-                f"{s['losses_max_run_spread']:.1e}",
-            ]
-        )
-    agreement["max_diff"] = worst
-    agreement["agree"] = worst <= LOSS_TOLERANCE
-    loss_table = markdown_table(l_headers, l_rows)
-
-    # Per round: each run's median step (machine drift shows here).
-    keys = list(summary)
-    r_rows = []
-    for r in range(rounds):
-        in_round = [run for run in runs if run["round"] == r]
-        by = {run["key"]: run for run in in_round if run["ok"]}
-        order = " > ".join(run["key"] for run in in_round)
-        cells = []
-        for key in keys:
-            run = by.get(key)
-            if run is None:
-                cells.append("-")
-                continue
-            w = run["warmup"]
-            wall = statistics.median(x["step_s"] for rk in run["ranks"] for x in rk["steps"][w:])
-            cells.append(f"{wall:.3f} ({statistics.median(_step_cpu(run, w)):.2f})")
-        loads = [
-            f"{run['load_average_at_start'][0]:.1f}"
-            for run in in_round
-            if run.get("load_average_at_start")
-        ]
-        r_rows.append([str(r), order, f"{min(loads)}-{max(loads)}" if loads else "-", *cells])
-    rounds_table = markdown_table(
-        ["round", "order", "load avg", *[summary[k]["label"] for k in keys]], r_rows
-    )
-    md = "\n\n".join(
-        [
-            main_table,
-            f"Loss per step (global-batch mean; the first {k} steps of the first run; "
-            "same initial weights and data for every system):",
-            loss_table,
-            "Per round: median step s of each run (CPU s / step of all ranks in parentheses) "
-            "and the 1-minute load average at the runs' starts; drift of the machine shows here:",
-            rounds_table,
-        ]
-    )
-    return md, agreement
-
+from _peers_report import (
+    LOSS_CHECK_STEPS,
+    MIB,
+    global_losses,
+    notes_for,
+    render,
+    rerender,
+    summarize,
+    title_for,
+)
+from _peers_run import LR, SIZES, SWEEP, SYSTEMS, WEIGHT_DECAY, WORLD, deepspeed_status, launch
 
 # ---------------------------------------------------------------- main
 
@@ -551,9 +128,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=None, help="seconds per run (default 900; large 3600)"
     )
     parser.add_argument(
-        "--keep", action="store_true", help="keep the work directory (logs, per-rank results)"
-    )
-    parser.add_argument(
         "--mmap-threshold",
         type=int,
         default=None,
@@ -578,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="diagnostics: zero3_offload ranks log JSON lines to DIR/<system>-round<r>/ "
         "for `zero3-offload analyze`",
     )
+    add_rank_run_args(parser)
     add_common_args(parser, default_repeats=6)
     parser.set_defaults(warmup=None, repeats=None, threads=1)
     args = parser.parse_args(argv)
@@ -610,8 +185,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def render_only(path: Path, out: Path | None) -> int:
+    """``--render``: the markdown of the results JSON at ``path``, to ``out``'s .md or stdout."""
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    md = rerender(payload, {k: v[0] for k, v in (SWEEP | SYSTEMS).items()})
+    if out is None:
+        print(md, end="")
+        return 0
+    md_path = out.with_suffix(".md")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(md, encoding="utf-8")
+    print(f"wrote {md_path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        return render_only(args.render, args.out)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -685,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                     rss = max(rk["peak_rss_bytes"] for rk in run["ranks"]) / MIB
                     print(
                         f"round {r} {key:>14}: median step {med:.3f} s, peak RSS/rank "
-                        f"{rss:,.0f} MiB, losses {[round(v, 4) for v in _global_losses(run)[:5]]}"
+                        f"{rss:,.0f} MiB, losses {[round(v, 4) for v in global_losses(run)[:5]]}"
                         f" (run {run['wall_s']:.0f} s)",
                         flush=True,
                     )
@@ -707,49 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         print("no system produced a result")
         return 1
     tables_md, agreement = render(summary, runs, args.rounds, args.warmup + args.repeats)
-
-    notes = [
-        f"Model: GPT (`benchmarks/_peers_model.py`) d={dims['d']}, {dims['heads']} heads, "
-        f"{dims['n_layers']} blocks, seq {dims['seq']}, byte vocabulary 256: {n_params:,} fp32 "
-        f"params in {len(per_layer)} layers (largest {max(per_layer.values()):,}); global batch "
-        f"{dims['global_batch']}, split evenly over the ranks; seed {args.seed} for every system.",
-        "Data: windows of the Python stdlib's top-level *.py bytes (sha256 "
-        f"{corpus_info()['sha256'][:12]}), the same batches for every system.",
-        f"AdamW lr {LR}, betas (0.9, 0.999), eps 1e-8, weight decay {WEIGHT_DECAY}, fp32. "
-        "torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
-        "(gradient_clipping set to 0: DeepSpeed's default is 1.0); zero3_offload: torch's fused "
-        "AdamW kernel per layer shard.",
-        f"Each run: fresh processes, {args.warmup} warm-up + {args.repeats} timed steps; "
-        f"{args.rounds} rounds, the order rotated each round. Median step = median over every "
-        "timed step of every rank and run; phases: forward + loss, backward (ours with the lr "
-        "passed includes the overlapped updates), optimizer step.",
-        "vs FSDP2 / vs torch = this system's figure / that system's (<1: faster or smaller).",
-        "best run step s: the smallest per-run median step (the least disturbed run).",
-        "CPU s / step: CPU time (time.process_time, all threads) of every rank's process during "
-        "a step, summed over the ranks; median over timed steps and runs. Other work on the "
-        "machine inflates wall time much more than this.",
-        "Peak RSS / rank: VmHWM of /proc/self/status at the end of a run, max over ranks, median "
-        "over runs (file-backed and shared pages count). RSS after import: VmRSS once torch and "
-        "the system's package are imported, before the model is built.",
-        "Model state / rank: bytes of the distinct storages behind parameters (compute copies "
-        "and fp32 masters), gradients and optimizer state after the last step, as each system "
-        "exposes them (zero3_offload: get_memory_stats().model_state_bytes()).",
-        f"Losses agree with {agreement['reference']} within {LOSS_TOLERANCE:g} for the first "
-        f"{LOSS_CHECK_STEPS} steps: {agreement['agree']} (max |diff| {agreement['max_diff']:.2e}).",
-        "glibc malloc: "
-        + (
-            f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold} in every rank of every system."
-            if args.mmap_threshold is not None
-            else "defaults (dynamic mmap threshold, up to 32 MiB) in every process."
-        ),
-        *[f"SKIPPED {table[k][0]}: {msg}" for k, msg in skipped.items()],
-        f"whole benchmark {total_wall:.0f} s wall.",
-    ]
-    print()
-    print(tables_md)
-    print()
-    for n in notes:
-        print(f"- {n}")
 
     name = "peers-sweep" if args.sweep_ours else "peers"
     if args.size != "small":
@@ -780,12 +328,19 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "total_wall_s": total_wall,
     }
+    notes = notes_for(payload, {k: v[0] for k, v in table.items()})
+    print()
+    print(tables_md)
+    print()
+    for n in notes:
+        print(f"- {n}")
+
     out = args.out or RESULTS_DIR / f"{name}.json"
     json_path, md_path = write_results(
         out,
         payload,
         tables_md,
-        title=f"zero3_offload vs peers ({args.size} model, same model, data and seed)",
+        title=title_for(args.size),
         notes=notes,
     )
     print(f"\nwrote {json_path} and {md_path}")

@@ -32,6 +32,18 @@ def _bind(module: nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
+def _gathered_layer() -> tuple[nn.Module, dict[str, torch.Tensor], LayerExecutor]:
+    """A layer bound to a flat buffer registered as gathered, and a kept-graph executor."""
+    layer = _layer()
+    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
+    _bind(layer, flat)
+    gathered = {"l": flat}
+    executor = LayerExecutor(
+        torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
+    )
+    return layer, gathered, executor
+
+
 def test_kept_graph_rebuilds_parameters_from_the_new_gather() -> None:
     """Backward must read the parameters of the *new* gather, not the released buffer."""
     reference = _layer()
@@ -40,13 +52,8 @@ def test_kept_graph_rebuilds_parameters_from_the_new_gather() -> None:
     ref_x = x.clone().requires_grad_()
     torch.autograd.backward(reference(ref_x), grad)
 
-    layer = _layer()
-    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
-    _bind(layer, flat)
-    gathered = {"l": flat}
-    executor = LayerExecutor(
-        torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
-    )
+    layer, gathered, executor = _gathered_layer()
+    flat = gathered["l"]
     out, saved = executor.forward("l", layer, x)
     torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
     assert not out.requires_grad
@@ -66,13 +73,8 @@ def test_kept_graph_rebuilds_parameters_from_the_new_gather() -> None:
 
 
 def test_kept_graph_does_not_keep_the_released_buffer_alive() -> None:
-    layer = _layer()
-    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
-    _bind(layer, flat)
-    gathered = {"l": flat}
-    executor = LayerExecutor(
-        torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
-    )
+    layer, gathered, executor = _gathered_layer()
+    flat = gathered["l"]
     released = StorageWeakRef(flat.untyped_storage())
     _, saved = executor.forward("l", layer, torch.randn(4, 8))
     # Release as the cache does: parameters point elsewhere, the buffer is dropped.
@@ -85,13 +87,7 @@ def test_kept_graph_does_not_keep_the_released_buffer_alive() -> None:
 
 
 def test_kept_graph_needs_the_layer_gathered() -> None:
-    layer = _layer()
-    flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
-    _bind(layer, flat)
-    gathered = {"l": flat}
-    executor = LayerExecutor(
-        torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
-    )
+    layer, gathered, executor = _gathered_layer()
     _, saved = executor.forward("l", layer, torch.randn(4, 8))
     del gathered["l"]
     with pytest.raises(StateError, match=r"'l'.*not gathered"):

@@ -61,11 +61,13 @@ async def budgets(ctx: RankContext) -> dict[str, Any]:
         "optimizer_state": mem.optimizer_state_bytes,
         "compute_copies": mem.compute_copy_bytes,
         "gradients": mem.gradient_bytes,
-        # Everything on the CPU except parameter buffers (gathered, in flight, pooled).
+        # Everything on the CPU except the device's working buffers (parameter
+        # buffers gathered, in flight, pooled; flat gradient buffers).
         "cpu_memory_used_minus_gathered": mem.cpu_memory_used
         - mem.gathered_param_bytes
         - mem.gather_pool_bytes
-        - mem.inflight_param_bytes,
+        - mem.inflight_param_bytes
+        - mem.gradient_buffer_bytes,
     }
     await manager.close()
     return out

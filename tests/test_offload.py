@@ -78,17 +78,23 @@ def test_compute_copy_bytes_are_counted(compressed_runs: dict, method: str) -> N
         mem = result["memory"]
         shards = [shard for _, _, shard in result["layouts"].values()]
         assert mem["master_param_bytes"] == 4 * sum(shards)
+        # Two flat fp32 gradient buffers, each the size of the largest padded layer.
+        largest = max(padded for _, padded, _ in result["layouts"].values())
+        assert mem["gradient_buffer_bytes"] == 2 * 4 * largest
         if method == "int8":
             expected = int8_bytes(shards, 256)
             assert mem["master_param_bytes"] / 4 < expected < mem["master_param_bytes"] / 3.5
         else:
             expected = mem["master_param_bytes"] // 2
         assert mem["compute_copy_bytes"] == expected
-        parameter_buffers = (
-            mem["gathered_param_bytes"] + mem["inflight_param_bytes"] + mem["gather_pool_bytes"]
+        device_buffers = (
+            mem["gathered_param_bytes"]
+            + mem["inflight_param_bytes"]
+            + mem["gather_pool_bytes"]
+            + mem["gradient_buffer_bytes"]
         )
         assert mem["cpu_memory_used"] == (
-            mem["master_param_bytes"] + expected + mem["optimizer_state_bytes"] + parameter_buffers
+            mem["master_param_bytes"] + expected + mem["optimizer_state_bytes"] + device_buffers
         )
     # With fp32 and no compression the compute copy is the master itself.
     assert compressed_runs["none"][0]["memory"]["compute_copy_bytes"] == 0

@@ -32,7 +32,7 @@ import torch
 
 from zero3_offload.comm import Collectives
 from zero3_offload.config import AutoMemoryStrategy
-from zero3_offload.gradient_management import CpuGradientStore
+from zero3_offload.gradient_management import CpuGradientStore, GpuGradientBuffer
 from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state import OptimizerStateManager
 from zero3_offload.parameter_cache import GpuParameterCache
@@ -72,6 +72,8 @@ class Zero3MemoryStats:
     """Largest gathered plus in-flight parameter bytes seen since construction."""
     gather_pool_bytes: int
     """Released gather buffers kept for reuse (CPU device only; within the budget)."""
+    gradient_buffer_bytes: int
+    """Flat fp32 buffers on the device that layers' gradients are reduce-scattered from."""
     cpu_memory_used: int
     """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
     gpu_memory_used: int
@@ -122,6 +124,7 @@ class Zero3MemoryManager:
         cache: gathered parameters.
         grads: gradient shards.
         optimizer: optimizer state.
+        gradient_buffers: the flat gradient buffers reduce-scatters read from.
         total_parameters: elements of the whole model.
         owned_parameters: elements of this rank's shards.
     """
@@ -133,6 +136,7 @@ class Zero3MemoryManager:
         cache: GpuParameterCache,
         grads: CpuGradientStore,
         optimizer: OptimizerStateManager,
+        gradient_buffers: GpuGradientBuffer,
         total_parameters: int,
         owned_parameters: int,
         strategy: AutoMemoryStrategy = AutoMemoryStrategy.BALANCED,
@@ -144,6 +148,7 @@ class Zero3MemoryManager:
         self._cache = cache
         self._grads = grads
         self._optimizer = optimizer
+        self._gradient_buffers = gradient_buffers
         self._total = total_parameters
         self._owned = owned_parameters
         self.strategy = strategy
@@ -166,6 +171,7 @@ class Zero3MemoryManager:
             (self._optimizer.device, self._optimizer.state_bytes()),
             (self._cache.device, self._cache.reserved_bytes()),
             (self._cache.device, self._cache.pooled_bytes()),
+            (self._cache.device, self._gradient_buffers.nbytes()),
         ]
         cpu = sum(n for dev, n in parts if dev.type == "cpu")
         return Zero3MemoryStats(
@@ -177,6 +183,7 @@ class Zero3MemoryManager:
             inflight_param_bytes=self._cache.inflight_bytes(),
             gathered_high_water_bytes=self._cache.high_water_bytes,
             gather_pool_bytes=self._cache.pooled_bytes(),
+            gradient_buffer_bytes=self._gradient_buffers.nbytes(),
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
             process_rss_bytes=self._process.memory_info().rss,
