@@ -37,9 +37,9 @@ from _peers_model import batches, lm_loss, local_slice, make_model
 MIB = 2**20
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
-    "lr in backward": {"lr_in_backward": True},
-    "lr in backward, depth 1": {"lr_in_backward": True, "prefetch_buffer_size": 1},
-    "activation ckpt, lr in backward, depth 1": {
+    "lr-in-backward": {"lr_in_backward": True},
+    "lr-in-backward+depth1": {"lr_in_backward": True, "prefetch_buffer_size": 1},
+    "ckpt+lr-in-backward+depth1": {
         "lr_in_backward": True,
         "prefetch_buffer_size": 1,
         "activation_checkpointing": True,

@@ -185,7 +185,8 @@ class PendingCollective:
         self.seconds = self.completed_at - self._started
         if self._comm.observer is not None:
             self._comm.observer(self.op, self.seconds, self.nbytes)
-        for fn in self._after:
+        after, self._after = self._after, []  # the callbacks hold the op's tensors
+        for fn in after:
             fn()
 
 

@@ -42,7 +42,7 @@ class PendingGradient:
     """A layer's gradient shard whose reduce-scatter is in flight."""
 
     layer: str
-    shard: torch.Tensor  # 1D fp32 [shard_numel], filled when `collective` completes
+    shard: torch.Tensor | None  # 1D fp32 [shard_numel] until finish() hands it over
     collective: PendingCollective
     slot: int  # the GpuGradientBuffer slot held until completion
     started: float  # time.perf_counter() at launch
@@ -210,7 +210,11 @@ class GradientPartitioner:
             "comm",
             nbytes=pending.nbytes,
         )
-        return pending.shard
+        # Hand the shard over: the caller decides how long it lives (an early
+        # update drops it at once; a PendingGradient kept for error handling must not).
+        shard, pending.shard = pending.shard, None
+        assert shard is not None
+        return shard
 
 
 class CpuGradientStore:
