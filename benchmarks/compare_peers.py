@@ -125,6 +125,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="model seed (default 0)")
     parser.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="transformer blocks instead of the size's own (e.g. --large --blocks 8: the "
+        "large model's width at a third of its depth); the output name gets '-<N>blocks'",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=None, help="seconds per run (default 900; large 3600)"
     )
     parser.add_argument(
@@ -172,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.timeout = defaults["timeout"]
     if args.repeats is None:
         args.repeats = defaults["repeats"]
+    if args.blocks is not None and args.blocks < 1:
+        parser.error("--blocks must be >= 1")
     if args.rounds < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error("--rounds and --repeats must be >= 1, --warmup >= 0")
     if args.warmup + args.repeats < LOSS_CHECK_STEPS:
@@ -220,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[k] = msg
                 del systems[k]
                 print(f"SKIPPED {table[k][0]}: {msg}", flush=True)
-    dims = SIZES[args.size]
+    dims = dict(SIZES[args.size])
+    if args.blocks is not None:
+        dims["n_layers"] = args.blocks
     model = make_model(dims, args.seed)
     n_params, per_layer = count_params(model)
     del model
@@ -302,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "peers-sweep" if args.sweep_ours else "peers"
     if args.size != "small":
         name += f"-{args.size}"
+    if args.blocks is not None:
+        name += f"-{args.blocks}blocks"
     if args.mmap_threshold is not None:
         name += "-mmap"
     payload = {
