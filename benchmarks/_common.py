@@ -172,7 +172,17 @@ def add_common_args(parser: Any, *, default_repeats: int = 7) -> None:
 
 
 def add_rank_run_args(parser: Any, *, render_extra: str = "") -> None:
-    """Options of the benchmarks that launch ranks (compare_peers, scaling): --keep, --render."""
+    """Options of the benchmarks that launch ranks (compare_peers, scaling):
+    --mmap-threshold, --keep, --render."""
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="set MALLOC_MMAP_THRESHOLD_=BYTES in every rank of every system (glibc then "
+        "returns freed blocks of that size or more to the OS; `zero3-offload train` sets "
+        "1048576); the output name gets '-mmap'",
+    )
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (logs, per-rank results)"
     )

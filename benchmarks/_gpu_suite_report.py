@@ -129,6 +129,25 @@ def render_copies(copy: dict[str, Any]) -> str:
     return markdown_table(headers, rows)
 
 
+def _exposure_row(
+    label: str, source: str, stats: dict[str, Any], exposed_s: float, busy: str
+) -> list[str]:
+    """One row of table 3: copies / MiB / seconds per direction, copy, exposed, busy, fraction."""
+    per_direction = [
+        f"{stats[k]['copies']} / {mib(stats[k]['bytes'])} / {stats[k]['seconds']:.4f}"
+        for k in ("h2d", "d2h")
+    ]
+    return [
+        label,
+        source,
+        *per_direction,
+        f"{stats['copy_s']:.4f}",
+        f"{exposed_s:.4f}",
+        busy,
+        pct(stats["exposed_fraction"]),
+    ]
+
+
 def render_exposure(runs: dict[str, dict[str, Any]]) -> str:
     """Table 3: part (c) in detail, the profiler's view and zero3_offload's own stats."""
     rows = []
@@ -136,33 +155,19 @@ def render_exposure(runs: dict[str, dict[str, Any]]) -> str:
         p = runs.get(key, {}).get("profiler_copy")
         if p:
             rows.append(
-                [label, "profiled step (trace)"]
-                + [
-                    f"{p[k]['copies']} / {mib(p[k]['bytes'])} / {p[k]['seconds']:.4f}"
-                    for k in ("h2d", "d2h")
-                ]
-                + [
-                    f"{p['copy_s']:.4f}",
-                    f"{p['exposed_s']:.4f}",
+                _exposure_row(
+                    label, "profiled step (trace)", p, p["exposed_s"],
                     f"{p['kernel_busy_s']:.4f} (kernels)",
-                    pct(p["exposed_fraction"]),
-                ]
-            )
+                )
+            )  # fmt: skip
         s = runs.get(key, {}).get("library_copy_stats")
         if s:
             rows.append(
-                [label, "own stats, timed steps (wait = exposed communication)"]
-                + [
-                    f"{s[k]['copies']} / {mib(s[k]['bytes'])} / {s[k]['seconds']:.4f}"
-                    for k in ("h2d", "d2h")
-                ]
-                + [
-                    f"{s['copy_s']:.4f}",
-                    f"{min(s['exposed_wait_s'], s['copy_s']):.4f}",
-                    f"{s['compute_s']:.4f} (host intervals)",
-                    pct(s["exposed_fraction"]),
-                ]
-            )
+                _exposure_row(
+                    label, "own stats, timed steps (wait = exposed communication)", s,
+                    min(s["exposed_wait_s"], s["copy_s"]), f"{s['compute_s']:.4f} (host intervals)",
+                )
+            )  # fmt: skip
     headers = [
         "system",
         "source",

@@ -136,15 +136,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=None, help="seconds per run (default 900; large 3600)"
     )
     parser.add_argument(
-        "--mmap-threshold",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="set MALLOC_MMAP_THRESHOLD_=BYTES in every rank of every system (glibc then "
-        "returns freed blocks of that size or more to the OS; `zero3-offload train` sets "
-        "1048576); the output name gets '-mmap'",
-    )
-    parser.add_argument(
         "--py-spy",
         type=Path,
         default=None,

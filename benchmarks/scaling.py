@@ -119,14 +119,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=float, default=None, help="seconds per run (default 1800; quick 300)"
     )
-    parser.add_argument(
-        "--mmap-threshold",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help="set MALLOC_MMAP_THRESHOLD_=BYTES in every process (as `zero3-offload train` "
-        "does with 1048576); the output name gets '-mmap'",
-    )
     plot_opts = parser.add_mutually_exclusive_group()
     plot_opts.add_argument(
         "--plot",
