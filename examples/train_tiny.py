@@ -2,6 +2,7 @@
 
     python examples/train_tiny.py                 # starts 2 local gloo ranks
     python examples/train_tiny.py --steps 50 --world-size 4
+    python examples/train_tiny.py --activation-checkpointing   # same losses, less kept
     torchrun --nproc-per-node 2 examples/train_tiny.py   # joins torchrun's group
 
 Only the public API is used; the model is an ordinary ``nn.Module`` whose
@@ -60,17 +61,26 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
-async def train(ctx: RankContext, steps: int, global_batch: int) -> list[float]:
+async def train(
+    ctx: RankContext, steps: int, global_batch: int, checkpointing: bool = False
+) -> list[float]:
     model = build_model()
     layers = [name for name, _ in model.named_children()]
-    config = Zero3CpuOffloadConfig(optimizer=OptimizerConfig(kind="adamw", weight_decay=0.01))
+    config = Zero3CpuOffloadConfig(
+        optimizer=OptimizerConfig(kind="adamw", weight_decay=0.01),
+        # True: keep only each layer's input and recompute its forward in backward.
+        activation_checkpointing=checkpointing,
+    )
     per_rank = global_batch // ctx.world_size
+    mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)  # this rank's samples
     losses = []
     async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
         for step in range(steps):
             x, y = batch(step, global_batch)
-            mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
             logits = await manager.forward_pass(x[mine], layers)
+            if step == 0 and ctx.rank == 0:
+                kept = manager.get_memory_stats().activation_bytes
+                print(f"kept for backward after the first forward: {kept} bytes", flush=True)
             logits.requires_grad_()  # the loss is computed outside the manager
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[mine].reshape(-1))
             loss.backward()
@@ -79,6 +89,13 @@ async def train(ctx: RankContext, steps: int, global_batch: int) -> list[float]:
             losses.append(loss.item())
             if ctx.rank == 0:
                 print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+        # Evaluation: under no_grad the manager keeps nothing for a backward.
+        x, y = batch(steps, global_batch)
+        with torch.no_grad():
+            logits = await manager.forward_pass(x[mine], layers)
+        eval_loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[mine].reshape(-1))
+        if ctx.rank == 0:
+            print(f"eval loss {eval_loss.item():.4f}", flush=True)
     return losses
 
 
@@ -87,16 +104,22 @@ async def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each layer's forward in backward instead of keeping activations",
+    )
     args = parser.parse_args()
+    ckpt = args.activation_checkpointing
     if "RANK" in os.environ:  # launched by torchrun
         group = await init_process_group_from_env()
         ctx = RankContext(rank=group.rank(), world_size=group.size(), group=group)
         try:
-            await train(ctx, args.steps, args.batch)
+            await train(ctx, args.steps, args.batch, ckpt)
         finally:
             destroy_process_group()
     else:
-        await run_ranks(train, args.world_size, args.steps, args.batch)
+        await run_ranks(train, args.world_size, args.steps, args.batch, ckpt)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,22 @@ def run_example(*args: str) -> str:
     return proc.stdout
 
 
+def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
+    losses = re.findall(r"step +\d+ +loss (\d+\.\d+)", out)
+    kept = int(re.search(r"kept for backward after the first forward: (\d+) bytes", out)[1])
+    evaluated = float(re.search(r"eval loss (\d+\.\d+)", out)[1])
+    return losses, kept, evaluated
+
+
 def test_train_tiny_loss_falls() -> None:
     out = run_example("examples/train_tiny.py", "--steps", "20")
-    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    losses, kept, evaluated = _losses_and_kept(out)
     assert len(losses) == 20
-    assert losses[-1] < 0.6 * losses[0]
+    assert float(losses[-1]) < 0.6 * float(losses[0])
+    assert evaluated < 0.6 * float(losses[0])
+    # Activation checkpointing: the same losses (no dropout), fewer bytes kept.
+    ckpt = run_example("examples/train_tiny.py", "--steps", "20", "--activation-checkpointing")
+    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(ckpt)
+    assert ckpt_losses == losses
+    assert ckpt_eval == evaluated
+    assert 0 < 3 * ckpt_kept < kept
