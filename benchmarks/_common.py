@@ -14,13 +14,16 @@ Timing rules (every benchmark follows them):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +172,22 @@ def add_common_args(parser: Any, *, default_repeats: int = 7) -> None:
         help="JSON path (default benchmarks/results/<name>.json, <name>-quick.json "
         "with --quick); a .md table is written beside it",
     )
+
+
+@contextlib.contextmanager
+def work_directory(
+    prefix: str, *, keep: bool, report: Callable[[str], object] = print
+) -> Iterator[Path]:
+    """A fresh temporary directory for one benchmark's runs; removed afterwards unless
+    ``keep`` (then its path is reported)."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    finally:
+        if keep:
+            report(f"work directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def add_rank_run_args(parser: Any, *, render_extra: str = "") -> None:

@@ -61,7 +61,6 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,7 @@ from _common import (
     add_rank_run_args,
     machine_info,
     machine_line,
+    work_directory,
     write_results,
 )
 from _peers_model import corpus_info, count_params, make_model
@@ -247,12 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             print("--py-spy needs py-spy on PATH (pip install py-spy)")
             return 1
         args.py_spy.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="compare_peers-"))
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
     keys = list(systems)
     failed: set[str] = set()
-    try:
+    with work_directory("compare_peers-", keep=args.keep) as workdir:
         for r in range(args.rounds):
             order = keys[r % len(keys) :] + keys[: r % len(keys)]
             for key in order:
@@ -288,11 +287,6 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {r} {key:>14}: FAILED: {run['error']}", flush=True)
                     for rank, tail in run["log_tails"].items():
                         print(f"  rank {rank} log tail:", *tail, sep="\n    ", flush=True)
-    finally:
-        if args.keep:
-            print(f"work directory kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     total_wall = time.perf_counter() - started
     for key in failed:
         skipped.setdefault(key, next(r["error"] for r in runs if r["key"] == key and not r["ok"]))

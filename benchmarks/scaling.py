@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +56,7 @@ from _common import (
     machine_info,
     machine_line,
     markdown_report,
+    work_directory,
     write_results,
 )
 from _peers_model import corpus_info
@@ -216,15 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         + f"; systems: {', '.join(v[0] for v in systems.values())}; {len(plan)} runs"
     )
     progress(f"estimate: about {fmt_duration(sum(predicted))} on an idle machine like this one")
-    workdir = Path(tempfile.mkdtemp(prefix="scaling-"))
     started = time.perf_counter()
-    try:
+    with work_directory("scaling-", keep=args.keep, report=progress) as workdir:
         runs = run_all(plan, systems, args, predicted, workdir)
-    finally:
-        if args.keep:
-            progress(f"work directory kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     total_wall = time.perf_counter() - started
     warmups = {s.name: steps_of(s, args)[0] for s in args.size_list}
     by_size = summarize_sizes(args.size_list, systems, runs, warmups, params)
