@@ -59,226 +59,36 @@ Run: ``python benchmarks/bench_consolidate.py`` (about a minute and a half here)
 from __future__ import annotations
 
 import argparse
-import hashlib
-import inspect
-import itertools
 import json
-import os
-import resource
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
-import safetensors.torch
+import safetensors
 import torch
-from torch import nn
 
 import zero3_offload
-from zero3_offload.consolidate import consolidate_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _consolidate_cases import (
+    CASES,
+    FULL_WIDTHS,
+    LN_AFTER,
+    PT_FILE,
+    QUICK_WIDTHS,
+    SAMPLE_INTERVAL_S,
+    SEED,
+    ST_FILE,
+    WORLD,
+    child_main,
+    make_model,
+    run_child,
+    save_rank,
+    verify_main,
+)
 
 NAME = "consolidate"
-WORLD = 2
-SEED = 0
-FULL_WIDTHS = (2048, 3072, 4096, 4096, 3072, 2048, 2048, 3072, 2048)
-QUICK_WIDTHS = (64, 128, 256, 256, 128, 64, 64, 128, 64)
-LN_AFTER = (2, 5)  # a LayerNorm after these Linear layers (small tensors between big ones)
-SAMPLE_INTERVAL_S = 0.002
 MIB = 2**20
-
-BASELINE = "baseline"
-STREAM = "consolidate -> safetensors"
-PT = "consolidate -> pt"
-NAIVE = "naive load_file (mmap) + read all"
-NAIVE_PREAD = "naive load_file (pread)"
-CASES = {
-    BASELINE: "baseline",
-    STREAM: "stream",
-    PT: "pt",
-    NAIVE: "naive",
-    NAIVE_PREAD: "naive-pread",
-}
-if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
-    del CASES[NAIVE_PREAD]  # safetensors < 0.8 has no choice of backend
-ST_FILE, PT_FILE = "model.safetensors", "model.pt"
-
-
-def make_model(widths: tuple[int, ...], seed: int) -> nn.Sequential:
-    """Linear layers ``widths[i] -> widths[i+1]``, LayerNorms after :data:`LN_AFTER`.
-
-    Each layer is seeded on its own, so the same call builds the same model anywhere.
-    """
-    layers: OrderedDict[str, nn.Module] = OrderedDict()
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
-        torch.manual_seed(seed + i)
-        layers[f"fc{i}"] = nn.Linear(fan_in, fan_out)
-        if i in LN_AFTER:
-            ln = nn.LayerNorm(fan_out)
-            with torch.no_grad():
-                ln.weight.normal_(1.0, 0.02)
-                ln.bias.normal_(0.0, 0.02)
-            layers[f"ln{i}"] = ln
-    return nn.Sequential(layers)
-
-
-def digests(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
-    """name -> [dtype, shape, sha256 of the bytes] (hashes the tensor's memory, no copy)."""
-    out = {}
-    for name, t in state.items():
-        t = t.detach().contiguous()
-        h = hashlib.sha256(t.reshape(-1).numpy().data).hexdigest()
-        out[name] = [str(t.dtype), list(t.shape), h]
-    return out
-
-
-# ----------------------------------------------------------------- checkpoint (2 ranks)
-
-
-async def save_rank(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """Build the model, construct the manager, save a checkpoint at once (no training)."""
-    from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
-
-    model = make_model(tuple(spec["widths"]), spec["seed"])
-    ref = digests(model.state_dict()) if ctx.rank == 0 else None
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # Generous budgets, each within its limit (the config checks budget <= limit).
-    cpu_budget = max(4 * model_bytes, 64 * MIB)
-    gpu_budget = max(2 * model_bytes, 64 * MIB)
-    config = Zero3CpuOffloadConfig(
-        optimizer=OptimizerConfig(kind="adamw"),
-        cpu_memory_budget=cpu_budget,
-        max_cpu_memory_mb=2 * -(-cpu_budget // MIB),
-        gpu_param_memory_budget=gpu_budget,
-        max_gpu_memory_mb=2 * -(-gpu_budget // MIB),
-    )
-    t0 = time.perf_counter()
-    async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
-        t1 = time.perf_counter()
-        path = await manager.save_checkpoint(spec["root"])
-        t2 = time.perf_counter()
-    return {
-        "rank": ctx.rank,
-        "path": str(path),
-        "construct_s": t1 - t0,
-        "save_s": t2 - t1,
-        "digests": ref,
-        "config": config.to_dict(),
-    }
-
-
-# ----------------------------------------------------------------- child processes
-
-
-def child_main(case: str, ckpt: str, work: str, threads: int | None) -> None:
-    """One measured case in this fresh process; prints one JSON line."""
-    if threads is not None:
-        torch.set_num_threads(threads)
-    work_dir = Path(work)
-    result: dict[str, Any] = {"case": case, "torch_threads": torch.get_num_threads()}
-    result["before_op"] = _proc_status("self")
-    fsync_s = [0.0]
-    real_fsync = os.fsync
-
-    def timed_fsync(fd: int) -> None:  # consolidate's safetensors path ends with an fsync
-        start = time.perf_counter()
-        real_fsync(fd)
-        fsync_s[0] += time.perf_counter() - start
-
-    os.fsync = timed_fsync
-    t0 = time.perf_counter()
-    if case == "stream":
-        consolidate_checkpoint(ckpt, work_dir / ST_FILE)
-    elif case == "pt":
-        consolidate_checkpoint(ckpt, work_dir / PT_FILE, fmt="pt")
-    elif case in ("naive", "naive-pread"):
-        kwargs = {"backend": "pread"} if case == "naive-pread" else {}
-        state = safetensors.torch.load_file(str(work_dir / ST_FILE), **kwargs)
-        result["load_s"] = time.perf_counter() - t0
-        if case == "naive":  # mmap tensors are read lazily: read every byte once
-            result["checksum"] = sum(float(t.sum()) for t in state.values())
-        result["tensors"] = len(state)
-        result["loaded_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-    elif case != "baseline":
-        raise SystemExit(f"unknown case {case!r}")
-    result["wall_s"] = time.perf_counter() - t0
-    result["fsync_s"] = fsync_s[0]
-    # The peak is VmHWM: the high-water mark of this process image's resident set.
-    # ru_maxrss is not usable here: Linux carries the pre-exec high-water mark over
-    # exec, so a child's ru_maxrss is at least the parent's peak when it forked.
-    status = _proc_status("self")
-    result["peak_rss_bytes"] = status["VmHWM"]
-    result["at_end"] = status
-    result["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps(result), flush=True)
-
-
-def verify_main(work: str, widths: list[int]) -> None:
-    """Load both outputs, check strict loading, print their digests as one JSON line."""
-    work_dir = Path(work)
-    out: dict[str, Any] = {}
-    for label, load in (
-        ("safetensors", lambda: safetensors.torch.load_file(str(work_dir / ST_FILE))),
-        ("pt", lambda: torch.load(work_dir / PT_FILE, weights_only=True)),
-    ):
-        state = load()
-        with torch.device("meta"):  # strict load without allocating a second model
-            model = make_model(tuple(widths), SEED + 1)
-        model.load_state_dict(state, strict=True, assign=True)
-        out[label] = digests(state)
-        del state, model
-    print(json.dumps(out), flush=True)
-
-
-_STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
-
-
-def _proc_status(pid: int | str) -> dict[str, int]:
-    """VmHWM, VmRSS, RssAnon, RssFile, RssShmem (bytes) of ``pid``; empty once it is gone."""
-    vals = {}
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                key = line.split(":", 1)[0]
-                if key in _STATUS_KEYS:
-                    vals[key] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return {}
-    return vals
-
-
-def run_child(argv: list[str]) -> dict[str, Any]:
-    """Run this script with ``argv`` in a fresh interpreter, sampling its memory."""
-    import subprocess
-    import tempfile
-
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
-    peaks = dict.fromkeys(_STATUS_KEYS, 0)
-    samples = 0
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        while proc.poll() is None:
-            vals = _proc_status(proc.pid)
-            if vals:
-                samples += 1
-                for k, v in vals.items():
-                    peaks[k] = max(peaks[k], v)
-            time.sleep(SAMPLE_INTERVAL_S)
-        process_s = time.perf_counter() - t0
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{stderr}")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    result["process_s"] = process_s
-    result["sampled_peak_bytes"] = peaks
-    result["samples"] = samples
-    return result
-
-
-# ----------------------------------------------------------------- parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -336,12 +146,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values)
-
-
 def _mib(n: float) -> str:
     return f"{n / MIB:,.1f}"
 
@@ -359,18 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
     import tempfile
 
-    from zero3_offload.testing import run_ranks
+    from _common import default_out, machine_info, machine_line, write_results
+    from _consolidate_report import make_notes, summarize
 
-    try:
-        from _common import default_out, machine_info, machine_line, markdown_table, write_results
-    except ModuleNotFoundError:  # run as ``python -m benchmarks.bench_consolidate``
-        from benchmarks._common import (
-            default_out,
-            machine_info,
-            machine_line,
-            markdown_table,
-            write_results,
-        )
+    from zero3_offload.testing import run_ranks
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # machine info then shows the children's setting
@@ -455,99 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print("consolidated output differs from the model: no results written", file=sys.stderr)
         return 1
 
-    measured_rounds = [rd for rd in rounds if not rd["warmup"]]
-
-    def col(label: str, key: str) -> list[float]:
-        vals = []
-        for rd in measured_rounds:
-            res = rd["cases"][label]
-            vals.append(
-                res["sampled_peak_bytes"][key] if key in ("RssAnon", "RssFile") else res[key]
-            )
-        return vals
-
-    base_rss = _median(col(BASELINE, "peak_rss_bytes"))
-    base_anon = _median(col(BASELINE, "RssAnon"))
-    summary = {}
-    rows = []
-    for label in CASES:
-        peak = _median(col(label, "peak_rss_bytes"))
-        anon = _median(col(label, "RssAnon"))
-        file_peak = _median(col(label, "RssFile"))
-        wall = _median(col(label, "wall_s"))
-        fsync = _median(col(label, "fsync_s"))
-        s = {
-            "wall_s_median": wall,
-            "wall_s": col(label, "wall_s"),
-            "fsync_s_median": fsync,
-            "fsync_s": col(label, "fsync_s"),
-            "process_s": col(label, "process_s"),
-            "peak_rss_bytes_median": peak,
-            "peak_rss_bytes": col(label, "peak_rss_bytes"),
-            "peak_rss_minus_baseline_bytes": peak - base_rss,
-            "peak_rss_minus_baseline_over_model": (peak - base_rss) / model_bytes,
-            "peak_rss_minus_baseline_over_largest": (peak - base_rss) / largest,
-            "peak_anon_bytes_median": anon,
-            "peak_anon_bytes": col(label, "RssAnon"),
-            "peak_anon_minus_baseline_bytes": anon - base_anon,
-            "peak_anon_minus_baseline_over_model": (anon - base_anon) / model_bytes,
-            "peak_anon_minus_baseline_over_largest": (anon - base_anon) / largest,
-            "peak_file_rss_bytes_median": file_peak,
-        }
-        summary[label] = s
-        is_base = label == BASELINE
-        rows.append(
-            [
-                label,
-                "-" if is_base else f"{wall:.3f}",
-                f"{fsync:.3f}" if fsync else "-",
-                _mib(peak),
-                "-" if is_base else _mib(peak - base_rss),
-                "-" if is_base else f"{s['peak_rss_minus_baseline_over_model']:.2f}",
-                "-" if is_base else f"{s['peak_rss_minus_baseline_over_largest']:.2f}",
-                _mib(anon),
-                "-" if is_base else _mib(anon - base_anon),
-                "-" if is_base else f"{s['peak_anon_minus_baseline_over_model']:.2f}",
-                "-" if is_base else f"{s['peak_anon_minus_baseline_over_largest']:.2f}",
-            ]
-        )
-    headers = [
-        "case",
-        "wall s",
-        "of which fsync s",
-        "peak RSS MiB",
-        "- baseline MiB",
-        "/ model",
-        "/ largest",
-        "peak anon MiB",
-        "- baseline MiB",
-        "/ model",
-        "/ largest",
-    ]
-    table = markdown_table(headers, rows)
-    threads = measured_rounds[0]["cases"][STREAM]["torch_threads"]
-    notes = [
-        f"model: {n_layers} layers (nn.Linear widths {' -> '.join(map(str, widths))}, "
-        f"LayerNorm after fc{', fc'.join(map(str, LN_AFTER))}), {len(sizes)} tensors, "
-        f"{model_bytes:,} bytes fp32 ({_mib(model_bytes)} MiB); largest tensor "
-        f"{largest_name}: {largest:,} bytes ({_mib(largest)} MiB).",
-        f"checkpoint: saved by Zero3CpuOffloadManager on {WORLD} gloo ranks right after "
-        f"construction (no optimizer state yet), {sum(ckpt_files.values()):,} bytes in "
-        f"{len(ckpt_files)} files; outputs {out_sizes[ST_FILE]:,} bytes (.safetensors) and "
-        f"{out_sizes[PT_FILE]:,} bytes (.pt). Read from the page cache (just written).",
-        f"each case a fresh process ({threads} torch threads); medians of {args.repeats} "
-        f"round(s) after {args.warmup} warm-up round(s), cases interleaved.",
-        "peak RSS = the child's VmHWM (includes mapped file pages; ru_maxrss would include "
-        "the parent's peak, see the script); peak anon = RssAnon "
-        f"of /proc/<pid>/status sampled every {SAMPLE_INTERVAL_S * 1000:g} ms by the parent; "
-        "'- baseline' subtracts the baseline process's median (imports only); "
-        "'/ model' and '/ largest' divide that by the model's and the largest tensor's bytes.",
-        "wall s = time.perf_counter around the call only (no interpreter start or imports); "
-        "the safetensors path fsyncs its output (timed apart by wrapping os.fsync in the "
-        "child), torch.save does not.",
-        "verified: both outputs hold exactly the model's state-dict names, load strict=True, "
-        "and every tensor's SHA-256 equals the original model's.",
-    ]
+    summary, table, base_rss, base_anon = summarize(rounds, model_bytes, largest)
+    notes = make_notes(args, rounds, widths, n_layers, sizes, largest_name, ckpt_files, out_sizes)
     for note in notes:
         print(f"- {note}")
     print()
