@@ -53,10 +53,8 @@ class PendingGradient:
 class GradientSlot:
     """A flat gradient buffer taken for one layer's backward (see GradientPartitioner.prepare)."""
 
-    layer: str
     index: int  # the GpuGradientBuffer slot
     flat: torch.Tensor  # 1D fp32 [padded_numel] view of the slot
-    in_place: bool  # the parameters' .grad are views of ``flat``
 
 
 class GpuGradientBuffer:
@@ -142,16 +140,17 @@ class GradientPartitioner:
             flat.zero_()
             for s in layout.slots:
                 params[s.name].grad = flat[s.offset : s.offset + s.numel].view_as(params[s.name])
-        return GradientSlot(layer=layer, index=slot, flat=flat, in_place=in_place)
+        return GradientSlot(index=slot, flat=flat)
 
     async def start_reduce_scatter(
-        self, layer: str, module: nn.Module, prepared: GradientSlot | None = None
+        self, layer: str, module: nn.Module, prepared: GradientSlot
     ) -> PendingGradient:
         """Launch the reduce-scatter of ``module``'s parameter gradients.
 
-        Gradients not already in ``prepared``'s buffer are copied in; parameters
-        without a gradient contribute zeros, as do the padding elements. The
-        parameters' ``.grad`` are cleared (the buffer holds the gradient now).
+        Gradients not already in ``prepared``'s buffer (from :meth:`prepare`)
+        are copied in; parameters without a gradient contribute zeros, as do
+        the padding elements. The parameters' ``.grad`` are cleared (the
+        buffer holds the gradient now).
 
         [Note: gradients in place]
         With a buffer from :meth:`prepare`, autograd adds each parameter's
@@ -162,22 +161,15 @@ class GradientPartitioner:
         copied like any other.
         """
         layout = self._layouts[layer]
-        if prepared is None:
-            prepared = await self.prepare(layer, module)
         flat = prepared.flat
         params = dict(module.named_parameters())
-        base = flat.untyped_storage().data_ptr()
         for s in layout.slots:
             param = params[s.name]
             grad = param.grad
             dest = flat[s.offset : s.offset + s.numel]
             if grad is None:
                 dest.zero_()
-            elif not (
-                prepared.in_place
-                and grad.untyped_storage().data_ptr() == base
-                and grad.data_ptr() == dest.data_ptr()
-            ):
+            elif grad.data_ptr() != dest.data_ptr():  # not accumulated in place
                 dest.copy_(grad.view(-1))
             param.grad = None
         flat[layout.numel :].zero_()

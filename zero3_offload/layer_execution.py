@@ -69,10 +69,6 @@ class ForwardRecord:
     steps: list[SavedStep | None]  # one per layer use; None once backward used it
     output_shape: torch.Size
 
-    @property
-    def keeps_graph(self) -> bool:
-        return any(s is not None and s.out is not None for s in self.steps)
-
     def activation_bytes(self) -> int:
         """Bytes of the distinct storages (inputs, activations) still kept for backward."""
         kept: dict[int, int] = {}
