@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,15 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def describe_systems(
+    systems: Mapping[str, tuple[str, str, int, dict[str, Any]]],
+) -> dict[str, dict[str, Any]]:
+    """The systems of a run as JSON: key -> label, kind, world size, options."""
+    return {
+        k: {"label": v[0], "kind": v[1], "world": v[2], "options": v[3]} for k, v in systems.items()
+    }
 
 
 def deepspeed_status() -> tuple[bool, str]:

@@ -115,29 +115,7 @@ def run_torch(spec: dict[str, Any], rank: int, world: int, marks: Marks) -> dict
     """Plain single-process torch: the whole global batch, AdamW."""
     model = make_model(spec["dims"], spec["seed"])
     marks("model_built")
-    opt = _adamw(model.parameters(), spec)
-    data = batches(spec["warmup"] + spec["steps"], spec["global_batch"], spec["dims"]["seq"], 1)
-    steps = []
-    for x, y in data:
-        cpu0 = time.process_time()
-        t = [time.perf_counter()]
-        opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model(x), y)
-        t.append(time.perf_counter())
-        loss.backward()
-        t.append(time.perf_counter())
-        opt.step()
-        t.append(time.perf_counter())
-        steps.append(_step_record(t, cpu0, loss))
-    params = list(model.parameters())
-    state = storage_bytes(
-        {
-            "params": params,
-            "grads": [p.grad for p in params],
-            "optimizer_state": _opt_state_tensors(opt),
-        }
-    )
-    return {"steps": steps, "model_state": state, "optimizer": type(opt).__name__}
+    return _train_with_torch_adamw(model, spec, rank=0, world=1)
 
 
 def run_fsdp2(spec: dict[str, Any], rank: int, world: int, marks: Marks) -> dict[str, Any]:
@@ -154,6 +132,14 @@ def run_fsdp2(spec: dict[str, Any], rank: int, world: int, marks: Marks) -> dict
         fully_shard(child, **kw)
     fully_shard(model, **kw)
     marks("setup_done")
+    return _train_with_torch_adamw(model, spec, rank=rank, world=world)
+
+
+def _train_with_torch_adamw(
+    model: torch.nn.Module, spec: dict[str, Any], *, rank: int, world: int
+) -> dict[str, Any]:
+    """The step loop of plain torch and FSDP2: this rank's slice of every batch, torch AdamW;
+    per-step times and losses, then the model state counted from the tensors."""
     opt = _adamw(model.parameters(), spec)
     data = batches(spec["warmup"] + spec["steps"], spec["global_batch"], spec["dims"]["seq"], 1)
     steps = []

@@ -86,7 +86,17 @@ from _peers_report import (
     summarize,
     title_for,
 )
-from _peers_run import LR, SIZES, SWEEP, SYSTEMS, WEIGHT_DECAY, WORLD, deepspeed_status, launch
+from _peers_run import (
+    LR,
+    SIZES,
+    SWEEP,
+    SYSTEMS,
+    WEIGHT_DECAY,
+    WORLD,
+    deepspeed_status,
+    describe_systems,
+    launch,
+)
 
 # ---------------------------------------------------------------- main
 
@@ -316,10 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "malloc_mmap_threshold": args.mmap_threshold,
             "corpus": corpus_info(),
-            "systems": {
-                k: {"label": v[0], "kind": v[1], "world": v[2], "options": v[3]}
-                for k, v in systems.items()
-            },
+            "systems": describe_systems(systems),
         },
         "skipped": skipped,
         "loss_agreement": agreement,

@@ -61,7 +61,7 @@ from _common import (
 )
 from _peers_model import corpus_info
 from _peers_report import LOSS_CHECK_STEPS
-from _peers_run import LR, WEIGHT_DECAY
+from _peers_run import LR, WEIGHT_DECAY, describe_systems
 from _scaling_plot import plot
 from _scaling_report import TITLE, losses_agree, notes_for, rebuild, render, summarize_sizes
 from _scaling_run import (
@@ -240,10 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "malloc_mmap_threshold": args.mmap_threshold,
             "corpus": corpus_info(),
-            "systems": {
-                k: {"label": v[0], "kind": v[1], "world": v[2], "options": v[3]}
-                for k, v in systems.items()
-            },
+            "systems": describe_systems(systems),
             "order": [(r, s.name, k) for r, s, k in plan],
         },
         "summary": by_size,
