@@ -59,6 +59,7 @@ def _fused_supported(cfg: OptimizerConfig, device: torch.device) -> bool:
     try:
         _make_optimizer(cfg, probe, fused=True).step()
     except (RuntimeError, ValueError, NotImplementedError):
+        # Capability probe: no fused kernel for this optimizer/device; foreach is used.
         return False
     return True
 

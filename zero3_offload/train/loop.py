@@ -90,12 +90,15 @@ class _StopFlag:
     def install(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
+            # Capability: loops off the main thread (or without Unix signals) refuse
+            # handlers; Ctrl-C then arrives as KeyboardInterrupt, handled by the caller.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, self._signalled)
 
     def uninstall(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
+            # The same capability as in install(): nothing was installed where it fails.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
 
