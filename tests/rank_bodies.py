@@ -84,7 +84,7 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         state = await manager.full_state_dict()
         memory = manager.get_memory_stats()
         layouts = {
-            n: (lay.numel, lay.padded_numel, lay.shard_numel) for n, lay in manager.layouts.items()
+            n: (lay.numel, lay.padded_numel, lay.shard_numel) for n, lay in manager.engine.layouts.items()
         }
     return {
         "losses": losses,
@@ -118,8 +118,8 @@ async def memory_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         after_step = attrs.asdict(manager.get_memory_stats())
         # What the model object itself still holds between steps.
         model_param_elements = sum(p.numel() for p in model.parameters())
-        shards = {n: lay.shard_numel for n, lay in manager.layouts.items()}
-        padded = {n: lay.padded_numel for n, lay in manager.layouts.items()}
+        shards = {n: lay.shard_numel for n, lay in manager.engine.layouts.items()}
+        padded = {n: lay.padded_numel for n, lay in manager.engine.layouts.items()}
     return {
         "after_forward": after_forward,
         "after_backward": after_backward,
@@ -161,9 +161,10 @@ async def train_orders(ctx: RankContext, spec: OrderSpec) -> dict[str, Any]:
                 statuses.append(attrs.asdict(manager.get_prefetch_status()))
             state = await manager.full_state_dict()
             high_water = manager.get_memory_stats().gathered_high_water_bytes
-            memory_cycles = manager.memory.optimization_cycles
-            depth, persistent = manager.prefetch.depth, sorted(manager.prefetch.persistent)
-            persistence_on = manager.prefetch.persistence_enabled
+            memory_cycles = manager.get_memory_stats().pressure_checks
+            status = manager.get_prefetch_status()
+            depth, persistent = status.current_prefetch_distance, list(status.persistent_layers)
+            persistence_on = status.persistence_enabled
             freed = await manager.force_memory_optimization()
             after_force = attrs.asdict(manager.get_memory_stats())
             adapted = await manager.adapt_performance()

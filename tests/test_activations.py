@@ -13,7 +13,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zero3_offload.errors import StateError
-from zero3_offload.layer_execution import LayerExecutor
+from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.testing import run_ranks
 
 MODES = {"kept": False, "recompute": True}
@@ -32,13 +32,13 @@ def _bind(module: nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def _gathered_layer() -> tuple[nn.Module, dict[str, torch.Tensor], LayerExecutor]:
+def _gathered_layer() -> tuple[nn.Module, dict[str, torch.Tensor], LayerRunner]:
     """A layer bound to a flat buffer registered as gathered, and a kept-graph executor."""
     layer = _layer()
     flat = torch.cat([p.detach().reshape(-1) for p in layer.parameters()])
     _bind(layer, flat)
     gathered = {"l": flat}
-    executor = LayerExecutor(
+    executor = LayerRunner(
         torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
     )
     return layer, gathered, executor

@@ -13,9 +13,13 @@ from models import make_model
 from rank_bodies import TrainSpec, train
 from safetensors.torch import load_file
 
-from zero3_offload import CheckpointError, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
-from zero3_offload.checkpoint import prepare_save, write_shard
-from zero3_offload.consolidate import consolidate_checkpoint
+from zero3_offload import (
+    CheckpointError,
+    Zero3CpuOffloadConfig,
+    Zero3CpuOffloadManager,
+    consolidate_checkpoint,
+)
+from zero3_offload.checkpoint.atomic_save import prepare_save, write_shard
 from zero3_offload.testing import RankContext, RankFailedError, run_ranks
 
 
@@ -64,8 +68,9 @@ async def test_reshard_to_one_and_four_ranks(tmp_path: Path) -> None:
 async def crash_during_save(ctx: RankContext, root: str) -> None:
     config = Zero3CpuOffloadConfig(collective_timeout_s=20.0)
     async with Zero3CpuOffloadManager(config, ctx.group, make_model(seed=5)) as manager:
-        tmp = await prepare_save(Path(root), "step-00000099", manager.comm)
-        tensors = {f"{n}.master": manager.params.master(n) for n in manager.optimizer.layers()}
+        engine = manager.engine
+        tmp = await prepare_save(Path(root), "step-00000099", engine.comm)
+        tensors = {f"{n}.master": engine.params.master(n) for n in engine.optimizer.layers()}
         write_shard(tmp, tensors, ctx.rank, ctx.world_size)
         if ctx.rank == 1:
             os._exit(17)  # killed between its shard write and the commit

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero3_offload.compression import ShardCodec
 from zero3_offload.config import CpuCompressionMethod as M
+from zero3_offload.parameter.codec import ShardCodec
 
 CPU = torch.device("cpu")
 

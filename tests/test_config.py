@@ -1,21 +1,19 @@
-"""Tests of config.py and model_parameters.py: defaults, validation, parsing, rank mapping."""
+"""Tests of config.py: defaults, validation, parsing; and the rank mapping."""
 
 import json
 import math
 
 import pytest
 import torch
-from torch import nn
 
+from zero3_offload import Zero3RankMapping
 from zero3_offload.config import (
     AutoMemoryStrategy,
     CpuCompressionMethod,
     OptimizerConfig,
     Zero3CpuOffloadConfig,
-    Zero3RankMapping,
 )
 from zero3_offload.errors import ConfigError
-from zero3_offload.model_parameters import ModelParameters, ModelParameterStats
 
 EXPECTED_DEFAULTS = {
     "offload_params": True,
@@ -321,24 +319,6 @@ def test_rank_mapping_validation():
             Zero3RankMapping(rank, world)
 
 
-def test_rank_mapping_partitions():
-    mapping = Zero3RankMapping(rank=1, world_size=3)
-    assert [mapping.owns_partition(i) for i in range(7)] == [
-        False, True, False, False, True, False, False,
-    ]  # fmt: skip
-    assert [mapping.get_parameter_owner(i) for i in range(5)] == [0, 1, 2, 0, 1]
-    assert mapping.owned_partitions(8) == [1, 4, 7]
-    assert mapping.owned_partition_count(8) == 3
-    assert mapping.owned_partition_count(1) == 0
-    assert mapping.global_to_local_partition(7) == 2
-    assert mapping.global_to_local_partition(6) is None
-    assert mapping.local_to_global_partition(2) == 7
-    assert mapping.communication_group([5, 0, 3, 8, 3]) == [0, 2]
-    assert mapping.communication_group([]) == []
-    with pytest.raises(ValueError):
-        mapping.owns_partition(-1)
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("numel", [0, 1, 5, 7, 8, 1001])
 def test_shard_bounds_tile_padded_buffer(world_size, numel):
@@ -358,56 +338,3 @@ def test_padded_numel_values():
     assert Zero3RankMapping(0, 4).padded_numel(0) == 0
     assert Zero3RankMapping(0, 4).padded_numel(5) == 8
     assert Zero3RankMapping(2, 3).shard_bounds(7) == (6, 9)
-
-
-def test_model_parameters_from_module():
-    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
-    params = ModelParameters.from_module(model)
-    assert params.parameter_names == ["0.weight", "0.bias", "1.weight", "1.bias"]
-    assert params.get_parameter_shape("0.weight") == (3, 4)
-    assert params.parameter_count == 12 + 3 + 3 + 3 == 21
-    expected_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert params.total_memory_bytes == expected_bytes == 84
-    assert params.total_parameters() == 4
-    assert params.memory_usage_mb() == pytest.approx(84 / 2**20)
-    stats = params.get_statistics()
-    assert stats == ModelParameterStats(
-        total_parameters=4,
-        total_elements=21,
-        mean_parameter_size=21 / 4,
-        median_parameter_size=3.0,
-        min_parameter_size=3,
-        max_parameter_size=12,
-        total_memory_bytes=84,
-    )
-
-
-def test_model_parameters_bf16_and_meta():
-    model = nn.Sequential(nn.Linear(8, 2), nn.LayerNorm(2)).to(torch.bfloat16)
-    params = ModelParameters.from_module(model)
-    assert params.total_memory_bytes == sum(
-        p.numel() * p.element_size() for p in model.parameters()
-    )
-    assert params.total_memory_bytes == (16 + 2 + 2 + 2) * 2
-    assert params.parameter_dtypes["0.weight"] is torch.bfloat16
-    assert params.get_parameter_bytes("0.weight") == 32
-    with torch.device("meta"):
-        meta = nn.Linear(10, 10)
-    assert ModelParameters.from_module(meta).total_memory_bytes == 110 * 4
-
-
-def test_model_parameters_manual():
-    params = ModelParameters()
-    assert params.get_statistics() == ModelParameterStats()
-    params.add_parameter("w", (2, 3))
-    params.add_parameter("h", [5], torch.float16)
-    assert params.has_parameter("w") and not params.has_parameter("x")
-    assert params.get_parameter_size("w") == 6
-    assert params.get_parameter_bytes("h") == 10
-    assert params.total_memory_bytes == 24 + 10
-    with pytest.raises(ConfigError, match="'w'"):
-        params.add_parameter("w", (1,))
-    with pytest.raises(KeyError, match="'x'"):
-        params.get_parameter_shape("x")
-    with pytest.raises(ConfigError):
-        params.add_parameter("neg", (-1, 2))

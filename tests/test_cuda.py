@@ -57,8 +57,8 @@ async def placement(ctx: RankContext) -> dict[str, Any]:
         lm_loss(out.float(), y).backward()
         await manager.backward_pass(out.grad, names, learning_rate=1e-3)
         await manager.optimizer_step(1e-3)
-        copy = manager.params.compute_copy(names[-1])
-        master = manager.params.master(names[-1])
+        copy = manager.engine.params.compute_copy(names[-1])
+        master = manager.engine.params.master(names[-1])
         return {
             "copy_pinned": copy.payload.is_pinned(),
             "copy_dtype": str(copy.payload.dtype),

@@ -26,16 +26,19 @@ from zero3_offload.testing import RankContext, run_ranks
 
 async def snapshot(manager: Zero3CpuOffloadManager) -> dict[str, Any]:
     """Everything a failed call must leave as it was."""
+    # Gradients, optimizer state and the step state have no public view: read
+    # them from the components.
+    engine, names = manager.engine, manager.layer_names
     return {
         "params": await manager.full_state_dict(),
-        "grads": {n: g.clone() for n in manager.layers if (g := manager.grads.get(n)) is not None},
+        "grads": {n: g.clone() for n in names if (g := engine.grads.get(n)) is not None},
         "opt": {
-            n: {k: v.clone() for k, v in manager.optimizer.layer_state(n).items()}
-            for n in manager.layers
+            n: {k: v.clone() for k, v in engine.optimizer.layer_state(n).items()} for n in names
         },
-        "record": manager._record,
-        "micro": manager.grads.micro_steps,
-        "calls": manager._calls_since_update,
+        "record": manager._state.record,
+        "calls": manager._state.calls_since_update,
+        "early_lr": manager._state.early_lr,
+        "micro": engine.grads.micro_steps,
     }
 
 

@@ -55,7 +55,8 @@ async def budgets(ctx: RankContext) -> dict[str, Any]:
     lm_loss(out_, local_slice(y, ctx)).backward()
     await manager.backward_pass(out_.grad, NAMES)
     mem = manager.get_memory_stats()
-    out["need"] = attrs.asdict(manager.cpu_need) | {"total": manager.cpu_need.total}
+    need = manager.engine.cpu_need  # the construction-time figure; no stats field holds it
+    out["need"] = attrs.asdict(need) | {"total": need.total}
     out["counted"] = {
         "master": mem.master_param_bytes,
         "optimizer_state": mem.optimizer_state_bytes,
@@ -138,16 +139,17 @@ async def pressure(ctx: RankContext) -> dict[str, Any]:
     )
     with structlog.testing.capture_logs() as logs:
         manager = Zero3CpuOffloadManager(config, ctx.group, make_model())
-        persistent_layers = sorted(manager.prefetch.persistent)
+        persistent_layers = list(manager.get_prefetch_status().persistent_layers)
         snapshots = []
         for i in range(2):
             await step(manager, ctx, i, NAMES)
+            status, memory = manager.get_prefetch_status(), manager.get_memory_stats()
             snapshots.append(
                 {
-                    "pressure": manager.memory.last_pressure,
-                    "depth": manager.prefetch.depth,
-                    "persistence": manager.prefetch.persistence_enabled,
-                    "gathered": manager.get_memory_stats().gathered_param_bytes,
+                    "pressure": memory.last_memory_pressure,
+                    "depth": status.current_prefetch_distance,
+                    "persistence": status.persistence_enabled,
+                    "gathered": memory.gathered_param_bytes,
                 }
             )
         out = {"snapshots": snapshots, "persistent_layers": persistent_layers}

@@ -83,7 +83,7 @@ async def big_model(ctx: RankContext, budget: int) -> dict[str, Any]:
         await manager.backward_pass(out.grad, names)
         await manager.optimizer_step(1e-4)
         losses.append(loss.item())
-    need = manager.cpu_need.total
+    need = manager.engine.cpu_need.total
     memory = manager.get_memory_stats()
     await manager.close()
     return {

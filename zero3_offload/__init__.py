@@ -1,10 +1,12 @@
 """ZeRO stage 3 with CPU offloading for PyTorch, driven from asyncio.
 
-See ``README.md`` for a quickstart and ``DESIGN.md`` for the architecture.
+The public API; ``README.md`` has a quickstart and ``docs/architecture.md``
+maps the subpackages.
 """
 
-from zero3_offload.comm import (
-    Collectives,
+from zero3_offload.checkpoint.consolidate import consolidate_checkpoint
+from zero3_offload.comm.collectives import Collectives
+from zero3_offload.comm.process_group import (
     destroy_process_group,
     init_process_group,
     init_process_group_from_env,
@@ -14,9 +16,7 @@ from zero3_offload.config import (
     CpuCompressionMethod,
     OptimizerConfig,
     Zero3CpuOffloadConfig,
-    Zero3RankMapping,
 )
-from zero3_offload.consolidate import consolidate_checkpoint
 from zero3_offload.errors import (
     CheckpointError,
     CommunicationError,
@@ -29,12 +29,11 @@ from zero3_offload.errors import (
     Zero3Error,
 )
 from zero3_offload.manager import Zero3CpuOffloadManager
-from zero3_offload.memory_management import Zero3MemoryStats
-from zero3_offload.model_parameters import ModelParameters
-from zero3_offload.prefetch import PrefetchQueueStatus
-from zero3_offload.stats import Zero3PerformanceStats
-
-__version__ = "0.1.0"
+from zero3_offload.memory.accounting import Zero3MemoryStats
+from zero3_offload.parameter.rank_mapping import Zero3RankMapping
+from zero3_offload.prefetch.status import PrefetchQueueStatus
+from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.version import __version__
 
 __all__ = [
     "AutoMemoryStrategy",
@@ -47,7 +46,6 @@ __all__ = [
     "LayerExecutionError",
     "LayerNotFoundError",
     "MemoryBudgetError",
-    "ModelParameters",
     "OptimizerConfig",
     "PrefetchQueueStatus",
     "StateError",

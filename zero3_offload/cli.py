@@ -18,13 +18,11 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-__all__ = ["UsageError", "build_parser", "main"]
+from zero3_offload.errors import UsageError
+
+__all__ = ["build_parser", "main"]
 
 PROG = "zero3-offload"
-
-
-class UsageError(Exception):
-    """A mistake of the user's: reported in one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -186,7 +184,7 @@ def _add_consolidate(commands: Any) -> None:
 def _consolidate(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from zero3_offload.consolidate import consolidate_checkpoint
+    from zero3_offload.checkpoint.consolidate import consolidate_checkpoint
     from zero3_offload.errors import CheckpointError
 
     fmt = args.format or ("pt" if Path(args.out).suffix in (".pt", ".pth") else "safetensors")

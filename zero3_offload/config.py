@@ -1,53 +1,163 @@
 """Configuration of ZeRO-3 with CPU offloading, validated at construction.
 
-Mirrors ``config.rs`` of the Rust ``zero_3_cpu_offload`` module:
-:class:`Zero3CpuOffloadConfig` with its enums :class:`CpuCompressionMethod` and
-:class:`AutoMemoryStrategy`, and the optimizer section :class:`OptimizerConfig`.
-:class:`Zero3RankMapping`, which says which slice of each flat, padded layer
-buffer a rank owns, lives in :mod:`zero3_offload.rank_mapping` and is re-exported
-here; the shared field validators live in :mod:`zero3_offload._validation`.
-Every invalid value raises :class:`ConfigError` whose message names the field,
-the value given and what is allowed, so an impossible configuration can never
-be constructed.
+Mirrors torsh's ``config.rs``: :class:`Zero3CpuOffloadConfig` with its enums
+:class:`CpuCompressionMethod` and :class:`AutoMemoryStrategy`, and the
+optimizer section :class:`OptimizerConfig`. Every invalid value raises
+:class:`ConfigError` whose message names the field, the value given and what
+is allowed, so an impossible configuration can never be constructed.
+
+The field builders at the top (``int_field``, ``float_field``, ``bool_field``,
+``rule``) are shared with the other attrs configurations of the package (the
+``train`` command's options): converters never raise, they normalise what they
+recognise and leave the rest to the validators, which raise ``ConfigError``.
+Field docstrings are user documentation: ``zero3-offload train --help`` and
+``docs/configuration.md`` are generated from them.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import math
+import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
 
-from zero3_offload._validation import (
-    _DTYPE_NAMES,
-    _as_device,
-    _as_dtype,
-    _as_float,
-    _bool_field,
-    _check_bool,
-    _check_device,
-    _check_dtype,
-    _check_keys,
-    _fail,
-    _float_field,
-    _int_field,
-    _non_negative,
-    _rule,
-)
 from zero3_offload.errors import ConfigError
-from zero3_offload.rank_mapping import Zero3RankMapping
 
 __all__ = [
     "AutoMemoryStrategy",
     "CpuCompressionMethod",
     "OptimizerConfig",
     "Zero3CpuOffloadConfig",
-    "Zero3RankMapping",
 ]
+
+# ------------------------------------------------------------- field builders
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def fail(name: str, value: object, text: str) -> None:
+    """Raise the ``ConfigError`` of field ``name``: ``name=value is invalid: text``."""
+    raise ConfigError(f"{name}={value!r} is invalid: {text}")
+
+
+def rule(text: str, ok: Callable[[Any], bool]) -> Validator:
+    """An attrs validator that fails with ``text`` when ``ok(value)`` is false."""
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not ok(value):
+            fail(attribute.name, value, text)
+
+    return check
+
+
+def _as_float(value: object) -> object:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_rule(minimum: int, unit: str = "") -> Validator:
+    """A validator for integers (not bools) ``>= minimum``; ``unit`` goes in the message."""
+    text = f"must be an integer >= {minimum}" + (f" ({unit})" if unit else "")
+    return rule(text, lambda v: _is_int(v) and v >= minimum)
+
+
+check_bool = rule("must be a bool (True or False)", lambda v: isinstance(v, bool))
+
+
+def bool_field(default: bool) -> Any:
+    """A bool field."""
+    return attrs.field(default=default, validator=check_bool)
+
+
+def int_field(default: int, minimum: int, unit: str = "") -> Any:
+    """An integer field ``>= minimum``."""
+    return attrs.field(default=default, validator=int_rule(minimum, unit))
+
+
+def float_field(default: float, text: str, ok: Callable[[float], bool]) -> Any:
+    """A finite float field (ints are converted) for which ``ok`` holds; ``text`` states it."""
+
+    def valid(value: object) -> bool:
+        return isinstance(value, float) and math.isfinite(value) and ok(value)
+
+    return attrs.field(
+        default=default,
+        converter=_as_float,
+        validator=rule(f"must be a finite number {text}", valid),
+    )
+
+
+def _non_negative(default: float) -> Any:
+    return float_field(default, ">= 0", lambda v: v >= 0)
+
+
+def _check_keys(cls: type, data: object) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{cls.__name__}.from_dict expects a mapping, got {data!r}")
+    valid = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} key(s) {unknown}: valid keys are {', '.join(valid)}"
+        )
+    return data
+
+
+_DTYPE_ALIASES = types.MappingProxyType(
+    dict.fromkeys(("fp32", "float32", "float"), torch.float32)
+    | dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16)
+    | dict.fromkeys(("fp16", "float16", "half"), torch.float16)
+)
+_DTYPE_NAMES = types.MappingProxyType(
+    {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+)
+
+
+def _as_dtype(value: object) -> object:
+    if isinstance(value, str):
+        return _DTYPE_ALIASES.get(value.strip().lower().removeprefix("torch."), value)
+    return value
+
+
+_check_dtype = rule(
+    "must be torch.float32, torch.bfloat16 or torch.float16 "
+    "(or 'fp32'/'float32', 'bf16'/'bfloat16', 'fp16'/'float16')",
+    lambda v: v in _DTYPE_NAMES,
+)
+
+
+def _as_device(value: object) -> object:
+    text = str(value) if isinstance(value, torch.device) else value
+    if not isinstance(text, str):
+        return value
+    try:
+        device = torch.device(text.strip().lower())
+    except (RuntimeError, ValueError):
+        return value
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return "cuda" if device.index is None else f"cuda:{device.index}"
+    return value
+
+
+_check_device = rule(
+    "must be 'cpu', 'cuda' or 'cuda:N' (a str or torch.device)",
+    lambda v: isinstance(v, str) and re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None,
+)
+
+# ---------------------------------------------------------------------- enums
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -81,7 +191,11 @@ class _ChoiceEnum(enum.Enum):
 
 
 class CpuCompressionMethod(_ChoiceEnum):
-    """Format of the compute copy of each CPU parameter shard (``INT8``: absmax scale per block)."""
+    """Format of each parameter shard's compute copy: what a gather sends to the device.
+
+    The fp32 master shard is never compressed. ``INT8`` stores one absmax scale per
+    ``compression_block_size`` elements.
+    """
 
     NONE = "none"
     FP16 = "fp16"
@@ -128,7 +242,14 @@ _COMPRESSION_DESCRIPTIONS = types.MappingProxyType(
 
 
 class AutoMemoryStrategy(_ChoiceEnum):
-    """How eagerly the memory manager evicts and offloads under pressure."""
+    """How early the pressure policy frees gathered parameters and shrinks prefetch.
+
+    At every optimizer update the policy measures memory pressure (see
+    ``memory.pressure``); above :meth:`pressure_threshold` it releases every
+    gathered layer (persistent ones too, and persistence stays off) and shrinks
+    the prefetch depth by :meth:`aggressiveness`; below 0.8 of the threshold it
+    restores both.
+    """
 
     CONSERVATIVE = "conservative"
     BALANCED = "balanced"
@@ -136,11 +257,11 @@ class AutoMemoryStrategy(_ChoiceEnum):
     EXTREME = "extreme"
 
     def pressure_threshold(self) -> float:
-        """Return the memory-use fraction above which the manager starts to free memory."""
+        """Return the pressure (0..1) above which gathered layers are released."""
         return _STRATEGY_TABLE[self][0]
 
     def aggressiveness(self) -> float:
-        """Return the fraction (0..1] of evictable memory freed once over the threshold."""
+        """Return the fraction (0..1] by which the prefetch depth shrinks over the threshold."""
         return _STRATEGY_TABLE[self][1]
 
     def description(self) -> str:
@@ -150,10 +271,22 @@ class AutoMemoryStrategy(_ChoiceEnum):
 
 _STRATEGY_TABLE = types.MappingProxyType(
     {
-        AutoMemoryStrategy.CONSERVATIVE: (0.9, 0.2, "conservative: free memory late and gently"),
-        AutoMemoryStrategy.BALANCED: (0.75, 0.5, "balanced: moderate thresholds and eviction"),
-        AutoMemoryStrategy.AGGRESSIVE: (0.6, 0.8, "aggressive: free memory early and broadly"),
-        AutoMemoryStrategy.EXTREME: (0.4, 1.0, "extreme: keep only what is in use"),
+        AutoMemoryStrategy.CONSERVATIVE: (
+            0.9,
+            0.2,
+            "conservative: act at 90% pressure, prefetch depth -20%",
+        ),
+        AutoMemoryStrategy.BALANCED: (
+            0.75,
+            0.5,
+            "balanced: act at 75% pressure, prefetch depth -50%",
+        ),
+        AutoMemoryStrategy.AGGRESSIVE: (
+            0.6,
+            0.8,
+            "aggressive: act at 60% pressure, prefetch depth -80%",
+        ),
+        AutoMemoryStrategy.EXTREME: (0.4, 1.0, "extreme: act at 40% pressure, prefetch depth 1"),
     }
 )
 
@@ -162,7 +295,7 @@ def _as_betas(value: object) -> object:
     return tuple(_as_float(b) for b in value) if isinstance(value, (list, tuple)) else value
 
 
-_check_betas = _rule(
+_check_betas = rule(
     "must be two numbers, each in [0, 1)",
     lambda v: (
         isinstance(v, tuple)
@@ -171,7 +304,7 @@ _check_betas = _rule(
     ),
 )
 _OPTIMIZER_KINDS = ("adamw", "adam", "sgd")
-_check_kind = _rule("must be 'adamw', 'adam' or 'sgd'", lambda v: v in _OPTIMIZER_KINDS)
+_check_kind = rule("must be 'adamw', 'adam' or 'sgd'", lambda v: v in _OPTIMIZER_KINDS)
 
 
 @attrs.frozen(kw_only=True)
@@ -190,13 +323,13 @@ class OptimizerConfig:
     """Decoupled for AdamW, L2 added to the gradient for Adam and SGD; >= 0."""
     momentum: float = _non_negative(0.0)
     """SGD momentum factor, >= 0 (0 = plain SGD)."""
-    dampening: float = _float_field(0.0, "in [0, 1]", lambda v: 0 <= v <= 1)
+    dampening: float = float_field(0.0, "in [0, 1]", lambda v: 0 <= v <= 1)
     """SGD momentum dampening in [0, 1]."""
-    nesterov: bool = _bool_field(False)
+    nesterov: bool = bool_field(False)
     """SGD Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``."""
-    amsgrad: bool = _bool_field(False)
+    amsgrad: bool = bool_field(False)
     """Adam(W) AMSGrad variant."""
-    fused: bool | None = attrs.field(default=None, validator=attrs.validators.optional(_check_bool))
+    fused: bool | None = attrs.field(default=None, validator=attrs.validators.optional(check_bool))
     """Use torch's fused kernel (True), the foreach one (False), or let the library pick
     the fastest available for the device (None)."""
 
@@ -204,15 +337,15 @@ class OptimizerConfig:
         if self.kind != "sgd":
             for name in ("momentum", "dampening", "nesterov"):
                 if getattr(self, name):
-                    _fail(
+                    fail(
                         name,
                         getattr(self, name),
                         f"applies only to kind='sgd' (kind={self.kind!r})",
                     )
         elif self.amsgrad:
-            _fail("amsgrad", True, "applies only to kind='adam' or 'adamw', not 'sgd'")
+            fail("amsgrad", True, "applies only to kind='adam' or 'adamw', not 'sgd'")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            _fail(
+            fail(
                 "nesterov",
                 True,
                 f"requires momentum > 0 and dampening == 0 "
@@ -244,7 +377,7 @@ def _as_optimizer(value: object) -> object:
     return value
 
 
-_check_optimizer = _rule(
+_check_optimizer = rule(
     "must be an OptimizerConfig or a dict of its fields",
     lambda v: isinstance(v, OptimizerConfig),
 )
@@ -257,43 +390,63 @@ _MIB = 2**20
 class Zero3CpuOffloadConfig:
     """Everything the ZeRO-3 offload manager needs to know, validated at construction."""
 
-    offload_params: bool = _bool_field(True)
-    """Keep each rank's parameter shard (fp32 master and compute copy) in CPU memory."""
-    offload_grads: bool = _bool_field(True)
-    """Move each rank's gradient shard to CPU memory after the reduce-scatter."""
-    offload_optimizer_states: bool = _bool_field(True)
-    """Keep optimizer state on CPU and run the optimizer step there in worker threads."""
-    cpu_memory_budget: int = _int_field(32 * 2**30, 1, "bytes")
-    """CPU bytes the library may hold for shards, gradients and optimizer state."""
-    gpu_param_memory_budget: int = _int_field(2 * 2**30, 1, "bytes")
-    """Device bytes for gathered parameters; must fit in ``max_gpu_memory_mb``."""
-    max_gpu_memory_mb: int = _int_field(8192, 1, "MiB")
-    """Upper bound on device memory use in MiB."""
-    max_cpu_memory_mb: int = _int_field(65536, 1, "MiB")
-    """Upper bound on CPU memory use in MiB."""
-    prefetch_buffer_size: int = _int_field(2, 1, "layers")
-    """How many layers ahead the prefetcher gathers."""
-    async_prefetch: bool = _bool_field(True)
-    """Run prefetch gathers as tasks concurrently with compute."""
-    overlap_computation: bool = _bool_field(True)
-    """Overlap collectives and copies with compute (False serialises them, for debugging)."""
-    pin_cpu_memory: bool = _bool_field(True)
-    """Pin CPU buffers (only takes effect when ``device`` is CUDA)."""
+    offload_params: bool = bool_field(True)
+    """Keep each rank's compute copies of its parameter shards (what a gather sends to the
+    device) in CPU memory; False keeps them on the device."""
+    offload_grads: bool = bool_field(True)
+    """Copy each rank's reduced gradient shards to CPU memory and accumulate them there;
+    False keeps them on the device."""
+    offload_optimizer_states: bool = bool_field(True)
+    """Keep the fp32 master shards and the optimizer state in CPU memory and run the
+    optimizer step there; False keeps both on the device."""
+    cpu_memory_budget: int = int_field(32 * 2**30, 1, "bytes")
+    """CPU bytes this rank may hold for master shards, optimizer state, compute copies and
+    gradient shards, counted exactly from their sizes when the manager is built
+    (``MemoryBudgetError`` when they do not fit); gathered buffers and activations are
+    not part of it."""
+    gpu_param_memory_budget: int = int_field(2 * 2**30, 1, "bytes")
+    """Hard cap on the device bytes of gathered plus in-flight parameter buffers (the layer
+    in use and the prefetched ones); a layer larger than this is refused when the manager
+    is built. At most ``max_gpu_memory_mb``."""
+    max_gpu_memory_mb: int = int_field(8192, 1, "MiB")
+    """Device memory in MiB that memory pressure is measured against on CUDA (the smaller
+    of this and the device's capacity), and the ceiling of ``gpu_param_memory_budget``.
+    It caps no allocation by itself."""
+    max_cpu_memory_mb: int = int_field(65536, 1, "MiB")
+    """CPU memory in MiB that the process's RSS is measured against for memory pressure (the
+    smaller of this and the machine's RAM), and the ceiling of ``cpu_memory_budget``. It
+    caps no allocation by itself."""
+    prefetch_buffer_size: int = int_field(2, 1, "layers")
+    """Layers gathered ahead of the one in use, within ``gpu_param_memory_budget`` and
+    ``prefetch_bucket_size``."""
+    async_prefetch: bool = bool_field(True)
+    """Gather the next ``prefetch_buffer_size`` layers while the current one computes;
+    False gathers each layer only when it is needed."""
+    overlap_computation: bool = bool_field(True)
+    """Start each layer's optimizer update in a worker thread as soon as its gradient shard
+    is final, while backward goes on (needs ``learning_rate=`` in ``backward_pass``; not with
+    gradient clipping, fp16 or a layer used twice). False runs every update in
+    ``optimizer_step``. Collectives and copies overlap compute either way."""
+    pin_cpu_memory: bool = bool_field(True)
+    """Allocate the CPU compute copies and the gradient staging buffers in pinned memory, for
+    asynchronous copies (takes effect only when ``device`` is CUDA)."""
     cpu_compression: CpuCompressionMethod = attrs.field(
         default=CpuCompressionMethod.NONE,
         converter=functools.partial(CpuCompressionMethod.parse, field="cpu_compression"),
     )
-    """Format of the compute copy of each CPU parameter shard."""
+    """Format of the compute copies that gathers send to the device (see
+    :class:`CpuCompressionMethod`); the fp32 master shards are never compressed."""
     auto_memory_management: AutoMemoryStrategy = attrs.field(
         default=AutoMemoryStrategy.BALANCED,
         converter=functools.partial(AutoMemoryStrategy.parse, field="auto_memory_management"),
     )
-    """How eagerly the memory manager frees memory under pressure."""
+    """The memory-pressure policy applied at each optimizer update (see
+    :class:`AutoMemoryStrategy`)."""
     optimizer: OptimizerConfig = attrs.field(
         factory=OptimizerConfig, converter=_as_optimizer, validator=_check_optimizer
     )
     """Optimizer section (an :class:`OptimizerConfig` or a dict of its fields)."""
-    gradient_accumulation_steps: int = _int_field(1, 1)
+    gradient_accumulation_steps: int = int_field(1, 1)
     """Micro-steps whose gradients are averaged before each optimizer update."""
     gradient_clipping: float = _non_negative(0.0)
     """Maximum global gradient L2 norm; 0 disables clipping."""
@@ -304,17 +457,19 @@ class Zero3CpuOffloadConfig:
     device: str = attrs.field(default="cpu", converter=_as_device, validator=_check_device)
     """Compute device, normalised (``"cpu"``, ``"cuda"``, ``"cuda:N"``); whether CUDA is
     present is checked when the manager is built, not here."""
-    collective_timeout_s: float = _float_field(300.0, "> 0", lambda v: v > 0)
+    collective_timeout_s: float = float_field(300.0, "> 0", lambda v: v > 0)
     """Seconds a collective may take before it fails with ``CommunicationError``."""
-    compression_block_size: int = _int_field(256, 1, "elements")
+    compression_block_size: int = int_field(256, 1, "elements")
     """Elements per absmax scale for ``INT8`` compression."""
-    cpu_worker_threads: int = _int_field(2, 1, "threads")
-    """Size of the worker-thread limiter for CPU compression and optimizer math."""
-    prefetch_bucket_size: int = _int_field(0, 0, "bytes; 0 = no cap")
+    cpu_worker_threads: int = int_field(2, 1, "threads")
+    """Worker threads that may run CPU work at once: optimizer math, compute-copy encoding,
+    gradient accumulation and checkpoint I/O."""
+    prefetch_bucket_size: int = int_field(0, 0, "bytes; 0 = no cap")
     """Most bytes of prefetched gathers in flight; 0 means no byte cap."""
-    param_persistence_threshold: int = _int_field(0, 0, "elements")
-    """Layers with fewer parameter elements than this stay gathered between uses."""
-    activation_checkpointing: bool = _bool_field(False)
+    param_persistence_threshold: int = int_field(0, 0, "elements")
+    """Layers with fewer parameter elements than this stay gathered between uses, smallest
+    first, as many as fit in ``gpu_param_memory_budget`` beside the largest other layer."""
+    activation_checkpointing: bool = bool_field(False)
     """Keep only each layer's input between the passes and recompute the layer's forward
     in backward (about a third more compute, far fewer activations kept); False keeps
     every layer's activations for backward, as plain PyTorch does."""

@@ -15,6 +15,7 @@ __all__ = [
     "LayerNotFoundError",
     "MemoryBudgetError",
     "StateError",
+    "UsageError",
     "Zero3Error",
 ]
 
@@ -52,8 +53,13 @@ class StateError(Zero3Error, RuntimeError):
 
 
 class InputError(Zero3Error, ValueError):
-    """An argument of a pass has the wrong type or shape."""
+    """An argument has the wrong type, shape or content: a pass's input, or a model that
+    cannot be partitioned."""
 
 
 class LayerExecutionError(Zero3Error, RuntimeError):
     """A layer's own code raised during a pass; the cause is chained."""
+
+
+class UsageError(Zero3Error):
+    """A mistake in a command line of ``zero3-offload``: reported in one line, exit status 2."""

@@ -15,6 +15,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from zero3_offload.errors import ConfigError
+
 __all__ = ["configure", "get_logger"]
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
@@ -57,7 +59,7 @@ def configure(
     """
     numeric = _LEVELS.get(level.lower())
     if numeric is None:
-        raise ValueError(f"level={level!r} is invalid: use debug, info, warning or error")
+        raise ConfigError(f"level={level!r} is invalid: use debug, info, warning or error")
     sinks: list[Any] = []
     if json_path is not None:
         sinks.append(("json", Path(json_path).open("a", encoding="utf-8")))  # noqa: SIM115

@@ -1,49 +1,52 @@
-"""The coordinator: orders gathers, compute, reduce-scatters and optimizer steps.
+"""The conductor (torsh's ``mod.rs``): orders gathers, compute, reduce-scatters and updates.
 
-It holds no algorithm of its own: sharding lives in ``parameter_management``,
-autograd in ``layer_execution``, gradients in ``gradient_management``, the step
-math in ``optimizer_state``, updates in ``update``, loss scaling in
-``mixed_precision``, prefetch in ``prefetch``; checkpoints and stats live in the
-``manager_checkpoint`` and ``manager_observe`` mixins, its construction in
-``manager_wiring``. See [Note: kept activations] in ``layer_execution`` and
-[Note: optimizer update during backward] in ``update``.
+:class:`Zero3CpuOffloadManager` holds an :class:`~zero3_offload.engine.engine.Engine`
+(every component, wired once by ``build_engine``) and a
+:class:`~zero3_offload.engine.step_state.StepState` (the pending forward and the
+accumulation window). It has no algorithm of its own: layouts and shards live
+in ``parameter``, autograd in ``execution``, gradients in ``gradient``, the
+step math in ``optimizer_state``, look-ahead in ``prefetch``, bytes and the
+pressure policy in ``memory``, figures and logs in ``stats``, checkpoints in
+``checkpoint``. See [Note: kept activations] in ``execution.layer_runner`` and
+[Note: optimizer update during backward] in ``optimizer_state.step_runner``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero3_offload._checks import check_backward_args, check_lr, resolve_layer_names
 from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.engine.arguments import check_backward_args, check_lr, resolve_layer_names
+from zero3_offload.engine.engine import Engine, build_engine
+from zero3_offload.engine.step_state import StepState
 from zero3_offload.errors import ConfigError, InputError, StateError, Zero3Error
-from zero3_offload.gradient_management import (
-    PendingGradient,
-)
-from zero3_offload.layer_execution import ForwardRecord, SavedStep
+from zero3_offload.execution.forward_record import ForwardRecord, SavedStep
+from zero3_offload.gradient.reducer import PendingGradient
 from zero3_offload.logging import get_logger
-from zero3_offload.manager_checkpoint import CheckpointMixin
-from zero3_offload.manager_lifecycle import LifecycleMixin
-from zero3_offload.manager_observe import ObservabilityMixin
-from zero3_offload.manager_wiring import WiringMixin
-from zero3_offload.memory_management import relieve_pressure
-from zero3_offload.model_sharding import (
-    InitFn,
-    reset_parameters_in_order,
-)
+from zero3_offload.memory.accounting import Zero3MemoryStats
+from zero3_offload.memory.allocator import return_freed_memory
+from zero3_offload.parameter.flat_layout import owned_numel, total_numel
+from zero3_offload.parameter.meta_init import InitFn, reset_parameters_in_order
+from zero3_offload.prefetch.scheduler import layer_seconds
+from zero3_offload.prefetch.status import PrefetchQueueStatus
+from zero3_offload.stats.performance import Zero3PerformanceStats
 
 __all__ = ["Zero3CpuOffloadManager"]
 
 log = get_logger(__name__)
 
 
-class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, LifecycleMixin):
+class Zero3CpuOffloadManager:
     """Trains a model with ZeRO stage 3 across the ranks of a process group.
 
     Every rank builds the manager with the same model; rank 0's initial values
@@ -56,14 +59,15 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
         model: an ``nn.Module`` whose named children are the layers, or a
             mapping of layer name to module. It may be built on the meta
             device: layers are then materialised one at a time (see
-            [Note: meta initialisation] in ``model_sharding``).
+            [Note: meta initialisation] in ``parameter.meta_init``).
         init_fn: ``init_fn(layer_name, module)`` initialises a materialised
             meta layer in place; the default calls ``reset_parameters()`` of
             its submodules in registration order.
 
     Raises:
         ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
-        Zero3Error: when the model cannot be partitioned.
+        InputError: when the model cannot be partitioned.
+        MemoryBudgetError: when the shards or a layer do not fit their budget.
         CommunicationError: when the initial broadcast fails.
     """
 
@@ -75,22 +79,18 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
         *,
         init_fn: InitFn = reset_parameters_in_order,
     ) -> None:
-        self._wire(config, process_group, model, init_fn)
-        self._record: ForwardRecord | None = None
-        self._calls_since_update = 0  # optimizer_step calls since the last update
-        self._early_lr: float | None = None  # lr of updates started in the last backward
-        self._window_started: float | None = None  # first forward of the accumulation window
+        self._engine = build_engine(config, process_group, model, init_fn=init_fn)
+        self._state = StepState()
         self._closed = False
+        engine = self._engine
         log.info(
             "manager_ready",
-            rank=self.rank,
-            world_size=self.mapping.world_size,
-            layers=len(self.layers),
-            parameters=self.partitioner.total_numel(),
-            owned_parameters=self.partitioner.owned_numel(),
+            rank=engine.mapping.rank,
+            world_size=engine.mapping.world_size,
+            layers=len(engine.layers),
+            parameters=total_numel(engine.layouts),
+            owned_parameters=owned_numel(engine.layouts),
         )
-
-    # ----------------------------------------------------------------- checks
 
     @classmethod
     def from_meta(
@@ -119,20 +119,61 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
             torch.manual_seed(seed)
         return cls(config, process_group, model, init_fn=init_fn)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StateError("the manager is closed; build a new one")
+    # -------------------------------------------------------------- accessors
+
+    @property
+    def config(self) -> Zero3CpuOffloadConfig:
+        """The configuration the manager runs with."""
+        return self._engine.config
+
+    @property
+    def engine(self) -> Engine:
+        """The wired components, for inspection (tests, benchmarks, debugging).
+
+        Calling their methods directly bypasses the manager's ordering and checks.
+        """
+        return self._engine
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device."""
+        return self._engine.device
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._engine.mapping.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self._engine.mapping.world_size
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """The model's layers, in order."""
+        return tuple(self._engine.layers)
+
+    @property
+    def steps_completed(self) -> int:
+        """Optimizer steps completed (fp16 steps skipped for inf/nan included); restored by
+        :meth:`load_checkpoint`."""
+        return self._engine.timeline.step
 
     @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (None unless ``compute_dtype`` is float16)."""
-        scaler = self.updater.loss_scaler
+        scaler = self._engine.steps.loss_scaler
         return None if scaler is None else scaler.scale
 
     @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm before clipping at the last update (clipping on only)."""
-        return self.updater.last_grad_norm
+        return self._engine.steps.last_grad_norm
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("the manager is closed; build a new one")
 
     # ----------------------------------------------------------------- passes
 
@@ -152,49 +193,51 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
 
         Raises:
             LayerNotFoundError: for a name that is not a layer.
+            InputError: when ``x`` is not a tensor.
             LayerExecutionError: when a layer raises; the manager's state is unchanged.
             CommunicationError: when a gather fails.
         """
         self._check_open()
-        names = resolve_layer_names(self.layers, layer_names)
+        e, state = self._engine, self._state
+        names = resolve_layer_names(e.layers, layer_names)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
         started = time.perf_counter()
-        if self._window_started is None:
-            self._window_started = started
-        self.cache.phase = "forward"
-        h = self.executor.to_compute(x)
+        if state.window_started is None:
+            state.window_started = started
+        e.gatherer.phase = "forward"
+        h = e.runner.to_compute(x)
         steps: list[SavedStep | None] = []
         training = torch.is_grad_enabled()
         try:
             # An evaluation forward has its own trace, so it does not disturb
             # the prediction that a training forward is followed by its backward.
-            await self.prefetch.begin_pass("forward" if training else "inference", names)
-            next_order = self.prefetch.next_after_forward(names) if training else ()
+            await e.prefetch.begin_pass("forward" if training else "inference", names)
+            next_order = e.prefetch.next_after_forward(names) if training else ()
             for i, name in enumerate(names):
-                module = await self.prefetch.acquire(names, i)
+                module = await e.prefetch.acquire(names, i)
                 t0 = time.perf_counter()
-                h, saved = self.executor.forward(name, module, h, keep=training)
+                h, saved = e.runner.forward(name, module, h, keep=training)
                 steps.append(saved)
                 self._record_compute(name, "forward", t0)
-                self.prefetch.finish_use(names, i, next_order=next_order)
+                e.prefetch.finish_use(names, i, next_order=next_order)
         except BaseException:
-            await self.prefetch.release_all()  # nothing stays in flight
+            await e.prefetch.release_all()  # nothing stays in flight
             raise
-        self._record = (
+        state.record = (
             ForwardRecord(layer_names=names, steps=steps, output_shape=h.shape)
             if training
             else None
         )
-        self._stats.forward_passes += 1
-        self._stats.forward_samples += x.shape[0] if x.dim() else 1
-        self._stats.total_forward_time += time.perf_counter() - started
+        e.stats.forward_passes += 1
+        e.stats.forward_samples += x.shape[0] if x.dim() else 1
+        e.stats.total_forward_time += time.perf_counter() - started
         return h
 
     def _record_compute(self, name: str, phase: str, t0: float) -> None:
         t1 = time.perf_counter()
-        self._stats.record_layer(name, phase, t1 - t0)
-        self.timeline.record("compute", name, phase, t0, t1)
+        self._engine.stats.record_layer(name, phase, t1 - t0)
+        self._engine.timeline.record("compute", name, phase, t0, t1)
 
     async def backward_pass(
         self,
@@ -230,25 +273,26 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
             CommunicationError: when a collective fails.
         """
         self._check_open()
+        e, state = self._engine, self._state
         record = check_backward_args(
-            self._record, resolve_layer_names(self.layers, layer_names), grad_output
+            state.record, resolve_layer_names(e.layers, layer_names), grad_output
         )
         names = record.layer_names
         early_lr = None
         if learning_rate is not None:
             early_lr = check_lr(learning_rate)
-            if not self.updater.can_start_early(names, self._calls_since_update):
+            if not e.steps.can_start_early(names, state.calls_since_update):
                 early_lr = None
         started = time.perf_counter()
-        self.cache.phase = "backward"
-        g: torch.Tensor | None = self.executor.to_compute(grad_output)
+        e.gatherer.phase = "backward"
+        g: torch.Tensor | None = e.runner.to_compute(grad_output)
         if self.loss_scale is not None:
             g = g * self.loss_scale
         pending: list[PendingGradient] = []
-        updates: list[asyncio.Future[torch.Tensor | None]] = []  # reduce-scatter landings
+        landings: list[asyncio.Future[torch.Tensor | None]] = []
         try:
             order = names[::-1]
-            await self.prefetch.begin_pass("backward", order)
+            await e.prefetch.begin_pass("backward", order)
             for i, name in enumerate(order):
                 step = len(names) - 1 - i
                 if g is None:
@@ -256,58 +300,63 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
                         f"layer {names[step + 1]!r} has a non-floating input, so no gradient "
                         f"reaches layer {name!r}: it must come first in layer_names"
                     )
-                module = await self.prefetch.acquire(order, i)
-                has_params = self.layouts[name].numel > 0
+                module = await e.prefetch.acquire(order, i)
+                has_params = e.layouts[name].numel > 0
                 if has_params:
-                    prepared = await self.grad_partitioner.prepare(name, module)
+                    slot = await e.reducer.prepare(name, module)
                 t0 = time.perf_counter()
                 saved = record.steps[step]
                 record.steps[step] = None  # its activations go as soon as the layer is done
                 assert saved is not None
-                g = self.executor.backward(name, module, saved, g)
+                g = e.runner.backward(name, module, saved, g)
                 self._record_compute(name, "backward", t0)
                 if has_params:
-                    p = await self.grad_partitioner.start_reduce_scatter(name, module, prepared)
+                    p = await e.reducer.start_reduce_scatter(name, module, slot)
                     pending.append(p)
                     if early_lr is not None:
-                        landing = self.updater.land_and_update(self.grad_partitioner, p, early_lr)
+                        landing = e.steps.land_and_update(e.reducer, p, early_lr)
                     else:
-                        landing = self.grad_partitioner.finish(p)
-                    updates.append(asyncio.ensure_future(landing))
-                self.prefetch.finish_use(order, i)
+                        landing = e.reducer.finish(p)
+                    landings.append(asyncio.ensure_future(landing))
+                e.prefetch.finish_use(order, i)
             waited = time.perf_counter()
-            results = await asyncio.gather(*updates)
+            results = await asyncio.gather(*landings)
             # Waits for every layer's reduce-scatter (and early update): no single layer's.
-            self.timeline.record("wait", "*", "backward", waited, time.perf_counter())
+            e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
             if early_lr is None:
-                await self.grads.commit(zip((p.layer for p in pending), results, strict=True))
+                await e.grads.commit(zip((p.layer for p in pending), results, strict=True))
             else:
-                self.grads.count_micro_step()
+                e.grads.count_micro_step()
         except BaseException as exc:
-            # Nothing may stay in flight; the first error is the one raised. The
-            # forward's graphs are (partly) consumed: the next backward needs a new forward.
-            self._record = None
-            for task in updates:
-                task.cancel()
-            for task in updates:
-                with contextlib.suppress(BaseException):
-                    await task
-            for p in pending:
-                with contextlib.suppress(Zero3Error):
-                    await p.collective.wait()
-            with contextlib.suppress(Zero3Error):
-                await self.prefetch.release_all()
-            if self.updater.stepped and isinstance(exc, Zero3Error):
+            await self._abandon_backward(pending, landings)
+            if e.steps.stepped and isinstance(exc, Zero3Error):
                 raise type(exc)(
-                    f"{exc} (layers {sorted(self.updater.stepped)} were already updated by this "
+                    f"{exc} (layers {sorted(e.steps.stepped)} were already updated by this "
                     "backward's early optimizer step)"
                 ) from exc
             raise
-        self._early_lr = early_lr
-        self._record = None
-        self._stats.backward_passes += 1
-        self._stats.total_backward_time += time.perf_counter() - started
+        state.early_lr = early_lr
+        state.record = None
+        e.stats.backward_passes += 1
+        e.stats.total_backward_time += time.perf_counter() - started
         return g
+
+    async def _abandon_backward(
+        self, pending: list[PendingGradient], landings: list[asyncio.Future[torch.Tensor | None]]
+    ) -> None:
+        # Nothing may stay in flight; the caller raises the first error. The
+        # forward's graphs are (partly) consumed: the next backward needs a new forward.
+        self._state.record = None
+        for task in landings:
+            task.cancel()
+        for task in landings:
+            with contextlib.suppress(BaseException):
+                await task
+        for p in pending:
+            with contextlib.suppress(Zero3Error):
+                await p.collective.wait()
+        with contextlib.suppress(Zero3Error):
+            await self._engine.prefetch.release_all()
 
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
@@ -329,34 +378,220 @@ class Zero3CpuOffloadManager(WiringMixin, CheckpointMixin, ObservabilityMixin, L
             StateError: when no backward_pass ran since the last call.
         """
         self._check_open()
+        e, state = self._engine, self._state
         lr = check_lr(learning_rate)
-        if self.grads.micro_steps <= self._calls_since_update:
+        if e.grads.micro_steps <= state.calls_since_update:
             raise StateError(
                 "optimizer_step called without a backward_pass since the last call: "
                 "call forward_pass and backward_pass for each micro-batch first"
             )
-        if self._early_lr is not None and lr != self._early_lr:
+        if state.early_lr is not None and lr != state.early_lr:
             raise ConfigError(
-                f"learning_rate={lr!r} differs from the learning_rate={self._early_lr!r} given "
+                f"learning_rate={lr!r} differs from the learning_rate={state.early_lr!r} given "
                 "to backward_pass, whose updates already started: pass the same value"
             )
-        self._stats.micro_steps += 1
-        self._calls_since_update += 1
-        k = self.config.gradient_accumulation_steps
-        if self._calls_since_update < k:
-            await self.prefetch.after_update(())  # parameters unchanged: prefetch the forward
+        e.stats.micro_steps += 1
+        state.calls_since_update += 1
+        if state.calls_since_update < e.config.gradient_accumulation_steps:
+            await e.prefetch.after_update(())  # parameters unchanged: prefetch the forward
             return False
         started = time.perf_counter()
-        await self.prefetch.drain()  # no gather may read a shard while it is updated
-        updated = await self.updater.apply(lr)
-        self.grads.clear()
-        self._calls_since_update = 0
-        self._early_lr = None
+        await e.prefetch.drain()  # no gather may read a shard while it is updated
+        updated = await e.steps.apply(lr)
+        e.grads.clear()
+        state.calls_since_update = 0
+        state.early_lr = None
         if updated is not None:
-            self._stats.optimizer_steps += 1
-        pressure = await relieve_pressure(self.memory, self.prefetch, self.comm)
-        await self.prefetch.after_update(updated or ())
+            e.stats.optimizer_steps += 1
+        pressure = await e.pressure.check(e.prefetch, e.comm)
+        await e.prefetch.after_update(updated or ())
         ended = time.perf_counter()
-        self._stats.total_optimizer_time += ended - started
-        self._end_step(ended, stepped=updated is not None, pressure=pressure.pressure)
+        e.stats.total_optimizer_time += ended - started
+        window = state.window_started if state.window_started is not None else ended
+        state.window_started = None
+        memory = self.get_memory_stats()
+        e.step_log.close_step(
+            started=window,
+            ended=ended,
+            stepped=updated is not None,
+            prefetch_hit_rate=e.prefetch.metrics.hit_rate(),
+            gathered_high_water_bytes=memory.gathered_high_water_bytes,
+            cpu_memory_used=memory.cpu_memory_used,
+            gpu_memory_used=memory.gpu_memory_used,
+            process_rss_bytes=memory.process_rss_bytes,
+            device_allocated_bytes=memory.device_allocated_bytes,
+            memory_pressure=pressure.pressure,
+            loss_scale=self.loss_scale,
+        )
         return updated is not None
+
+    # ----------------------------------------------------------- state, stats
+
+    async def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 value, on every rank (a collective).
+
+        Returns:
+            ``{name as in model.named_parameters(): fp32 CPU tensor}``.
+        """
+        self._check_open()
+        e = self._engine
+        out: dict[str, torch.Tensor] = {}
+        for name, layout in e.layouts.items():
+            if not layout.padded_numel:
+                continue
+            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
+            await e.comm.all_gather(full, e.params.master(name).to(e.device))
+            for pname, view in layout.unflatten(full):
+                out[f"{name}.{pname}"] = view.detach().to("cpu", copy=True)
+        return out
+
+    def get_performance_stats(self) -> Zero3PerformanceStats:
+        """A snapshot of this rank's timings, counts, prefetch metrics and recent timeline."""
+        e = self._engine
+        return e.stats.snapshot(
+            e.timeline,
+            prefetch=e.prefetch.metrics.as_dict(),
+            prefetch_hit_rate=e.prefetch.metrics.hit_rate(),
+            gathered_high_water_bytes=e.gatherer.high_water_bytes,
+        )
+
+    def get_memory_stats(self) -> Zero3MemoryStats:
+        """Bytes this rank holds now, counted from the tensors."""
+        record, pressure = self._state.record, self._engine.pressure
+        return self._engine.accounting.stats(
+            activation_bytes=record.activation_bytes() if record is not None else 0,
+            pressure=pressure.last_pressure,
+            pressure_checks=pressure.checks,
+        )
+
+    def get_prefetch_status(self) -> PrefetchQueueStatus:
+        """What the prefetcher holds now: gathers in flight, queued look-ahead, bytes."""
+        return self._engine.prefetch.status()
+
+    async def force_memory_optimization(self) -> int:
+        """Free every gathered layer not in use now (persistent ones too) and collect garbage.
+
+        Call it between passes, not concurrently with one.
+
+        Returns:
+            Bytes of gathered parameters released.
+        """
+        self._check_open()
+        gatherer = self._engine.gatherer
+        before = gatherer.reserved_bytes()
+        await self._engine.prefetch.release_all(keep_persistent=False)
+        gatherer.clear_pool()
+        return_freed_memory(self.device)
+        freed = before - gatherer.reserved_bytes()
+        log.info("memory_optimized", rank=self.rank, freed_bytes=freed)
+        return freed
+
+    async def adapt_performance(self) -> int:
+        """Adapt the prefetch depth to measured gather and compute times (a collective).
+
+        See :meth:`PrefetchScheduler.adapt_prefetch_strategy` for the rule; the times are the
+        maxima over ranks, so every rank picks the same depth.
+
+        Returns:
+            The new prefetch depth.
+        """
+        self._check_open()
+        e = self._engine
+        gather_s, compute_s = layer_seconds(e.timeline.events())
+        agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=e.device)
+        await e.comm.all_reduce_max(agreed)
+        depth = e.prefetch.adapt_prefetch_strategy(float(agreed[0]), float(agreed[1]))
+        log.info(
+            "prefetch_adapted",
+            rank=self.rank,
+            gather_s=float(agreed[0]),
+            compute_s=float(agreed[1]),
+            depth=depth,
+        )
+        return depth
+
+    async def reset_state(self) -> None:
+        """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""
+        self._check_open()
+        e = self._engine
+        await e.prefetch.release_all()
+        e.optimizer.reset()
+        e.grads.clear()
+        e.steps.reset()
+        self._state.reset()
+
+    # ------------------------------------------------------------ checkpoints
+
+    async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Save this rank's shards and the run's counters under ``path`` (a collective).
+
+        Every rank writes its own file; the checkpoint is committed (renamed into
+        place, ``latest`` updated) only when all ranks succeeded. A pending
+        forward (activations kept for backward) is not saved. See
+        [Note: checkpoint format] in ``checkpoint.format``.
+
+        Args:
+            path: the checkpoint root directory (created if missing).
+
+        Returns:
+            The committed checkpoint directory.
+
+        Raises:
+            StateError: between a backward whose updates started early and its
+                ``optimizer_step``.
+            CheckpointError: when writing or committing failed on any rank; the
+                previous checkpoint stays loadable.
+        """
+        self._check_open()
+        if self._state.early_lr is not None:
+            raise StateError("updates of this step already started: call optimizer_step first")
+        return await self._engine.checkpointer.save(
+            path, calls_since_update=self._state.calls_since_update
+        )
+
+    async def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Load a checkpoint saved at any world size (a collective).
+
+        Every rank reads and checks its slices first; only when all ranks
+        succeeded is any state replaced, so a failed load changes nothing.
+
+        Args:
+            path: a checkpoint directory, or a root whose ``latest`` names one.
+
+        Returns:
+            The checkpoint directory loaded.
+
+        Raises:
+            CheckpointError: for a missing, truncated or corrupt file, a
+                checkpoint of another model or optimizer, unexpected files (e.g.
+                a pickle) in the directory, or a failure on another rank.
+        """
+        self._check_open()
+        e = self._engine
+        directory, loaded = await e.checkpointer.read(path)
+        await e.prefetch.release_all(keep_persistent=False)  # gathered copies are stale
+        self._state.reset()
+        self._state.calls_since_update = e.checkpointer.restore(loaded)
+        log.info("checkpoint_loaded", rank=self.rank, path=str(directory))
+        return directory
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def close(self) -> None:
+        """Release gathered parameters and pending state. Idempotent."""
+        if self._closed:
+            return
+        await self._engine.prefetch.release_all(keep_persistent=False)
+        self._state.reset()
+        self._closed = True
+
+    async def __aenter__(self) -> Zero3CpuOffloadManager:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from zero3_offload.comm import destroy_process_group, init_process_group
 from zero3_offload.errors import Zero3Error
-from zero3_offload.memory_management import set_mmap_threshold
+from zero3_offload.memory.allocator import set_mmap_threshold
 
 __all__ = ["RankContext", "RankFailedError", "free_port", "rank_pids_alive", "run_ranks"]
 
@@ -159,7 +159,7 @@ async def run_ranks(
         threads_per_rank: torch intra-op threads in each rank.
         backend: ``"gloo"``, or ``"nccl"`` for ranks that each own a GPU.
         mmap_threshold: if set, each rank calls
-            :func:`~zero3_offload.memory_management.set_mmap_threshold` with it.
+            :func:`~zero3_offload.memory.allocator.set_mmap_threshold` with it.
 
     Returns:
         Each rank's return value, in rank order.
@@ -167,7 +167,8 @@ async def run_ranks(
     Raises:
         RankFailedError: when a rank raises, crashes or the run times out.
     """
-    for attempt in range(_PORT_ATTEMPTS):
+    attempt = 1
+    while True:
         try:
             return await _run_once(
                 fn, world_size, args, timeout_s, threads_per_rank, backend, mmap_threshold
@@ -175,11 +176,13 @@ async def run_ranks(
         except RankFailedError as exc:
             # free_port() releases the port before rank 0 binds it, so another
             # process can take it in between: only that race is retried.
-            if attempt + 1 == _PORT_ATTEMPTS or "address already in use" not in str(exc).lower():
+            if attempt == _PORT_ATTEMPTS or "address already in use" not in str(exc).lower():
                 raise
-    raise AssertionError("unreachable")
+        attempt += 1
 
 
+# Runs tried when the rendezvous port was taken: the race needs another process
+# binding the same just-freed port, so a third collision means something else.
 _PORT_ATTEMPTS = 3
 
 

@@ -1,8 +1,8 @@
 """``zero3-offload analyze``: per-layer and per-step figures, traces and plots from logs.
 
 Reads the JSON-lines logs written by ranks that called
-``zero3_offload.logging.configure(json_path=...)`` (see ``DESIGN.md``,
-"Contract: logs"). matplotlib is imported only when a plot is drawn.
+``zero3_offload.logging.configure(json_path=...)`` (the events are described
+in ``docs/observability.md``). matplotlib is imported only when a plot is drawn.
 """
 
 from zero3_offload.analyze.logs import (

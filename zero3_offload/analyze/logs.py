@@ -48,9 +48,9 @@ class StepRecord:
     start: float  # first forward of the accumulation window (epoch seconds)
     end: float  # end of the optimizer step
     seconds: float
-    compute_seconds: float  # cumulative since the manager was built
-    wait_seconds: float  # cumulative
-    prefetch_hit_rate: float  # cumulative
+    compute_seconds: float  # this step's layer compute
+    wait_seconds: float  # this step's waits of the compute thread (exposed communication)
+    prefetch_hit_rate: float  # since the manager was built
     gathered_high_water_bytes: int
     process_rss_bytes: int | None = None
     device_allocated_bytes: int | None = None

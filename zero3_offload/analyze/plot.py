@@ -13,7 +13,7 @@ from typing import Any
 
 from zero3_offload.analyze.logs import RunLog, StepRecord
 from zero3_offload.analyze.trace import assign_tracks, origin_of
-from zero3_offload.errors import Zero3Error
+from zero3_offload.errors import InputError, Zero3Error
 
 __all__ = ["KIND_COLORS", "PlotUnavailableError", "chosen_steps", "plot_run", "require_matplotlib"]
 
@@ -85,7 +85,7 @@ def plot_run(log: RunLog, path: str | Path, *, steps: int = 2) -> list[int]:
         if mine:
             windows[rank] = (min(s.start for s in mine), max(s.end for s in mine))
     if not windows:
-        raise ValueError("the logs hold no step event: nothing to plot")
+        raise InputError("the logs hold no step event: nothing to plot")
     origin = origin_of(log)
     tracks = assign_tracks(log, origin)
     zero = min(lo for lo, _ in windows.values())

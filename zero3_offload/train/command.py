@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zero3_offload.errors import UsageError
 from zero3_offload.testing import RankFailedError
 from zero3_offload.train.launch import launch
 from zero3_offload.train.loop import TrainError
@@ -113,7 +114,6 @@ def _speaks() -> bool:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from zero3_offload.cli import UsageError
 
     flags = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
     if "optimizer_betas" in flags:

@@ -17,6 +17,8 @@ from pathlib import Path
 import attrs
 import torch
 
+from zero3_offload.errors import InputError
+
 __all__ = ["VOCAB_SIZE", "ByteCorpus", "stdlib_files"]
 
 VOCAB_SIZE = 256
@@ -90,7 +92,7 @@ class ByteCorpus:
         blob = b"".join(chunks)
         n_eval = max(int(len(blob) * eval_fraction), 1)
         if len(blob) - n_eval < 2 or n_eval < 2:
-            raise ValueError(f"{source}: {len(blob)} bytes are too few to train on")
+            raise InputError(f"{source}: {len(blob)} bytes are too few to train on")
         tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         source = f"{source}, {len(chunks)} files"
         return cls(train=tensor[:-n_eval], eval=tensor[-n_eval:], source=source)

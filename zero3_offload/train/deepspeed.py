@@ -33,6 +33,8 @@ from typing import Any
 
 import attrs
 
+from zero3_offload.errors import ConfigError
+
 __all__ = ["DeepSpeedError", "DeepSpeedMapping", "from_deepspeed"]
 
 _Z = "zero_optimization."
@@ -76,7 +78,7 @@ _REASONS = {
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-class DeepSpeedError(ValueError):
+class DeepSpeedError(ConfigError):
     """A DeepSpeed setting that cannot be honoured (e.g. a ZeRO stage other than 3)."""
 
 

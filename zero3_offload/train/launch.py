@@ -32,7 +32,7 @@ from zero3_offload.comm import (
     init_process_group,
     init_process_group_from_env,
 )
-from zero3_offload.memory_management import set_mmap_threshold
+from zero3_offload.memory.allocator import set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
 from zero3_offload.train.loop import RankResult, RunSettings, TrainError, train_rank
 from zero3_offload.train.sources import OptionError, Resolved, in_torchrun

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from zero3_offload import logging as zlogging
-from zero3_offload.comm import Collectives
+from zero3_offload.comm.collectives import Collectives
 from zero3_offload.config import Zero3CpuOffloadConfig
-from zero3_offload.errors import CheckpointError, ConfigError, MemoryBudgetError
+from zero3_offload.errors import CheckpointError, ConfigError, MemoryBudgetError, Zero3Error
 from zero3_offload.manager import Zero3CpuOffloadManager
 from zero3_offload.testing import RankContext
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
@@ -44,7 +44,7 @@ __all__ = ["RankResult", "RunSettings", "TrainError", "learning_rate", "train_ra
 log = zlogging.get_logger(__name__)
 
 
-class TrainError(Exception):
+class TrainError(Zero3Error):
     """A user's mistake found inside a rank (e.g. resuming another model): one line."""
 
 
@@ -120,7 +120,7 @@ class _StopFlag:
 class _Trainer:
     def __init__(self, ctx: RankContext, run: RunSettings, manager: Zero3CpuOffloadManager) -> None:
         self.ctx, self.run, self.opts, self.manager = ctx, run, run.train, manager
-        self.names = list(manager.layers)
+        self.names = list(manager.layer_names)
         self.comm = Collectives(
             ctx.group, device=manager.device, timeout_s=run.zero3.collective_timeout_s
         )
@@ -196,7 +196,7 @@ class _Trainer:
             path = await self.manager.load_checkpoint(self.checkpoints)
         except CheckpointError as exc:
             raise TrainError(f"--resume: {exc}") from exc
-        step = self.manager.timeline.step  # optimizer steps, skipped fp16 steps included
+        step = self.manager.steps_completed  # skipped fp16 steps included
         self.reporter.line(f"resumed from {path} at step {step}")
         return step
 

@@ -3,7 +3,7 @@
 Every module initialises itself in ``reset_parameters`` (children first, then
 its own parameters) so the model can be built on the meta device and
 materialised layer by layer with the same values as eager construction; see
-[Note: meta initialisation] in ``zero3_offload.model_sharding``. There are no
+[Note: meta initialisation] in ``zero3_offload.parameter.meta_init``. There are no
 buffers: the causal mask comes from ``scaled_dot_product_attention``.
 """
 
@@ -15,6 +15,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zero3_offload.errors import ConfigError
 
 __all__ = ["GPT", "Block", "Embedding", "GPTShape", "Head"]
 
@@ -118,7 +120,7 @@ class GPT(nn.Module):
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
         if shape.d_model % shape.heads:
-            raise ValueError(f"d_model={shape.d_model} is not a multiple of heads={shape.heads}")
+            raise ConfigError(f"d_model={shape.d_model} is not a multiple of heads={shape.heads}")
         self.shape = shape
         self.embed = Embedding(shape.vocab_size, shape.seq_len, shape.d_model)
         for i in range(shape.layers):

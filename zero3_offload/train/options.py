@@ -22,17 +22,23 @@ from typing import Any
 import attrs
 import torch
 
-from zero3_offload._validation import _bool_field, _float_field, _int_field, _rule
-from zero3_offload.config import OptimizerConfig, Zero3CpuOffloadConfig
+from zero3_offload.config import (
+    OptimizerConfig,
+    Zero3CpuOffloadConfig,
+    bool_field,
+    float_field,
+    int_field,
+    rule,
+)
 from zero3_offload.errors import ConfigError
 
 __all__ = ["OPTIONS", "Option", "TrainOptions", "format_size", "parse_size"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-_check_level = _rule(f"must be one of {', '.join(_LOG_LEVELS)}", lambda v: v in _LOG_LEVELS)
-_optional_str = attrs.validators.optional(_rule("must be a string", lambda v: isinstance(v, str)))
+_check_level = rule(f"must be one of {', '.join(_LOG_LEVELS)}", lambda v: v in _LOG_LEVELS)
+_optional_str = attrs.validators.optional(rule("must be a string", lambda v: isinstance(v, str)))
 _optional_bool = attrs.validators.optional(
-    _rule("must be true or false", lambda v: isinstance(v, bool))
+    rule("must be true or false", lambda v: isinstance(v, bool))
 )
 
 
@@ -40,41 +46,41 @@ _optional_bool = attrs.validators.optional(
 class TrainOptions:
     """The training run (the ZeRO-3 configuration is a separate object)."""
 
-    world_size: int = _int_field(2, 1, "ranks")
+    world_size: int = int_field(2, 1, "ranks")
     """Local ranks to start, gloo on 127.0.0.1 (under torchrun its WORLD_SIZE is used)."""
-    steps: int = _int_field(300, 1, "optimizer steps")
+    steps: int = int_field(300, 1, "optimizer steps")
     """Optimizer steps of the whole run; a resumed run continues up to this step."""
-    batch_size: int = _int_field(8, 1, "sequences")
+    batch_size: int = int_field(8, 1, "sequences")
     """Sequences per rank per micro-step."""
-    seq_len: int = _int_field(128, 2, "bytes")
+    seq_len: int = int_field(128, 2, "bytes")
     """Bytes per training sequence (the model's context length)."""
-    d_model: int = _int_field(128, 1)
+    d_model: int = int_field(128, 1)
     """Width of the model."""
-    layers: int = _int_field(4, 1, "blocks")
+    layers: int = int_field(4, 1, "blocks")
     """Transformer blocks."""
-    heads: int = _int_field(4, 1)
+    heads: int = int_field(4, 1)
     """Attention heads; must divide d_model."""
-    lr: float = _float_field(3e-3, "> 0", lambda v: v > 0)
+    lr: float = float_field(3e-3, "> 0", lambda v: v > 0)
     """Peak learning rate, reached after warmup_steps, then cosine decay to a tenth."""
-    warmup_steps: int = _int_field(20, 0, "steps")
+    warmup_steps: int = int_field(20, 0, "steps")
     """Steps of linear learning-rate warmup."""
-    eval_every: int = _int_field(100, 0, "steps; 0: at the start and end only")
+    eval_every: int = int_field(100, 0, "steps; 0: at the start and end only")
     """Evaluate on held-out text every this many steps."""
-    eval_batches: int = _int_field(4, 1)
+    eval_batches: int = int_field(4, 1)
     """Micro-batches per rank in each evaluation."""
-    log_every: int = _int_field(10, 1, "steps")
+    log_every: int = int_field(10, 1, "steps")
     """Steps per printed line without a progress bar; the loss shown is their mean."""
-    save_every: int = _int_field(0, 0, "steps; 0: at the end only")
+    save_every: int = int_field(0, 0, "steps; 0: at the end only")
     """Save a checkpoint to OUT/checkpoints every this many steps (needs --out)."""
-    seed: int = _int_field(0, 0)
+    seed: int = int_field(0, 0)
     """Seed of the initial values and of the data positions (batch i depends on seed and i)."""
     out: str | None = attrs.field(default=None, validator=_optional_str)
     """Directory for logs/rank{r}.jsonl and checkpoints/ (nothing is written without it)."""
-    resume: bool = _bool_field(False)
+    resume: bool = bool_field(False)
     """Continue from the latest checkpoint in OUT/checkpoints (needs --out)."""
-    threads: int = _int_field(0, 0, "0: CPU cores / local ranks")
+    threads: int = int_field(0, 0, "0: CPU cores / local ranks")
     """torch threads per rank."""
-    corpus_mb: float = _float_field(16.0, "> 0", lambda v: v > 0)
+    corpus_mb: float = float_field(16.0, "> 0", lambda v: v > 0)
     """Megabytes of text to read (from --data or the Python standard library)."""
     data: str | None = attrs.field(default=None, validator=_optional_str)
     """Train on this file or directory of text instead of the standard library's source."""
@@ -135,7 +141,7 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*", str(text).lower())
     if m is None:
-        raise ValueError(f"{text!r} is not a size: give bytes, or e.g. 512MiB, 2GiB, 1.5GB")
+        raise ConfigError(f"{text!r} is not a size: give bytes, or e.g. 512MiB, 2GiB, 1.5GB")
     number, unit, binary, b = m.groups()
     power = "kmgt".index(unit) + 1 if unit else 0
     base = (1000 if b and not binary else 1024) ** power  # "GB" is decimal, "G" and "GiB" binary

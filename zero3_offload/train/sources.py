@@ -45,7 +45,7 @@ __all__ = [
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """A bad option: the message is one line that names the flag or the file and key."""
 
 

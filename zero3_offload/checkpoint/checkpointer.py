@@ -1,0 +1,193 @@
+"""Saving and loading one rank's training state (see [Note: checkpoint format]).
+
+:class:`ShardCheckpointer` gathers what a checkpoint holds from the stores
+(master shards, optimizer state, accumulated gradients) and the run's counters,
+and puts a loaded checkpoint back into them. The manager decides when (never
+with updates of a step half done) and what happens around it (releasing
+gathered copies, resetting its step state).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from zero3_offload.checkpoint.atomic_save import commit_save, prepare_save, write_shard
+from zero3_offload.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    checkpoint_name,
+    layout_metadata,
+    resolve_checkpoint,
+)
+from zero3_offload.checkpoint.reshard_load import LoadedShards, read_shards
+from zero3_offload.comm.collectives import Collectives
+from zero3_offload.comm.worker_threads import WorkerThreads
+from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.errors import CheckpointError
+from zero3_offload.gradient.store import GradientStore
+from zero3_offload.logging import get_logger
+from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
+from zero3_offload.optimizer_state.step_runner import StepRunner
+from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.timeline import Timeline
+from zero3_offload.version import __version__
+
+__all__ = ["ShardCheckpointer"]
+
+log = get_logger(__name__)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ShardCheckpointer:
+    """Reads and writes this rank's part of a sharded checkpoint.
+
+    Every method is a collective: all ranks call it together.
+    """
+
+    config: Zero3CpuOffloadConfig
+    layouts: dict[str, LayerLayout]
+    params: ParameterStore
+    grads: GradientStore
+    optimizer: ShardOptimizers
+    steps: StepRunner  # the loss scaler lives there
+    comm: Collectives
+    workers: WorkerThreads
+    stats: Zero3PerformanceStats  # optimizer_steps is saved and restored
+    timeline: Timeline  # its step counter is saved and restored
+
+    def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        tensors: dict[str, torch.Tensor] = {}
+        scalar_state: set[str] = set()
+        for layer in self.optimizer.layers():
+            tensors[f"{layer}.master"] = self.params.master(layer)
+            for key, value in self.optimizer.layer_state(layer).items():
+                tensors[f"{layer}.optim.{key}"] = value
+                if value.dim() == 0:
+                    scalar_state.add(key)
+            grad = self.grads.get(layer)
+            if grad is not None:
+                tensors[f"{layer}.grad"] = grad
+        return tensors, sorted(scalar_state)
+
+    def _metadata(self, scalar_state: list[str], calls_since_update: int) -> dict[str, Any]:
+        scaler = self.steps.loss_scaler
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "library_version": __version__,
+            "world_size": self.comm.world_size,
+            "layers": layout_metadata(self.layouts),
+            "optimizer": self.config.optimizer.to_dict(),
+            "scalar_state": scalar_state,
+            "optimizer_steps": self.stats.optimizer_steps,
+            "timeline_step": self.timeline.step,
+            "calls_since_update": calls_since_update,
+            "backward_passes": self.grads.micro_steps,
+            "loss_scaler": None if scaler is None else scaler.state_dict(),
+            "config": self.config.to_dict(),
+        }
+
+    async def save(self, root: str | os.PathLike[str], *, calls_since_update: int) -> Path:
+        """Write this rank's shards and the run's counters; commit when every rank wrote.
+
+        Args:
+            root: the checkpoint root directory (created if missing).
+            calls_since_update: micro-steps of the open accumulation window.
+
+        Returns:
+            The committed checkpoint directory.
+
+        Raises:
+            CheckpointError: when writing or committing failed on any rank; the
+                previous checkpoint stays loadable.
+        """
+        root = Path(root)
+        name = checkpoint_name(self.stats.optimizer_steps, calls_since_update)
+        tensors, scalar_state = self._tensors()
+        meta = self._metadata(scalar_state, calls_since_update)
+        tmp = await prepare_save(root, name, self.comm)
+        rank, world = self.comm.rank, self.comm.world_size
+        error: Exception | None = None
+        try:
+            await self.workers.run(
+                "checkpoint-write", "", "step", lambda: write_shard(tmp, tensors, rank, world)
+            )
+        except Exception as exc:  # reported to every rank below, then re-raised
+            error = exc
+        try:
+            final = await commit_save(root, tmp, name, meta, self.comm, error is None)
+        except CheckpointError as exc:
+            if error is not None:
+                raise CheckpointError(f"{exc}; this rank's write failed: {error}") from error
+            raise
+        log.info("checkpoint_saved", rank=rank, path=str(final), tensors=len(tensors))
+        return final
+
+    async def read(self, path: str | os.PathLike[str]) -> tuple[Path, LoadedShards]:
+        """Read and check this rank's slices; succeeds only when every rank's read did.
+
+        Nothing is changed: :meth:`restore` applies what this returns.
+
+        Returns:
+            The checkpoint directory and this rank's slices of it.
+
+        Raises:
+            CheckpointError: for a missing, truncated or corrupt file, a checkpoint
+                of another model or optimizer, unexpected files (e.g. a pickle) in
+                the directory, or a failure on another rank.
+        """
+        error: CheckpointError | None = None
+        loaded: LoadedShards | None = None
+        directory = Path(path)
+        try:
+            directory = resolve_checkpoint(path)
+            kind = self.config.optimizer.kind
+            loaded = await self.workers.run(
+                "checkpoint-read",
+                "",
+                "step",
+                lambda: read_shards(directory, self.layouts, optimizer_kind=kind),
+            )
+            k = self.config.gradient_accumulation_steps
+            done = loaded.meta["calls_since_update"]
+            if done >= k:
+                raise CheckpointError(
+                    f"{directory}: saved after {done} micro-steps of a window, more than "
+                    f"gradient_accumulation_steps={k} allows"
+                )
+        except CheckpointError as exc:
+            error = exc
+        if not await self.comm.agree(error is None):
+            if error is not None:
+                raise error
+            raise CheckpointError(f"loading {directory} failed on another rank; nothing changed")
+        assert loaded is not None
+        return directory, loaded
+
+    def restore(self, loaded: LoadedShards) -> int:
+        """Put ``loaded`` into the stores and counters.
+
+        Gathered copies of the parameters are stale afterwards: the caller
+        releases them first.
+
+        Returns:
+            The micro-steps of the accumulation window the checkpoint was saved in.
+        """
+        for layer, master in loaded.masters.items():
+            self.params.master(layer).copy_(master)
+            self.params.refresh_compute_copy(layer)
+            self.optimizer.load_layer_state(layer, loaded.optim.get(layer, {}))
+        meta = loaded.meta
+        self.grads.load(loaded.grads, meta["backward_passes"])
+        self.stats.optimizer_steps = meta["optimizer_steps"]
+        self.timeline.step = meta["timeline_step"]
+        if self.steps.loss_scaler is not None and meta["loss_scaler"] is not None:
+            self.steps.loss_scaler.load_state_dict(meta["loss_scaler"])
+        return int(meta["calls_since_update"])

@@ -1,0 +1,255 @@
+"""The engine: every component of one manager, wired from its config by :func:`build_engine`.
+
+Components are made once, in dependency order (config -> comm, streams and
+workers -> layouts and stores -> gatherer and layer runner -> prefetch ->
+initial values -> gradients, optimizer, step runner -> memory -> checkpoints);
+the manager then only orders their work. Each component receives exactly the
+others it uses, as keyword arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero3_offload.checkpoint.checkpointer import ShardCheckpointer
+from zero3_offload.comm.collectives import Collectives
+from zero3_offload.comm.copy_streams import CopyStreams
+from zero3_offload.comm.worker_threads import WorkerThreads
+from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.engine.model_layers import split_layers
+from zero3_offload.errors import ConfigError
+from zero3_offload.execution.layer_runner import LayerRunner
+from zero3_offload.gradient.buffers import GradientBuffers
+from zero3_offload.gradient.reducer import GradientReducer
+from zero3_offload.gradient.store import GradientStore
+from zero3_offload.memory.accounting import MemoryAccounting
+from zero3_offload.memory.budget import CpuMemoryNeed, check_cpu_budget, cpu_memory_need
+from zero3_offload.memory.pressure import PressurePolicy
+from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
+from zero3_offload.optimizer_state.step_runner import StepRunner
+from zero3_offload.parameter.codec import ShardCodec
+from zero3_offload.parameter.flat_layout import (
+    LayerLayout,
+    build_layouts,
+    owned_numel,
+    total_numel,
+)
+from zero3_offload.parameter.gatherer import ParameterGatherer
+from zero3_offload.parameter.meta_init import InitFn, shard_initial_values
+from zero3_offload.parameter.rank_mapping import Zero3RankMapping
+from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.step_log import StepLog
+from zero3_offload.stats.timeline import Timeline
+
+__all__ = ["Engine", "build_engine"]
+
+_MIB = 2**20
+# Gradient buffers: one receives the layer being backpropagated while the
+# other is still read by the previous layer's reduce-scatter.
+_GRADIENT_BUFFERS = 2
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Engine:
+    """The wired components of one manager. Built by :func:`build_engine`."""
+
+    config: Zero3CpuOffloadConfig
+    device: torch.device  # the compute device
+    mapping: Zero3RankMapping  # this rank's place in the group
+    layers: dict[str, nn.Module]  # layer name -> module, in the model's order
+    layouts: dict[str, LayerLayout]  # layer name -> its flat layout
+    cpu_need: CpuMemoryNeed  # CPU bytes of the shards, checked against the budget
+    stats: Zero3PerformanceStats  # counts and timings of this rank
+    timeline: Timeline  # intervals of work, logged as they end
+    step_log: StepLog  # closes steps: step times and the `step` event
+    comm: Collectives  # the group's awaitable collectives
+    streams: CopyStreams  # side streams of host/device copies (CUDA)
+    workers: WorkerThreads  # CPU work off the event loop's thread
+    params: ParameterStore  # fp32 master shards and compute copies
+    gatherer: ParameterGatherer  # gathers layers on the device, binds, releases
+    runner: LayerRunner  # runs one layer's forward and backward
+    prefetch: PrefetchScheduler  # look-ahead gathers under the budget
+    reducer: GradientReducer  # reduce-scatters layers' gradients
+    gradient_buffers: GradientBuffers  # flat buffers the reduce-scatters read
+    grads: GradientStore  # this rank's accumulated gradient shards
+    optimizer: ShardOptimizers  # one torch optimizer per layer shard
+    steps: StepRunner  # applies updates in worker threads
+    accounting: MemoryAccounting  # counts bytes held, by kind and place
+    pressure: PressurePolicy  # frees gathered memory under pressure
+    checkpointer: ShardCheckpointer  # this rank's part of checkpoints
+
+
+def build_engine(
+    config: Zero3CpuOffloadConfig,
+    process_group: dist.ProcessGroup,
+    model: nn.Module | Mapping[str, nn.Module],
+    *,
+    init_fn: InitFn,
+) -> Engine:
+    """Build every component of a manager (a collective: rank 0's values are broadcast).
+
+    Raises:
+        ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
+        InputError: when the model cannot be partitioned.
+        MemoryBudgetError: when the shards do not fit ``cpu_memory_budget`` or a
+            layer does not fit ``gpu_param_memory_budget``.
+        CommunicationError: when the initial broadcast fails.
+    """
+    config.validate()
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={config.device!r} is invalid: CUDA is not available here")
+    cpu = torch.device("cpu")
+    pin = config.pin_cpu_memory and device.type == "cuda"
+    mapping = Zero3RankMapping(rank=process_group.rank(), world_size=process_group.size())
+    layers = split_layers(model)
+    layouts = build_layouts(layers, mapping)
+
+    stats = Zero3PerformanceStats()
+    timeline = Timeline(rank=mapping.rank)
+    comm = Collectives(process_group, device=device, timeout_s=config.collective_timeout_s)
+    comm.observer = stats.record_communication
+    streams = CopyStreams(device)
+    workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
+
+    codec = ShardCodec(
+        config.cpu_compression, config.compute_dtype, block_size=config.compression_block_size
+    )
+    params = ParameterStore(
+        codec=codec,
+        master_device=cpu if config.offload_optimizer_states else device,
+        copy_device=cpu if config.offload_params else device,
+        pin=pin,
+    )
+    gatherer = ParameterGatherer(
+        layers=layers,
+        layouts=layouts,
+        store=params,
+        comm=comm,
+        device=device,
+        streams=streams,
+        timeline=timeline,
+    )
+    runner = LayerRunner(
+        device,
+        config.compute_dtype,
+        recompute=config.activation_checkpointing,
+        gathered_flat=gatherer.gathered_flat,
+    )
+    cpu_need = cpu_memory_need(
+        config, [lay.shard_numel for lay in layouts.values() if lay.numel], device
+    )
+    check_cpu_budget(cpu_need, config.cpu_memory_budget)
+    # Enough reusable buffers for what is gathered at once: the layer in use,
+    # the look-ahead, and one being released; never more than the budget.
+    largest_bytes = max((gatherer.nbytes(n) for n in layers), default=0)
+    gatherer.pool_limit = min(
+        config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
+    )
+    prefetch = PrefetchScheduler(
+        gatherer=gatherer,
+        layers=list(layers),
+        numels={name: lay.numel for name, lay in layouts.items()},
+        budget=config.gpu_param_memory_budget,
+        depth=config.prefetch_buffer_size if config.async_prefetch else 0,
+        bucket=config.prefetch_bucket_size,
+        persistence_threshold=config.param_persistence_threshold,
+        rank=mapping.rank,
+    )
+    shard_initial_values(
+        layers=layers,
+        layouts=layouts,
+        store=params,
+        gatherer=gatherer,
+        comm=comm,
+        device=device,
+        init_fn=init_fn,
+    )
+
+    largest = max((lay.padded_numel for lay in layouts.values()), default=0)
+    gradient_buffers = GradientBuffers(numel=largest, device=device, depth=_GRADIENT_BUFFERS)
+    reducer = GradientReducer(
+        layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
+    )
+    grads = GradientStore(
+        device=cpu if config.offload_grads else device,
+        streams=streams,
+        workers=workers,
+        timeline=timeline,
+        pin=pin,
+    )
+    optimizer = ShardOptimizers(
+        config.optimizer,
+        [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
+        device=params.master_device,
+    )
+    steps = StepRunner(
+        config=config,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        workers=workers,
+        comm=comm,
+    )
+    accounting = MemoryAccounting(
+        params=params,
+        gatherer=gatherer,
+        grads=grads,
+        optimizer=optimizer,
+        gradient_buffers=gradient_buffers,
+        total_parameters=total_numel(layouts),
+        owned_parameters=owned_numel(layouts),
+    )
+    pressure = PressurePolicy(
+        accounting=accounting,
+        gatherer=gatherer,
+        strategy=config.auto_memory_management,
+        max_gpu_bytes=config.max_gpu_memory_mb * _MIB,
+        max_cpu_bytes=config.max_cpu_memory_mb * _MIB,
+        gpu_param_budget=config.gpu_param_memory_budget,
+    )
+    checkpointer = ShardCheckpointer(
+        config=config,
+        layouts=layouts,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        steps=steps,
+        comm=comm,
+        workers=workers,
+        stats=stats,
+        timeline=timeline,
+    )
+    return Engine(
+        config=config,
+        device=device,
+        mapping=mapping,
+        layers=layers,
+        layouts=layouts,
+        cpu_need=cpu_need,
+        stats=stats,
+        timeline=timeline,
+        step_log=StepLog(timeline, stats),
+        comm=comm,
+        streams=streams,
+        workers=workers,
+        params=params,
+        gatherer=gatherer,
+        runner=runner,
+        prefetch=prefetch,
+        reducer=reducer,
+        gradient_buffers=gradient_buffers,
+        grads=grads,
+        optimizer=optimizer,
+        steps=steps,
+        accounting=accounting,
+        pressure=pressure,
+        checkpointer=checkpointer,
+    )

@@ -1,0 +1,162 @@
+"""Reduce-scatter of each layer's flat gradient to the ranks that own its slices.
+
+After a layer's backward, its parameter gradients sit in a flat padded buffer
+laid out like the parameters (see [Note: flat layout] in
+``parameter.flat_layout``), and one reduce-scatter averages it over ranks, so
+each rank receives the mean gradient of exactly the slice it owns. The flat
+buffers come from :class:`GradientBuffers`, so backward does not allocate a
+fresh full-layer buffer per layer, while the reduce-scatter of one layer still
+overlaps the compute of the next. (torsh's ``gradient_management.rs`` keeps
+every rank's whole gradient and divides by the world size without
+communicating; this is the real collective.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch import nn
+
+from zero3_offload.comm.collectives import Collectives, PendingCollective
+from zero3_offload.gradient.buffers import GradientBuffers
+from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.stats.tensor_bytes import tensor_bytes
+from zero3_offload.stats.timeline import Timeline
+
+__all__ = ["GradientReducer", "GradientSlot", "PendingGradient"]
+
+
+@attrs.define
+class PendingGradient:
+    """A layer's gradient shard whose reduce-scatter is in flight."""
+
+    layer: str
+    shard: torch.Tensor | None  # 1D fp32 [shard_numel] until finish() hands it over
+    collective: PendingCollective
+    slot: int  # the GradientBuffers slot held until completion
+    started: float  # time.perf_counter() at launch
+    nbytes: int  # bytes of the full flat gradient reduced
+
+
+@attrs.define
+class GradientSlot:
+    """A flat gradient buffer taken for one layer's backward (see GradientReducer.prepare)."""
+
+    index: int  # the GradientBuffers slot
+    flat: torch.Tensor  # 1D fp32 [padded_numel] view of the slot
+
+
+class GradientReducer:
+    """Flattens a layer's gradients and reduce-scatters them to their owners.
+
+    Args:
+        layouts: each layer's flat layout.
+        comm: collectives of the group.
+        buffers: the flat device buffers gradients are reduce-scattered from.
+        timeline: where reduce-scatters and waits are recorded.
+    """
+
+    def __init__(
+        self,
+        *,
+        layouts: Mapping[str, LayerLayout],
+        comm: Collectives,
+        buffers: GradientBuffers,
+        timeline: Timeline,
+    ) -> None:
+        self._layouts = layouts
+        self._comm = comm
+        self._buffers = buffers
+        self._timeline = timeline
+
+    async def prepare(self, layer: str, module: nn.Module) -> GradientSlot:
+        """Take a flat buffer for ``layer``'s gradients before its backward runs.
+
+        When the parameters are fp32 on the buffer's device, each ``param.grad``
+        is set to its zeroed view of the buffer, so autograd accumulates into
+        the buffer in place (see [Note: gradients in place]); otherwise the
+        gradients are copied in by :meth:`start_reduce_scatter`.
+        """
+        layout = self._layouts[layer]
+        waited = time.perf_counter()
+        slot, flat = await self._buffers.acquire(layout.padded_numel)
+        self._timeline.record("wait", layer, "backward", waited, time.perf_counter())
+        params = dict(module.named_parameters())
+        in_place = all(
+            params[s.name].dtype == flat.dtype and params[s.name].device == flat.device
+            for s in layout.slots
+        )
+        if in_place:
+            flat.zero_()
+            for s in layout.slots:
+                params[s.name].grad = flat[s.offset : s.offset + s.numel].view_as(params[s.name])
+        return GradientSlot(index=slot, flat=flat)
+
+    async def start_reduce_scatter(
+        self, layer: str, module: nn.Module, prepared: GradientSlot
+    ) -> PendingGradient:
+        """Launch the reduce-scatter of ``module``'s parameter gradients.
+
+        Gradients not already in ``prepared``'s buffer (from :meth:`prepare`)
+        are copied in; parameters without a gradient contribute zeros, as do
+        the padding elements. The parameters' ``.grad`` are cleared (the
+        buffer holds the gradient now).
+
+        [Note: gradients in place]
+        With a buffer from :meth:`prepare`, autograd adds each parameter's
+        gradient into its view of the flat buffer (``AccumulateGrad`` adds in
+        place into a defined ``.grad``), which saves a layer-sized allocation
+        and a copy per layer. A gradient that autograd replaced instead (a
+        hook assigning ``.grad``) no longer points into the buffer and is
+        copied like any other.
+        """
+        layout = self._layouts[layer]
+        flat = prepared.flat
+        params = dict(module.named_parameters())
+        for s in layout.slots:
+            param = params[s.name]
+            grad = param.grad
+            dest = flat[s.offset : s.offset + s.numel]
+            if grad is None:
+                dest.zero_()
+            elif grad.data_ptr() != dest.data_ptr():  # not accumulated in place
+                dest.copy_(grad.view(-1))
+            param.grad = None
+        flat[layout.numel :].zero_()
+        shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
+        pending = PendingGradient(
+            layer=layer,
+            shard=shard,
+            collective=self._comm.start_reduce_scatter_mean(shard, flat),
+            slot=prepared.index,
+            started=time.perf_counter(),
+            nbytes=tensor_bytes(flat),
+        )
+        self._buffers.hold(prepared.index, pending.collective)
+        return pending
+
+    async def finish(self, pending: PendingGradient) -> torch.Tensor:
+        """Wait for ``pending``'s reduce-scatter; returns the averaged shard.
+
+        Awaited in a task right after launch, so the recorded interval ends
+        when the collective completes.
+        """
+        await pending.collective.wait()
+        self._buffers.free(pending.slot)
+        self._timeline.record(
+            "reduce-scatter",
+            pending.layer,
+            "backward",
+            pending.started,
+            time.perf_counter(),
+            "comm",
+            nbytes=pending.nbytes,
+        )
+        # Hand the shard over: the caller decides how long it lives (an early
+        # update drops it at once; a PendingGradient kept for error handling must not).
+        shard, pending.shard = pending.shard, None
+        assert shard is not None
+        return shard

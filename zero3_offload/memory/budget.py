@@ -1,0 +1,92 @@
+"""What this rank will hold in CPU memory, from exact tensor sizes, before allocating.
+
+The construction-time check of ``cpu_memory_budget`` needs the bytes before
+the tensors exist. Every figure here is ``numel * element_size`` of a tensor
+the library will allocate with that shape and dtype (the tests compare it with
+the bytes counted from the real tensors after a step), not a ratio estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.errors import MemoryBudgetError
+from zero3_offload.parameter.codec import ShardCodec
+
+__all__ = ["CpuMemoryNeed", "check_cpu_budget", "cpu_memory_need"]
+
+_FP32 = 4
+
+
+@attrs.frozen(kw_only=True)
+class CpuMemoryNeed:
+    """CPU bytes of this rank's shards, by kind."""
+
+    master: int
+    optimizer_state: int
+    compute_copies: int
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return self.master + self.optimizer_state + self.compute_copies + self.gradients
+
+
+def _state_bytes(config: Zero3CpuOffloadConfig, shard: int) -> int:
+    opt = config.optimizer
+    if opt.kind == "sgd":
+        return _FP32 * shard if opt.momentum > 0 else 0
+    moments = 3 if opt.amsgrad else 2  # exp_avg, exp_avg_sq (, max_exp_avg_sq)
+    return moments * _FP32 * shard + _FP32  # + the fp32 step counter
+
+
+def cpu_memory_need(
+    config: Zero3CpuOffloadConfig, shard_numels: Iterable[int], device: torch.device
+) -> CpuMemoryNeed:
+    """CPU bytes of masters, optimizer state, compute copies and gradient shards.
+
+    Args:
+        config: decides what is offloaded and in which format.
+        shard_numels: this rank's shard length of every layer with parameters.
+        device: the compute device.
+    """
+    cpu = torch.device("cpu")
+    master_dev = cpu if config.offload_optimizer_states else device
+    copy_dev = cpu if config.offload_params else device
+    codec = ShardCodec(
+        config.cpu_compression, config.compute_dtype, block_size=config.compression_block_size
+    )
+    aliased = codec.is_identity and master_dev == copy_dev
+    master = state = copies = grads = 0
+    for shard in shard_numels:
+        if master_dev.type == "cpu":
+            master += _FP32 * shard
+            state += _state_bytes(config, shard)
+        if copy_dev.type == "cpu" and not aliased:
+            copies += torch.empty((), dtype=codec.storage_dtype).element_size() * shard
+            if codec.method.value == "int8":
+                copies += _FP32 * codec.num_blocks(shard)
+        if config.offload_grads or device.type == "cpu":
+            grads += _FP32 * shard
+    return CpuMemoryNeed(
+        master=master, optimizer_state=state, compute_copies=copies, gradients=grads
+    )
+
+
+def check_cpu_budget(need: CpuMemoryNeed, budget: int) -> None:
+    """Raise when ``need`` does not fit ``cpu_memory_budget``.
+
+    Raises:
+        MemoryBudgetError: stating the need by kind and the budget.
+    """
+    if need.total > budget:
+        raise MemoryBudgetError(
+            f"this rank needs {need.total} bytes of CPU memory (master shards {need.master}, "
+            f"optimizer state {need.optimizer_state}, compute copies {need.compute_copies}, "
+            f"gradient shards {need.gradients}) but cpu_memory_budget={budget}: raise the "
+            "budget, use more ranks, or compress the compute copy (cpu_compression)"
+        )

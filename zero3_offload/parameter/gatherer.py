@@ -1,0 +1,240 @@
+"""Gathering layers' full parameters on the device, and releasing them.
+
+See [Note: flat layout] in ``parameter.flat_layout`` for what a gather rebuilds,
+and [Note: copy streams] in ``comm.copy_streams`` for how the copies are ordered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch import nn
+
+from zero3_offload.comm.collectives import Collectives, PendingCollective
+from zero3_offload.comm.copy_streams import CopyStreams
+from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.stats.tensor_bytes import tensor_bytes
+from zero3_offload.stats.timeline import Timeline
+
+__all__ = ["GatherHandle", "ParameterGatherer"]
+
+
+@attrs.define
+class GatherHandle:
+    """A layer's gather in flight: its buffer is allocated, the all-gather launched."""
+
+    layer: str
+    flat: torch.Tensor  # 1D [padded_numel] in the compute dtype, valid once complete
+    pending: PendingCollective | None  # None for a layer without parameters
+    started: float  # time.perf_counter() at launch
+    # Awaits the collective from launch on, so its completion (and time) is seen
+    # when it happens, not when the layer is needed; awaited by complete().
+    waiter: asyncio.Future[None] | None = None
+
+    def is_completed(self) -> bool:
+        return self.pending is None or self.pending.is_completed()
+
+
+class ParameterGatherer:
+    """Gathers layers' full parameters on the device and releases them.
+
+    A gather is launched (:meth:`launch`: buffer allocated, copy and decode on
+    the h2d stream, all-gather started) and later completed (:meth:`complete`:
+    awaited, parameters bound as views). Bytes of launched and gathered
+    buffers together are what the device holds for parameters.
+
+    Args:
+        layers: layer name -> module; the modules' parameters are rebound.
+        layouts: each layer's flat layout.
+        store: where the shards come from.
+        comm: collectives of the group.
+        device: compute device.
+        streams: copy streams of the device.
+        timeline: where gathers are recorded.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: Mapping[str, nn.Module],
+        layouts: Mapping[str, LayerLayout],
+        store: ParameterStore,
+        comm: Collectives,
+        device: torch.device,
+        streams: CopyStreams,
+        timeline: Timeline,
+    ) -> None:
+        self._layers = layers
+        self._layouts = layouts
+        self._store = store
+        self._comm = comm
+        self.device = device
+        self._streams = streams
+        self._timeline = timeline
+        self.phase = "forward"  # recorded with gathers; the manager sets it per pass
+        self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
+        self._inflight: dict[str, GatherHandle] = {}
+        self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
+        # Released CPU buffers kept for the next gather of the same size (see
+        # _take); a fresh large allocation costs several times a copy on the
+        # CPU, and freed ones are not returned to the OS by glibc anyway. CUDA
+        # has its own caching allocator, so nothing is pooled there.
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.pool_limit = 0  # bytes the pool may hold (the manager sets the budget)
+
+    def release_views(self, name: str) -> None:
+        """Point ``name``'s parameters at empty tensors (used once, after sharding it)."""
+        self._unbind(name)
+
+    def _unbind(self, name: str) -> None:
+        for param in self._layers[name].parameters():
+            param.data = torch.empty(0, dtype=self._store.compute_dtype, device=self.device)
+            param.grad = None
+
+    def _bind(self, name: str, flat: torch.Tensor) -> None:
+        params = dict(self._layers[name].named_parameters())
+        for pname, view in self._layouts[name].unflatten(flat):
+            params[pname].data = view
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of ``name``'s gathered buffer (padded, in the compute dtype)."""
+        return self._layouts[name].padded_numel * self._store.codec.compute_itemsize
+
+    def gathered_flat(self, name: str) -> torch.Tensor:
+        """``name``'s gathered flat buffer (KeyError when it is not gathered)."""
+        return self._gathered[name]
+
+    def is_gathered(self, name: str) -> bool:
+        return name in self._gathered
+
+    def is_inflight(self, name: str) -> bool:
+        return name in self._inflight
+
+    def inflight(self) -> list[GatherHandle]:
+        return list(self._inflight.values())
+
+    def gathered_layers(self) -> list[str]:
+        return list(self._gathered)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameter buffers gathered on the device now."""
+        return sum(tensor_bytes(t) for t in self._gathered.values())
+
+    def inflight_bytes(self) -> int:
+        """Bytes of buffers whose gather is in flight."""
+        return sum(tensor_bytes(h.flat) for h in self._inflight.values())
+
+    def pooled_bytes(self) -> int:
+        """Bytes of released buffers kept for reuse."""
+        return sum(tensor_bytes(t) for ts in self._pool.values() for t in ts)
+
+    def clear_pool(self) -> None:
+        """Free the pooled buffers (their storage goes back to the allocator)."""
+        self._pool.clear()
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._pool.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _give(self, flat: torch.Tensor) -> None:
+        # Pool only while gathered + in flight + pooled stays within the limit.
+        fits = self.reserved_bytes() + self.pooled_bytes() + tensor_bytes(flat) <= self.pool_limit
+        if self.device.type == "cpu" and fits:
+            self._pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
+
+    def reserved_bytes(self) -> int:
+        """Gathered plus in-flight buffer bytes: what the budget limits."""
+        return self.gathered_bytes() + self.inflight_bytes()
+
+    def launch(self, name: str) -> GatherHandle:
+        """Allocate ``name``'s buffer and start its gather; returns at once.
+
+        The compute copy is copied to the device and decoded there on the h2d
+        stream, and the all-gather is launched from that stream, so the compute
+        stream only waits when it needs the result (see [Note: copy streams]).
+        Collectives start here, in program order, identically on every rank.
+        """
+        layout = self._layouts[name]
+        dtype = self._store.compute_dtype
+        flat = self._take(layout.padded_numel, dtype)
+        pending = None
+        started = time.perf_counter()
+        if layout.padded_numel:
+            src = self._store.compute_copy(name)
+            with self._streams.on(self._streams.h2d):
+                copy_started = self._streams.record(self._streams.h2d)
+                staged = src.to(self.device, non_blocking=True)
+                if staged is not src:
+                    self._streams.track_copy(
+                        "h2d", name, self.phase, src.nbytes(), copy_started, self._streams.h2d
+                    )
+                if staged.scales is None and staged.payload.dtype == dtype:
+                    shard = staged.payload
+                else:
+                    shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
+                    self._store.codec.decode_(staged, shard)
+                pending = self._comm.start_all_gather(flat, shard)
+        waiter = asyncio.ensure_future(pending.wait()) if pending is not None else None
+        handle = GatherHandle(
+            layer=name, flat=flat, pending=pending, started=started, waiter=waiter
+        )
+        self._inflight[name] = handle
+        self.high_water_bytes = max(self.high_water_bytes, self.reserved_bytes())
+        return handle
+
+    async def complete(self, name: str) -> nn.Module:
+        """Wait for ``name``'s launched gather and bind its parameters.
+
+        Raises:
+            CommunicationError: when the all-gather fails or times out (the
+                buffer is dropped either way).
+        """
+        handle = self._inflight[name]
+        try:
+            if handle.waiter is not None:
+                await handle.waiter
+        finally:
+            del self._inflight[name]
+        self._streams.mark_used_on_current(handle.flat)
+        done = handle.pending.completed_at if handle.pending is not None else None
+        self._timeline.record(
+            "gather",
+            name,
+            self.phase,
+            handle.started,
+            done if done is not None else time.perf_counter(),
+            "comm",
+            nbytes=tensor_bytes(handle.flat),
+        )
+        self._streams.record_finished_copies(self._timeline)
+        self._gathered[name] = handle.flat
+        self._bind(name, handle.flat)
+        return self._layers[name]
+
+    async def gather(self, name: str) -> nn.Module:
+        """Launch (if needed) and complete ``name``'s gather; returns the layer module."""
+        if name in self._gathered:
+            return self._layers[name]
+        start = time.perf_counter()
+        if name not in self._inflight:
+            self.launch(name)
+        module = await self.complete(name)
+        # The compute thread waited this long for the layer: exposed communication.
+        self._timeline.record("wait", name, self.phase, start, time.perf_counter())
+        return module
+
+    def release(self, name: str) -> None:
+        """Free ``name``'s full parameters (no-op if not gathered)."""
+        flat = self._gathered.pop(name, None)
+        if flat is not None:
+            self._unbind(name)
+            self._give(flat)
+            now = time.perf_counter()
+            self._timeline.record("release", name, self.phase, now, now, nbytes=tensor_bytes(flat))

@@ -1,0 +1,114 @@
+"""Initial values: materialising meta layers, broadcasting rank 0's values, keeping shards.
+
+[Note: meta initialisation]
+A model built under ``torch.device("meta")`` has shapes but no storage. The
+manager then materialises one layer at a time: ``to_empty`` on the CPU, the
+layer's initialiser, flatten, broadcast rank 0's values, keep this rank's
+shard, free the layer. No rank ever holds more than one full layer. The
+default initialiser calls ``reset_parameters()`` of every submodule of the
+layer, children before parents, in registration order; for modules that
+initialise themselves in ``reset_parameters`` (``nn.Linear``, ``nn.Embedding``,
+``nn.LayerNorm``, and custom modules that call it at the end of ``__init__``)
+that draws the same random numbers in the same order as eager construction:
+with the same seed the values are identical. Anything initialised elsewhere in a
+constructor (custom parameters, computed buffers) needs an ``init_fn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from zero3_offload.comm.collectives import Collectives
+from zero3_offload.errors import InputError
+from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.parameter.gatherer import ParameterGatherer
+from zero3_offload.parameter.store import ParameterStore
+
+__all__ = ["InitFn", "reset_parameters_in_order", "shard_initial_values"]
+
+
+InitFn = Callable[[str, nn.Module], None]
+
+
+def _post_order(path: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for child_name, child in module.named_children():
+        yield from _post_order(f"{path}.{child_name}", child)
+    yield path, module
+
+
+def _check_resettable(name: str, module: nn.Module) -> None:
+    for path, sub in _post_order(name, module):
+        has_own = any(True for _ in sub.parameters(recurse=False))
+        if has_own and not callable(getattr(sub, "reset_parameters", None)):
+            raise InputError(
+                f"{path} ({type(sub).__name__}) has parameters but no reset_parameters(): "
+                "pass init_fn=... to initialise it after meta construction"
+            )
+
+
+def reset_parameters_in_order(name: str, module: nn.Module) -> None:
+    """Default initialiser of a materialised layer. See [Note: meta initialisation].
+
+    Calls ``reset_parameters()`` children first, then the parent, in
+    registration order: the order in which a constructor that builds its
+    children and then initialises its own parameters draws random numbers.
+
+    Raises:
+        InputError: when a submodule owns parameters but has no ``reset_parameters``.
+    """
+    _check_resettable(name, module)
+    for _, sub in _post_order(name, module):
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _materialize(name: str, module: nn.Module, init_fn: InitFn) -> None:
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            init_fn(name, module)
+
+
+def shard_initial_values(
+    *,
+    layers: Mapping[str, nn.Module],
+    layouts: Mapping[str, LayerLayout],
+    store: ParameterStore,
+    gatherer: ParameterGatherer,
+    comm: Collectives,
+    device: torch.device,
+    init_fn: InitFn = reset_parameters_in_order,
+) -> None:
+    """Broadcast rank 0's parameters and buffers; keep only this rank's shards.
+
+    Layers built on the meta device are materialised one at a time first (see
+    [Note: meta initialisation]). Afterwards the modules hold no parameter
+    storage and live on ``device``.
+
+    Raises:
+        CommunicationError: when a broadcast fails.
+        InputError: when a meta layer cannot be initialised.
+    """
+    if init_fn is reset_parameters_in_order:
+        # Refuse before materialising anything, so a model that cannot be
+        # initialised is left as it was.
+        for name, module in layers.items():
+            if any(t.is_meta for t in module.parameters()):
+                _check_resettable(name, module)
+    for name, module in layers.items():
+        _materialize(name, module, init_fn)
+        layout = layouts[name]
+        flat = layout.flatten(module, dtype=torch.float32).to(device)
+        comm.broadcast_blocking(flat, src=0)
+        store.put_master(name, flat[layout.shard_start : layout.shard_end].clone())
+        for buf in module.buffers():
+            staged = buf.detach().to(device)
+            comm.broadcast_blocking(staged, src=0)
+            buf.data = staged
+        gatherer.release_views(name)  # this layer's full values are not kept
+    for module in layers.values():
+        module.to(device)

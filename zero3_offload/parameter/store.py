@@ -1,0 +1,105 @@
+"""This rank's parameter shards: fp32 masters and their compute copies.
+
+Mirrors the parameter store of torsh's ``parameter_management.rs``, with real
+data: the master is what the optimizer updates, the compute copy (in the
+compression format of ``parameter.codec``) is what a gather sends to the device.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from zero3_offload.parameter.codec import CompressedShard, ShardCodec
+from zero3_offload.stats.tensor_bytes import tensor_bytes
+
+__all__ = ["ParameterStore"]
+
+
+@attrs.define
+class _StoredShard:
+    master: torch.Tensor  # 1D fp32 [shard_numel], on the master device
+    compute: CompressedShard  # [shard_numel] in the compression format; may alias master
+    aliased: bool  # compute.payload is master itself
+
+
+class ParameterStore:
+    """This rank's parameter shards: the fp32 master and the compute copy of each layer.
+
+    The master shard is what the optimizer updates, exactly, in fp32; it lives
+    on the CPU when optimizer states are offloaded, else on the device. The
+    compute copy is what gathering sends to the device, in the compression
+    format (see ``parameter.codec``), kept on the CPU (pinned for CUDA) when
+    parameters are offloaded. When the format is fp32 and both live on the
+    same device, the compute copy is the master itself, not a second tensor.
+
+    Args:
+        codec: the compression format of the compute copy.
+        master_device: where master shards live.
+        copy_device: where compute copies live.
+        pin: allocate CPU compute copies in pinned memory.
+    """
+
+    def __init__(
+        self,
+        *,
+        codec: ShardCodec,
+        master_device: torch.device,
+        copy_device: torch.device,
+        pin: bool = False,
+    ) -> None:
+        self.codec = codec
+        self.master_device = master_device
+        self.copy_device = copy_device
+        self.pin = pin and copy_device.type == "cpu"
+        self._shards: dict[str, _StoredShard] = {}
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.codec.compute_dtype
+
+    def put_master(self, layer: str, master: torch.Tensor) -> None:
+        """Store ``master`` (fp32, 1D) as ``layer``'s shard and encode its compute copy."""
+        master = master.to(self.master_device, torch.float32)
+        if self.codec.is_identity and self.copy_device == self.master_device:
+            self._shards[layer] = _StoredShard(master, CompressedShard(master, None), True)
+            return
+        copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)
+        self._shards[layer] = _StoredShard(master, copy, False)
+        self.refresh_compute_copy(layer)
+
+    def master(self, layer: str) -> torch.Tensor:
+        """The fp32 master shard of ``layer`` (updated in place by the optimizer)."""
+        return self._shards[layer].master
+
+    def compute_copy(self, layer: str) -> CompressedShard:
+        """The shard that gathering sends to the device."""
+        return self._shards[layer].compute
+
+    def refresh_compute_copy(self, layer: str) -> None:
+        """Re-encode the compute copy from the master (after the master changed).
+
+        Blocking CPU work: the manager runs it in a worker thread.
+        """
+        shard = self._shards[layer]
+        if shard.aliased:
+            return
+        if self.copy_device == self.master_device:
+            self.codec.encode_(shard.master, shard.compute)
+            return
+        staged = self.codec.empty(shard.master.numel(), device=self.master_device)
+        self.codec.encode_(shard.master, staged)
+        shard.compute.payload.copy_(staged.payload)
+        if staged.scales is not None:
+            shard.compute.scales.copy_(staged.scales)
+
+    def layers(self) -> list[str]:
+        return list(self._shards)
+
+    def master_bytes(self) -> int:
+        """Bytes of all master shards, counted from the tensors."""
+        return sum(tensor_bytes(s.master) for s in self._shards.values())
+
+    def compute_copy_bytes(self) -> int:
+        """Bytes of compute copies that are tensors of their own (aliases count 0)."""
+        return sum(s.compute.nbytes() for s in self._shards.values() if not s.aliased)

@@ -1,0 +1,293 @@
+"""Look-ahead gathers under a hard device-memory budget.
+
+[Note: deterministic prefetch]
+Every rank must launch the same collectives in the same order, so no prefetch
+decision may depend on timing (which gather finished first, how long a layer
+took). Decisions use only what every rank shares: the layer order of the
+pass, the trace of earlier passes, layer sizes, the budget, the depth and the
+persistence set. A gather is launched synchronously at a layer boundary (in
+:meth:`PrefetchScheduler.acquire`), never from a background task; only the
+waiting is asynchronous. Depth changes from ``adapt`` or memory pressure come
+from values all-reduced across ranks first.
+
+Budget: the bytes of gathered plus in-flight parameter buffers never exceed
+``gpu_param_memory_budget``. A prefetch that would not fit is not launched
+(it is counted as queued and retried at the next boundary); a layer needed now
+evicts cached layers, then persistent ones, then unused in-flight prefetches.
+Construction guarantees any single layer fits.
+
+Trace: the layer order of each pass kind (forward, backward) is remembered;
+the next pass's first layers are prefetched from it (the backward of the
+forward just run, the forward after an optimizer step). A pass whose order
+differs from the trace is logged (``prefetch_order_changed``), the trace is
+rebuilt, and prefetches made for the old order are awaited and released
+unused (counted as wasted). Results are the same either way: a layer is always
+gathered before it runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from torch import nn
+
+from zero3_offload.errors import MemoryBudgetError
+from zero3_offload.logging import get_logger
+from zero3_offload.parameter.gatherer import ParameterGatherer
+from zero3_offload.prefetch.status import PrefetchMetrics, PrefetchQueueStatus
+from zero3_offload.prefetch.trace import PassTrace
+from zero3_offload.stats.timeline import TimelineEvent
+
+__all__ = ["PrefetchScheduler", "choose_persistent", "layer_seconds"]
+
+log = get_logger(__name__)
+
+
+def choose_persistent(
+    sizes: Mapping[str, int], numels: Mapping[str, int], threshold: int, budget: int
+) -> set[str]:
+    """Layers below ``threshold`` elements that may stay gathered, smallest first,
+    while they and the largest other layer still fit in ``budget`` bytes."""
+    chosen: set[str] = set()
+    held = 0
+    for name in sorted((n for n in sizes if 0 < numels[n] < threshold), key=sizes.__getitem__):
+        largest_other = max((sizes[n] for n in sizes if n not in chosen | {name}), default=0)
+        if held + sizes[name] + largest_other > budget:
+            break
+        chosen.add(name)
+        held += sizes[name]
+    return chosen
+
+
+class PrefetchScheduler:
+    """Gathers layers before they are needed, within a byte budget.
+
+    See [Note: deterministic prefetch].
+
+    Args:
+        gatherer: launches and completes gathers.
+        layers: the layer names.
+        numels: elements of each layer.
+        budget: ``gpu_param_memory_budget`` in bytes.
+        depth: layers gathered ahead (``prefetch_buffer_size``; 0 turns prefetch off).
+        bucket: most bytes in flight ahead of use (``prefetch_bucket_size``; 0: no cap).
+        persistence_threshold: layers with fewer elements stay gathered.
+        rank: this rank (for logs).
+
+    Raises:
+        MemoryBudgetError: when a single layer is larger than the budget.
+    """
+
+    def __init__(
+        self,
+        *,
+        gatherer: ParameterGatherer,
+        layers: Sequence[str],
+        numels: Mapping[str, int],
+        budget: int,
+        depth: int,
+        bucket: int,
+        persistence_threshold: int,
+        rank: int,
+    ) -> None:
+        self.rank = rank
+        self._gatherer = gatherer
+        self._sizes = {name: gatherer.nbytes(name) for name in layers}
+        largest = max(self._sizes, key=self._sizes.__getitem__, default=None)
+        if largest is not None and self._sizes[largest] > budget:
+            raise MemoryBudgetError(
+                f"layer {largest!r} needs {self._sizes[largest]} bytes gathered, more than "
+                f"gpu_param_memory_budget={budget}: raise the budget to at least that "
+                "or split the layer"
+            )
+        self.budget = budget
+        self.max_depth = depth
+        self.depth = depth
+        self.bucket = bucket
+        self.persistent = choose_persistent(self._sizes, numels, persistence_threshold, budget)
+        self.persistence_enabled = True
+        self.metrics = PrefetchMetrics()
+        self.trace = PassTrace()
+        self._queued = 0
+
+    # ------------------------------------------------------------ helpers
+
+    def _fits(self, name: str) -> bool:
+        return self._gatherer.reserved_bytes() + self._sizes[name] <= self.budget
+
+    def _keeps(self, name: str) -> bool:
+        return self.persistence_enabled and name in self.persistent
+
+    def _launch_window(self, order: Sequence[str], start: int) -> None:
+        self._queued = 0
+        window = order[start : start + self.depth]
+        for k, name in enumerate(window):
+            if self._gatherer.is_gathered(name) or self._gatherer.is_inflight(name):
+                continue
+            over_bucket = (
+                self.bucket > 0
+                and self._gatherer.inflight_bytes() + self._sizes[name] > self.bucket
+            )
+            if over_bucket or not self._fits(name):
+                self._queued = len(window) - k  # waits for budget; retried at the next boundary
+                return
+            self._gatherer.launch(name)
+            self.metrics.requests += 1
+
+    async def _discard(self, names: Iterable[str], *, counter: str) -> None:
+        for name in list(names):
+            if self._gatherer.is_inflight(name):
+                await self._gatherer.complete(name)
+                setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
+            self._gatherer.release(name)
+
+    async def _make_room(self, name: str, order: Sequence[str], i: int) -> None:
+        # Evict, in this order, until ``name`` fits: cached layers not needed
+        # soon, persistent ones not needed soon, prefetches in flight, anything.
+        soon = set(order[i + 1 : i + 1 + self.depth])
+        gathered = self._gatherer.gathered_layers()
+        cached = [n for n in gathered if n not in soon and not self._keeps(n)]
+        persistent = [n for n in gathered if n not in soon and self._keeps(n)]
+        for candidate in [*cached, *persistent]:
+            if self._fits(name):
+                return
+            self._gatherer.release(candidate)
+        for handle in self._gatherer.inflight():
+            if self._fits(name):
+                return
+            await self._discard([handle.layer], counter="cancelled")
+        for candidate in self._gatherer.gathered_layers():
+            if self._fits(name):
+                return
+            self._gatherer.release(candidate)
+
+    # ------------------------------------------------------------ passes
+
+    async def begin_pass(self, phase: str, order: Sequence[str]) -> None:
+        """Check ``order`` against the trace; drop prefetches made for another order."""
+        order = tuple(order)
+        known = self.trace.observe(phase, order)
+        if known is not None and known != order:
+            self.metrics.trace_rebuilds += 1
+            log.info(
+                "prefetch_order_changed",
+                rank=self.rank,
+                phase=phase,
+                old=list(known),
+                new=list(order),
+            )
+        soon = set(order[: 1 + self.depth])
+        stale = [h.layer for h in self._gatherer.inflight() if h.layer not in soon]
+        await self._discard(stale, counter="wasted")
+        for name in self._gatherer.gathered_layers():
+            if name not in soon and not self._keeps(name):
+                self._gatherer.release(name)
+
+    async def acquire(self, order: Sequence[str], i: int) -> nn.Module:
+        """Make ``order[i]`` gathered (waiting if needed) and prefetch what follows it."""
+        name = order[i]
+        if self._gatherer.is_gathered(name):
+            self.metrics.hits += 1
+        elif self._gatherer.is_inflight(name):
+            completed = next(h for h in self._gatherer.inflight() if h.layer == name).is_completed()
+            if completed:
+                self.metrics.hits += 1
+            else:
+                self.metrics.partial_hits += 1
+        else:
+            self.metrics.misses += 1
+            await self._make_room(name, order, i)
+            self._gatherer.launch(name)
+        self._launch_window(order, i + 1)
+        return await self._gatherer.gather(name)
+
+    def finish_use(self, order: Sequence[str], i: int, *, next_order: Sequence[str] = ()) -> None:
+        """After ``order[i]`` ran: release it unless it persists or is needed again soon.
+
+        Args:
+            order: this pass's order.
+            i: position of the layer that just ran.
+            next_order: the predicted next pass's order, used at the last layer.
+        """
+        name = order[i]
+        upcoming = list(order[i + 1 : i + 1 + self.depth])
+        last = i == len(order) - 1
+        if last and next_order:
+            upcoming = list(next_order[: 1 + self.depth])
+        if not (self._keeps(name) or name in upcoming):
+            self._gatherer.release(name)
+        if last and next_order:
+            self._launch_window(next_order, 0)
+
+    def next_after_forward(self, order: Sequence[str]) -> tuple[str, ...]:
+        """The order predicted to follow a forward over ``order`` (its backward, or none)."""
+        return self.trace.next_after_forward(order)
+
+    async def after_update(self, updated: Iterable[str]) -> None:
+        """Drop gathered copies of ``updated`` layers (stale now); prefetch the next forward."""
+        await self.drain()
+        for name in updated:
+            self._gatherer.release(name)
+        forward = self.trace.order("forward")
+        if forward:
+            self._launch_window(forward, 0)
+
+    async def drain(self) -> None:
+        """Await every gather in flight and release it (counted as cancelled)."""
+        await self._discard([h.layer for h in self._gatherer.inflight()], counter="cancelled")
+
+    async def release_all(self, *, keep_persistent: bool = True) -> None:
+        """Drain, then release every gathered layer (persistent ones too unless kept)."""
+        await self.drain()
+        for name in self._gatherer.gathered_layers():
+            if not (keep_persistent and self._keeps(name)):
+                self._gatherer.release(name)
+
+    # ------------------------------------------------------------ adaptation
+
+    def set_depth(self, depth: int) -> None:
+        self.depth = max(0, min(depth, self.max_depth))
+
+    def adapt_prefetch_strategy(self, gather_seconds: float, compute_seconds: float) -> int:
+        """Set the depth from per-layer gather and compute times (agreed across ranks).
+
+        Rule: to hide a gather of ``g`` seconds behind layers computing ``c``
+        seconds each, about ``ceil(g / c)`` gathers must be in flight, so the
+        depth becomes ``clamp(ceil(g / c), 1, prefetch_buffer_size)``; it stays
+        0 when prefetch is off. The budget still caps what is actually launched.
+
+        Returns:
+            The new depth.
+        """
+        if self.max_depth == 0 or compute_seconds <= 0:
+            return self.depth
+        self.set_depth(max(1, math.ceil(gather_seconds / compute_seconds)))
+        return self.depth
+
+    def status(self) -> PrefetchQueueStatus:
+        return PrefetchQueueStatus(
+            queued_requests=self._queued,
+            active_operations=len(self._gatherer.inflight()),
+            max_queue_size=self.max_depth,
+            max_concurrent=self.depth,
+            current_prefetch_distance=self.depth,
+            inflight_bytes=self._gatherer.inflight_bytes(),
+            gathered_bytes=self._gatherer.gathered_bytes(),
+            budget_bytes=self.budget,
+            persistent_layers=tuple(sorted(self.persistent)),
+            persistence_enabled=self.persistence_enabled,
+        )
+
+
+def layer_seconds(events: Sequence[TimelineEvent]) -> tuple[float, float]:
+    """Median per-layer gather and compute seconds from timeline events.
+
+    A gather's interval runs from its launch to the moment its layer needed it,
+    so for prefetched gathers it is an upper bound of the gather's own time.
+    """
+    gathers = sorted(e.end - e.start for e in events if e.kind == "gather")
+    computes = sorted(e.end - e.start for e in events if e.kind == "compute")
+    if not gathers or not computes:
+        return 0.0, 0.0
+    return gathers[len(gathers) // 2], computes[len(computes) // 2]
