@@ -23,7 +23,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from zero3_offload.consolidate import consolidate_checkpoint
+from zero3_offload.checkpoint.consolidate import consolidate_checkpoint
 
 SCRIPT = Path(__file__).resolve().with_name("bench_consolidate.py")
 WORLD = 2

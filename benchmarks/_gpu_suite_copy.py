@@ -8,7 +8,7 @@ For each size, fp32 tensors of ``size`` bytes, six paths (three per direction):
 
 - H2D ``torch pageable .to()``: ``pageable.to(device)``;
 - H2D ``torch pinned .to(non_blocking)``: ``pinned.to(device, non_blocking=True)``;
-- H2D ``zero3_offload h2d``: the statements of ``GpuParameterCache.launch`` that
+- H2D ``zero3_offload h2d``: the statements of ``ParameterGatherer.launch`` that
   copy a compute copy, with the library's own objects: a pinned
   ``ShardCodec.empty`` shard, ``CompressedShard.to(device, non_blocking=True)``
   on ``CopyStreams.h2d`` between ``CopyStreams.record`` events, ``track_copy``,
@@ -16,7 +16,7 @@ For each size, fp32 tensors of ``size`` bytes, six paths (three per direction):
 - D2H ``torch pageable copy_()``: ``pageable_dst.copy_(dev)``, preallocated;
 - D2H ``torch pinned .to(non_blocking)``: ``dev.to("cpu", non_blocking=True)``
   (torch allocates a pinned result from its caching host allocator);
-- D2H ``zero3_offload d2h``: ``CpuGradientStore.commit_layer`` itself (d2h
+- D2H ``zero3_offload d2h``: ``GradientStore.commit_layer`` itself (d2h
   stream, a pinned host buffer per copy, a worker thread waits for the copy).
 
 Timing: on CUDA, two ``torch.cuda.Event(enable_timing=True)`` recorded on the
@@ -108,20 +108,20 @@ def check_result(out: torch.Tensor, source: torch.Tensor) -> tuple[bool, int]:
 
 def make_library(device: torch.device, numel: int) -> dict[str, Any]:
     """zero3_offload's objects for one size: streams, timeline, gradient store, a pinned shard."""
-    from zero3_offload.compression import ShardCodec
+    from zero3_offload.comm.copy_streams import CopyStreams
+    from zero3_offload.comm.worker_threads import WorkerThreads
     from zero3_offload.config import CpuCompressionMethod
-    from zero3_offload.gradient_management import CpuGradientStore
-    from zero3_offload.streams import CopyStreams
-    from zero3_offload.timeline import Timeline
-    from zero3_offload.workers import CpuWorkers
+    from zero3_offload.gradient.store import GradientStore
+    from zero3_offload.parameter.codec import ShardCodec
+    from zero3_offload.stats.timeline import Timeline
 
     cuda, cpu = device.type == "cuda", torch.device("cpu")
     timeline = Timeline()
     streams = CopyStreams(device)
-    store = CpuGradientStore(
+    store = GradientStore(
         device=cpu,
         streams=streams,
-        workers=CpuWorkers(threads=2, timeline=timeline),
+        workers=WorkerThreads(threads=2, timeline=timeline),
         timeline=timeline,
         pin=cuda,
     )
@@ -136,7 +136,7 @@ def library_cases(device: torch.device, lib: dict[str, Any], dev: torch.Tensor) 
     streams, store, shard = lib["streams"], lib["store"], lib["shard"]
 
     def library_h2d() -> torch.Tensor:
-        # GpuParameterCache.launch's copy, with the library's objects.
+        # ParameterGatherer.launch's copy, with the library's objects.
         with streams.on(streams.h2d):
             started = streams.record(streams.h2d)
             staged = shard.to(device, non_blocking=True)

@@ -58,7 +58,7 @@ def _span(events: list[Any], kind: str, phase: str | None = None) -> float:
 async def _isolated_comm(manager: Zero3CpuOffloadManager) -> dict[str, dict[str, float]]:
     """Median seconds of each layer's all-gather and reduce-scatter, run alone."""
     out: dict[str, dict[str, float]] = {"all_gather": {}, "reduce_scatter": {}}
-    for name, layout in manager.layouts.items():
+    for name, layout in manager.engine.layouts.items():
         if not layout.padded_numel:
             continue
         full = torch.zeros(layout.padded_numel, dtype=torch.float32)
@@ -68,9 +68,9 @@ async def _isolated_comm(manager: Zero3CpuOffloadManager) -> dict[str, dict[str,
             for _ in range(ISO_REPEATS + 1):  # the first one is a warm-up
                 t0 = time.perf_counter()
                 if op == "all_gather":
-                    await manager.comm.all_gather(full, shard)
+                    await manager.engine.comm.all_gather(full, shard)
                 else:
-                    await manager.comm.reduce_scatter_mean(shard, full)
+                    await manager.engine.comm.reduce_scatter_mean(shard, full)
                 samples.append(time.perf_counter() - t0)
             out[op][name] = statistics.median(samples[1:])
     return out
@@ -109,7 +109,7 @@ async def overlap_run(ctx: RankContext, spec: RunSpec) -> dict[str, Any]:
             marks.append((t0, t1, t2, t3, t4, t5))
             losses.append(loss.item())
         iso = await _isolated_comm(manager)
-        layer_numel = {n: lay.numel for n, lay in manager.layouts.items()}
+        layer_numel = {n: lay.numel for n, lay in manager.engine.layouts.items()}
     steps = []
     for i in range(spec.warmup, len(batches)):
         prev, snap = (snaps[i - 1] if i else first), snaps[i]

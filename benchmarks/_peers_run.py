@@ -183,7 +183,7 @@ def launch(
     base_env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/zero3_offload_peers_torch_extensions")
     if mmap_threshold is not None:
         # glibc: allocations of this size or more are mmapped and returned on free
-        # (what zero3_offload.memory_management.set_mmap_threshold sets).
+        # (what zero3_offload.memory.allocator.set_mmap_threshold sets).
         base_env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     if distributed:
         base_env.update(

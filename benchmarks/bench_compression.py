@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from zero3_offload.compression import CompressedShard, ShardCodec
 from zero3_offload.config import CpuCompressionMethod
+from zero3_offload.parameter.codec import CompressedShard, ShardCodec
 
 try:
     from _common import (

@@ -1,13 +1,13 @@
-"""CPU AdamW step throughput of ``OptimizerStateManager`` against torch.optim.AdamW.
+"""CPU AdamW step throughput of ``ShardOptimizers`` against torch.optim.AdamW.
 
 What is measured (all in one process, cases interleaved round-robin, median of
 the timed repeats after warm-up; see ``_common.py``):
 
-- **ours, sequential**: ``OptimizerStateManager.step(layer, grad, lr)`` for each
+- **ours, sequential**: ``ShardOptimizers.step(layer, grad, lr)`` for each
   of the layer shards in turn (the manager picks the fused kernel when torch
   has one for the CPU);
 - **ours, parallel**: the same per-layer steps dispatched through
-  ``CpuWorkers(threads=N)`` and ``asyncio.gather``, which is how the manager
+  ``WorkerThreads(threads=N)`` and ``asyncio.gather``, which is how the manager
   runs them in ``optimizer_step``;
 - **torch AdamW fused** / **torch AdamW foreach**: one ``torch.optim.AdamW``
   over the same shard tensors, with the same hyper-parameters;
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.config import OptimizerConfig
-from zero3_offload.optimizer_state import OptimizerStateManager
-from zero3_offload.stats import Timeline
-from zero3_offload.workers import CpuWorkers
+from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
+from zero3_offload.stats.timeline import Timeline
 
 try:
     from _common import (
@@ -86,8 +86,8 @@ def shard_sizes(total: int, layers: int) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="CPU AdamW optimizer-step throughput (params/s): OptimizerStateManager "
-        "(sequential and through CpuWorkers) vs torch.optim.AdamW fused/foreach, against "
+        description="CPU AdamW optimizer-step throughput (params/s): ShardOptimizers "
+        "(sequential and through WorkerThreads) vs torch.optim.AdamW fused/foreach, against "
         "the memory-bandwidth bound measured in the same run.",
     )
     parser.add_argument(
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--worker-threads",
         type=int,
         default=2,
-        help="CpuWorkers capacity for 'ours, parallel' (default 2)",
+        help="WorkerThreads capacity for 'ours, parallel' (default 2)",
     )
     parser.add_argument(
         "--copy-elements",
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     cfg = OptimizerConfig(kind="adamw")
-    mgr = OptimizerStateManager(cfg, zip(names, params, strict=True), device=torch.device("cpu"))
+    mgr = ShardOptimizers(cfg, zip(names, params, strict=True), device=torch.device("cpu"))
     fused_opt = _torch_adamw(cfg, params, fused=True)
     foreach_opt = _torch_adamw(cfg, params, foreach=True)
     pairs = list(zip(names, grads, strict=True))
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = asyncio.new_event_loop()
     timeline = Timeline()
 
-    async def make_workers() -> CpuWorkers:
-        return CpuWorkers(threads=args.worker_threads, timeline=timeline)
+    async def make_workers() -> WorkerThreads:
+        return WorkerThreads(threads=args.worker_threads, timeline=timeline)
 
     workers = loop.run_until_complete(make_workers())
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kernel = "fused" if mgr.fused else "foreach"
     sys_seq = f"ours, sequential ({kernel})"
-    sys_par = f"ours, parallel ({kernel}, CpuWorkers {args.worker_threads} threads)"
+    sys_par = f"ours, parallel ({kernel}, WorkerThreads {args.worker_threads} threads)"
     sys_fused = "torch AdamW fused"
     sys_foreach = "torch AdamW foreach"
     cases = {
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt_rate(add_bandwidth / ADAMW_BYTES_PER_PARAM)} params/s at "
         f"{ADAMW_BYTES_PER_PARAM} B/param.",
         "ratio vs fused torch = torch-fused step time / system step time (>1 is faster).",
-        f"OptimizerStateManager picked fused={mgr.fused}; 'ours, parallel' ran on worker "
+        f"ShardOptimizers picked fused={mgr.fused}; 'ours, parallel' ran on worker "
         f"threads {worker_names}.",
     ]
     print()

@@ -5,7 +5,7 @@ in the same run, each part in its own process (so one part's device memory and
 pinned host memory never affect another's):
 
 (a) host<->device copy bandwidth of zero3_offload's copy path (``CopyStreams``,
-    pinned compute copies, ``CpuGradientStore``) vs plain torch pinned
+    pinned compute copies, ``GradientStore``) vs plain torch pinned
     ``.to(non_blocking=True)`` and pageable copies, 16 MiB .. 1 GiB, timed with
     CUDA events (``_gpu_suite_copy.py``);
 (b) step time of the GPT of ``_peers_model.py`` at ~1.0B parameters (d 2048,

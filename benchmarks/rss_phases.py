@@ -86,7 +86,7 @@ async def rank_body(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     trace: list[dict[str, Any]] = []
     steps = spec["steps"]
     async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
-        prepare = manager.grad_partitioner.prepare
+        prepare = manager.engine.reducer.prepare
 
         async def traced_prepare(layer: str, module: Any) -> Any:
             # Called at the start of each layer's backward, before its gradient buffer.
@@ -95,7 +95,7 @@ async def rank_body(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 trace.append({"layer": layer, "rss": _rss(), **_counted(st)})
             return await prepare(layer, module)
 
-        manager.grad_partitioner.prepare = traced_prepare  # type: ignore[method-assign]
+        manager.engine.reducer.prepare = traced_prepare  # type: ignore[method-assign]
         for step, (x, y) in enumerate(batches(steps, 8, spec["dims"]["seq"], 1)):
             xs = local_slice(x, ctx.rank, ctx.world_size)
             ys = local_slice(y, ctx.rank, ctx.world_size)

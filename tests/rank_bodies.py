@@ -84,7 +84,8 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         state = await manager.full_state_dict()
         memory = manager.get_memory_stats()
         layouts = {
-            n: (lay.numel, lay.padded_numel, lay.shard_numel) for n, lay in manager.engine.layouts.items()
+            n: (lay.numel, lay.padded_numel, lay.shard_numel)
+            for n, lay in manager.engine.layouts.items()
         }
     return {
         "losses": losses,
