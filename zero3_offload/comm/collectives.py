@@ -1,10 +1,11 @@
-"""Awaitable collectives over one process group.
+"""Awaitable collectives over one process group (what torsh's ``mod.rs`` mocks with sleeps).
 
 Every collective is launched with ``async_op=True``; its completion is delivered
-to the event loop through the work's future, so the loop keeps running other
-tasks (prefetches, CPU work) while the collective is in flight. A collective
-that does not complete within the timeout raises :class:`CommunicationError`
-naming the op and the group.
+to the event loop through the work's future (or, for ops whose backend work
+gives none, such as gloo's reduce-scatter, by a waiter thread), so the loop
+keeps running other tasks (prefetches, CPU work) while the collective is in
+flight. A collective that does not complete within the timeout raises
+:class:`CommunicationError` naming the op and the group.
 
 Backend differences are settled once per group, by capability, in
 :class:`Collectives`: which tensor-level all-gather / reduce-scatter functions the

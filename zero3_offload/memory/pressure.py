@@ -88,7 +88,6 @@ class PressurePolicy:
         self.history: list[float] = []  # agreed pressures, oldest first
         self.last_pressure = 0.0
         self.checks = 0  # pressure checks run
-        self.reliefs = 0  # checks that released memory
 
     def local_fractions(self) -> tuple[float, float]:
         """(device, cpu) fractions of capacity in use on this rank, from real counters."""
@@ -142,7 +141,6 @@ class PressurePolicy:
             return_freed_memory(self._gatherer.device)
             prefetch.persistence_enabled = False
             prefetch.set_depth(self.shrunk_depth(prefetch.max_depth))
-            self.reliefs += 1
             relieved = True
             log.info(
                 "memory_pressure_relieved",

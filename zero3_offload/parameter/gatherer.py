@@ -85,7 +85,7 @@ class ParameterGatherer:
         # CPU, and freed ones are not returned to the OS by glibc anyway. CUDA
         # has its own caching allocator, so nothing is pooled there.
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self.pool_limit = 0  # bytes the pool may hold (the manager sets the budget)
+        self.pool_limit = 0  # bytes the pool may hold (build_engine sets it)
 
     def release_views(self, name: str) -> None:
         """Point ``name``'s parameters at empty tensors (used once, after sharding it)."""

@@ -79,7 +79,7 @@ class ParameterStore:
     def refresh_compute_copy(self, layer: str) -> None:
         """Re-encode the compute copy from the master (after the master changed).
 
-        Blocking CPU work: the manager runs it in a worker thread.
+        Blocking CPU work: the step runner calls it in a worker thread.
         """
         shard = self._shards[layer]
         if shard.aliased:

@@ -31,10 +31,6 @@ class PrefetchMetrics:
         """Fraction of uses whose gather was started before it was needed."""
         return (self.hits + self.partial_hits) / self.uses() if self.uses() else 0.0
 
-    def full_hit_rate(self) -> float:
-        """Fraction of uses whose gather had already completed when needed."""
-        return self.hits / self.uses() if self.uses() else 0.0
-
 
 @attrs.frozen(kw_only=True)
 class PrefetchQueueStatus:

@@ -57,7 +57,7 @@ class Timeline:
 
     def __init__(self, *, rank: int = 0, maxlen: int = 100_000) -> None:
         self.rank = rank
-        self.step = 0  # set by the manager after each update
+        self.step = 0  # optimizer steps closed (StepLog advances it; checkpoints restore it)
         self._events: deque[TimelineEvent] = deque(maxlen=maxlen)
         # kind -> [count, seconds, bytes] over the whole run (the deque forgets)
         self._totals: dict[str, list[float]] = {}
