@@ -29,7 +29,7 @@ from zero3_offload.errors import (
     Zero3Error,
 )
 from zero3_offload.manager import Zero3CpuOffloadManager
-from zero3_offload.memory.accounting import Zero3MemoryStats
+from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.prefetch.status import PrefetchQueueStatus
 from zero3_offload.stats.performance import Zero3PerformanceStats

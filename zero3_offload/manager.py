@@ -33,8 +33,8 @@ from zero3_offload.errors import ConfigError, InputError, StateError, Zero3Error
 from zero3_offload.execution.forward_record import ForwardRecord, SavedStep
 from zero3_offload.gradient.reducer import PendingGradient
 from zero3_offload.logging import get_logger
-from zero3_offload.memory.accounting import Zero3MemoryStats
 from zero3_offload.memory.allocator import return_freed_memory
+from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.parameter.flat_layout import owned_numel, total_numel
 from zero3_offload.parameter.meta_init import InitFn, reset_parameters_in_order
 from zero3_offload.prefetch.scheduler import layer_seconds

@@ -1,9 +1,10 @@
 """Memory (torsh's ``memory_management.rs``): accounting, the CPU budget, the pressure
 policy, the allocator's settings."""
 
-from zero3_offload.memory.accounting import MemoryAccounting, Zero3MemoryStats
+from zero3_offload.memory.accounting import MemoryAccounting
 from zero3_offload.memory.allocator import return_freed_memory, set_mmap_threshold
 from zero3_offload.memory.budget import CpuMemoryNeed, check_cpu_budget, cpu_memory_need
+from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.memory.pressure import MemoryPressure, PressurePolicy
 
 __all__ = [

@@ -22,7 +22,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from zero3_offload.memory.accounting import Zero3MemoryStats
+from zero3_offload.memory.memory_stats import Zero3MemoryStats
 
 __all__ = ["Reporter"]
 

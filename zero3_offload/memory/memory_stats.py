@@ -1,0 +1,63 @@
+"""``Zero3MemoryStats``: the bytes one rank holds, by kind and by place."""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["Zero3MemoryStats"]
+
+
+@attrs.frozen(kw_only=True)
+class Zero3MemoryStats:
+    """Bytes this rank holds now, by kind and by place. All counted from tensors."""
+
+    master_param_bytes: int
+    """fp32 master parameter shards."""
+    compute_copy_bytes: int
+    """Compute copies of the shards that are tensors of their own (not aliases of the master)."""
+    gradient_bytes: int
+    """Accumulated fp32 gradient shards."""
+    optimizer_state_bytes: int
+    """Optimizer state tensors (moments, step counters)."""
+    gathered_param_bytes: int
+    """Full layer parameter buffers gathered on the device now."""
+    inflight_param_bytes: int
+    """Parameter buffers whose gather is in flight (prefetched)."""
+    gathered_high_water_bytes: int
+    """Largest gathered plus in-flight parameter bytes seen since construction."""
+    gather_pool_bytes: int
+    """Released gather buffers kept for reuse (CPU device only; within the budget)."""
+    gradient_buffer_bytes: int
+    """Flat fp32 buffers on the device that layers' gradients are reduce-scattered from."""
+    cpu_memory_used: int
+    """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
+    gpu_memory_used: int
+    """Bytes of the kinds above, and of kept activations, that live on an accelerator."""
+    process_rss_bytes: int
+    """Resident set size of this process (psutil)."""
+    device_allocated_bytes: int
+    """``torch.cuda.memory_allocated`` on CUDA; 0 on the CPU device."""
+    last_memory_pressure: float
+    """Pressure agreed across ranks at the last check (see [Note: memory pressure])."""
+    total_parameters: int
+    """Elements of the whole model (all ranks, no padding)."""
+    owned_parameters: int
+    """Elements of this rank's shards (padding included)."""
+    activation_bytes: int = 0
+    """Layer inputs and activations the last forward keeps for its backward (distinct
+    storages of the tensors autograd saved, gathered parameters excluded)."""
+    pressure_checks: int = 0
+    """Memory-pressure checks run so far (one per optimizer update)."""
+
+    def total_memory_used(self) -> int:
+        """``cpu_memory_used + gpu_memory_used``."""
+        return self.cpu_memory_used + self.gpu_memory_used
+
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state held between steps."""
+        return (
+            self.master_param_bytes
+            + self.compute_copy_bytes
+            + self.gradient_bytes
+            + self.optimizer_state_bytes
+        )
