@@ -1,0 +1,110 @@
+"""The package's shape: the public face at the top, no import circle, a manager without mixins."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import zero3_offload
+from zero3_offload import Zero3CpuOffloadManager
+
+PACKAGE = Path(zero3_offload.__file__).parent
+TOP_LEVEL = {
+    "__init__",
+    "__main__",
+    "cli",
+    "config",
+    "errors",
+    "logging",
+    "manager",
+    "testing",
+    "version",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, type-checking-only imports included.
+
+    Importing ``a.b.c`` also runs package ``a.b``'s ``__init__`` first, so that
+    edge counts too (the root package's is left out: it is above everything).
+    """
+    modules = {_module_name(f): f for f in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                for k in range(2, len(parts) + 1):
+                    name = ".".join(parts[:k])
+                    own_package = module.startswith(name + ".")
+                    if name in modules and name != module and not own_package:
+                        graph[module].add(name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (a list of modules, first == last), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        path.append(module)
+        for target in sorted(graph[module]):
+            if target in path:
+                return [*path[path.index(target) :], target]
+            if target not in done:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if module not in done:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_circle() -> None:
+    graph = import_graph()
+    assert len(graph) > 50  # the walk saw the whole package
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_circle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_top_level_is_the_public_face() -> None:
+    modules = {f.stem for f in PACKAGE.glob("*.py")}
+    assert modules == TOP_LEVEL
+    assert len(modules) <= 14
+    packages = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()}
+    for role in ("comm", "parameter", "gradient", "optimizer_state", "memory", "prefetch"):
+        assert role in packages
+    assert {"stats", "checkpoint", "analyze", "train"} <= packages
+
+
+def test_the_manager_is_one_class_without_mixins() -> None:
+    assert Zero3CpuOffloadManager.__bases__ == (object,)
+    for file in PACKAGE.rglob("*.py"):
+        text = file.read_text()
+        assert "self: Zero3CpuOffloadManager" not in text, file
+        assert "Mixin" not in text, file
