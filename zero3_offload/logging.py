@@ -19,6 +19,7 @@ from zero3_offload.errors import ConfigError
 
 __all__ = ["configure", "get_logger"]
 
+# The stdlib logging levels, which structlog's filtering loggers use.
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 

@@ -184,6 +184,7 @@ async def run_ranks(
 # Runs tried when the rendezvous port was taken: the race needs another process
 # binding the same just-freed port, so a third collision means something else.
 _PORT_ATTEMPTS = 3
+_TERMINATE_GRACE_S = 10.0
 
 
 async def _run_once(
@@ -230,7 +231,9 @@ async def _run_once(
             if p.is_alive():
                 p.terminate()
         for p in started:
-            p.join(timeout=10)
+            # SIGTERM lets a rank run its finally blocks; one that has not
+            # exited after this long is stuck and gets SIGKILL.
+            p.join(timeout=_TERMINATE_GRACE_S)
             if p.is_alive():
                 p.kill()
                 p.join()

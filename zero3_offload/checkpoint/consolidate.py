@@ -27,7 +27,10 @@ from zero3_offload.errors import CheckpointError
 
 __all__ = ["consolidate_checkpoint", "iter_full_parameters"]
 
+# safetensors requires the data to start at a multiple of 8 bytes: the JSON
+# header is padded with spaces to that.
 _ALIGN = 8
+_FP32_BYTES = 4
 
 
 def iter_full_parameters(
@@ -115,7 +118,7 @@ def _write_safetensors(
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape, _ in params:
-        nbytes = 4 * _numel(shape)
+        nbytes = _FP32_BYTES * _numel(shape)
         header[name] = {
             "dtype": "F32",
             "shape": list(shape),
