@@ -4,12 +4,15 @@
 
 Trains a tiny transformer for 5 steps on 2 local gloo ranks with JSON logging
 on (one file per rank, in a temporary directory), then runs
-``zero3-offload analyze`` on the two logs.
+``zero3-offload analyze`` on the two logs. The step table at the end of the
+output is copied into ``docs/observability.md`` (its ``<!-- excerpt -->``
+block, which ``tests/test_docs.py`` compares with ``analyze_example.txt``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import tempfile
@@ -80,6 +83,16 @@ def main() -> None:
         )
     command = "$ zero3-offload analyze rank0.jsonl rank1.jsonl --plot docs/analyze_timeline.png\n"
     (DOCS / "analyze_example.txt").write_text(command + shown.stdout, encoding="utf-8")
+    copy_step_table(shown.stdout)
+
+
+def copy_step_table(output: str) -> None:
+    """Put the step table of ``output`` (from its ``Steps`` line on) into observability.md."""
+    steps = output[output.index("\nSteps\n") + 1 :]
+    page = DOCS / "observability.md"
+    marker = re.compile(r"(<!-- excerpt: analyze_example.txt -->\n```text\n).*?(```)", re.DOTALL)
+    text = page.read_text(encoding="utf-8")
+    page.write_text(marker.sub(lambda m: m[1] + steps + m[2], text, count=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

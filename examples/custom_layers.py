@@ -6,14 +6,16 @@
 
 The model is not an ``nn.Module`` with children but a plain ``dict`` of name ->
 layer, and the program decides which layers run and in which order: training
-runs every layer, while ``features()`` runs the encoder only (a prefix of the
-list) to get embeddings, without gathering the classifier. The layers are built
+runs every layer, while a forward pass over ``ENCODER_LAYERS`` (a prefix of the
+list) gets the encoder's features without gathering the classifier. The layers are built
 on the meta device and materialised one at a time by ``from_meta``: custom
 modules initialise themselves in ``reset_parameters`` (children first), so the
 values equal eager construction's with the same seed.
 
 The task: tell apart four kinds of noisy periodic signals (sine, square,
-sawtooth, triangle) from 64 samples. Only the public API is used.
+sawtooth, triangle) from 64 samples. Only the public API is used; the ranks
+compute on the CPU and use gloo, also under torchrun. What ``from_meta`` does:
+[Note: meta initialisation] in ``zero3_offload/parameter/meta_init.py``.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def build_layers() -> dict[str, nn.Module]:
 
 
 TRAIN_LAYERS = ["stem", "res1", "res2", "res3", "pool", "classifier"]
-ENCODER_LAYERS = TRAIN_LAYERS[:-1]  # features() stops before the classifier
+ENCODER_LAYERS = TRAIN_LAYERS[:-1]  # the encoder: every layer but the classifier
 
 
 def signals(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +127,10 @@ async def train(ctx: RankContext, steps: int, global_batch: int) -> dict[str, fl
             if ctx.rank == 0:
                 print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
         x, y = signals(10**6, 256)  # held out: a step number training never reaches
-        accuracy = (await manager.forward_pass(x, TRAIN_LAYERS)).argmax(-1).eq(y).float().mean()
-        features = await manager.forward_pass(x, ENCODER_LAYERS)  # the encoder only
+        with torch.no_grad():  # evaluation: the manager keeps nothing for a backward
+            logits = await manager.forward_pass(x, TRAIN_LAYERS)
+            features = await manager.forward_pass(x, ENCODER_LAYERS)  # the encoder only
+        accuracy = logits.argmax(-1).eq(y).float().mean()
         if ctx.rank == 0:
             print(f"held-out accuracy {accuracy.item():.3f} (chance {1 / CLASSES:.2f})")
             print(f"encoder features: {tuple(features.shape)} from layers {ENCODER_LAYERS}")
@@ -140,7 +144,7 @@ async def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch size")
     args = parser.parse_args()
     if "RANK" in os.environ:  # launched by torchrun
-        group = await init_process_group_from_env()
+        group = await init_process_group_from_env("gloo")  # the config's device is the CPU
         try:
             await train(RankContext(group.rank(), group.size(), group), args.steps, args.batch)
         finally:

@@ -6,7 +6,9 @@
     torchrun --nproc-per-node 2 examples/train_tiny.py   # joins torchrun's group
 
 Only the public API is used; the model is an ordinary ``nn.Module`` whose
-children are the layers the manager runs in order.
+children are the layers the manager runs in order. The model computes on the
+CPU, so the ranks use gloo, also under torchrun on a machine with GPUs. How the
+passes work: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ async def main() -> None:
     args = parser.parse_args()
     ckpt = args.activation_checkpointing
     if "RANK" in os.environ:  # launched by torchrun
-        group = await init_process_group_from_env()
+        group = await init_process_group_from_env("gloo")  # the config's device is the CPU
         ctx = RankContext(rank=group.rank(), world_size=group.size(), group=group)
         try:
             await train(ctx, args.steps, args.batch, ckpt)

@@ -1,8 +1,8 @@
 """Reading the JSON-lines logs that ranks write (one object per line).
 
 The library logs a ``work`` event per interval and a ``step`` event per
-optimizer update (see :mod:`zero3_offload.timeline` and the manager's
-``_end_step``); every other event is only counted. A line that is not a JSON
+optimizer update (see :mod:`zero3_offload.stats.timeline` and
+:mod:`zero3_offload.stats.step_log`); every other event is only counted. A line that is not a JSON
 object, or lacks a key its event type needs, is skipped and reported as
 :class:`SkippedLine` (file, line number, reason) rather than stopping the
 analysis, since the last line of a log whose process died is often cut short.

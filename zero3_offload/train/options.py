@@ -65,13 +65,14 @@ class TrainOptions:
     warmup_steps: int = int_field(20, 0, "steps")
     """Steps of linear learning-rate warmup."""
     eval_every: int = int_field(100, 0, "steps; 0: at the start and end only")
-    """Evaluate on held-out text every this many steps."""
+    """Evaluate on held-out text every this many steps (0: at the start and the end only)."""
     eval_batches: int = int_field(4, 1)
     """Micro-batches per rank in each evaluation."""
     log_every: int = int_field(10, 1, "steps")
     """Steps per printed line without a progress bar; the loss shown is their mean."""
     save_every: int = int_field(0, 0, "steps; 0: at the end only")
-    """Save a checkpoint to OUT/checkpoints every this many steps (needs --out)."""
+    """Save a checkpoint to OUT/checkpoints every this many steps (needs --out; 0: at the
+    end only)."""
     seed: int = int_field(0, 0)
     """Seed of the initial values and of the data positions (batch i depends on seed and i)."""
     out: str | None = attrs.field(default=None, validator=_optional_str)
@@ -79,7 +80,7 @@ class TrainOptions:
     resume: bool = bool_field(False)
     """Continue from the latest checkpoint in OUT/checkpoints (needs --out)."""
     threads: int = int_field(0, 0, "0: CPU cores / local ranks")
-    """torch threads per rank."""
+    """torch threads per rank (0: the CPU cores divided by the local ranks)."""
     corpus_mb: float = float_field(16.0, "> 0", lambda v: v > 0)
     """Megabytes of text to read (from --data or the Python standard library)."""
     data: str | None = attrs.field(default=None, validator=_optional_str)
