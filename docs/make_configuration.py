@@ -4,7 +4,7 @@
     python docs/make_configuration.py --check  # exit 1 when it is out of date
 
 The field docstrings are read with the function that ``zero3-offload train
---help`` uses (``zero3_offload.train.options._field_docs``), and each field's
+--help`` uses (``zero3_offload.config.field_docs``), and each field's
 flag is taken from that command's option table, so this page, ``--help`` and
 the code cannot disagree. ``tests/test_docs.py`` runs the check.
 """
@@ -26,8 +26,9 @@ from zero3_offload.config import (
     CpuCompressionMethod,
     OptimizerConfig,
     Zero3CpuOffloadConfig,
+    field_docs,
 )
-from zero3_offload.train.options import OPTIONS, TrainOptions, _field_docs, format_size
+from zero3_offload.train.options import OPTIONS, TrainOptions, format_size
 
 _UNIT = re.compile(r"(\d)([KMGT]iB)")  # 32GiB -> 32 GiB
 OUT = Path(__file__).resolve().parent / "configuration.md"
@@ -103,7 +104,7 @@ def _section(cls: type, table: list[str], note: str = "") -> list[str]:
 
 
 def _fields(cls: type, prefix: str) -> list[str]:
-    docs = _field_docs(cls)
+    docs = field_docs(cls)
     rows = [
         (
             f"`{field.name}`",

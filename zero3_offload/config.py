@@ -16,10 +16,14 @@ Field docstrings are user documentation: ``zero3-offload train --help`` and
 
 from __future__ import annotations
 
+import ast
 import enum
 import functools
+import inspect
+import itertools
 import math
 import re
+import textwrap
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
@@ -112,6 +116,30 @@ def _check_keys(cls: type, data: object) -> Mapping[str, Any]:
             f"unknown {cls.__name__} key(s) {unknown}: valid keys are {', '.join(valid)}"
         )
     return data
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under the fields of the attrs class ``cls``, whitespace folded.
+
+    These are the ``--help`` texts of ``zero3-offload train`` and the entries of
+    ``docs/configuration.md``. Empty when the class's source is not available.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 _DTYPE_ALIASES = types.MappingProxyType(

@@ -11,12 +11,8 @@ without a change here; help texts are the fields' docstrings.
 
 from __future__ import annotations
 
-import ast
 import enum
-import inspect
-import itertools
 import re
-import textwrap
 from typing import Any
 
 import attrs
@@ -26,6 +22,7 @@ from zero3_offload.config import (
     OptimizerConfig,
     Zero3CpuOffloadConfig,
     bool_field,
+    field_docs,
     float_field,
     int_field,
     rule,
@@ -149,26 +146,6 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * base)
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstrings written under the fields of ``cls`` (empty if its source is missing)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
 def _kind(field: attrs.Attribute[Any], default: Any) -> tuple[str, tuple[str, ...]]:
     type_text = str(field.type)
     if isinstance(default, bool):
@@ -213,7 +190,7 @@ def _default_text(name: str, default: Any) -> str:
 
 
 def _options_of(cls: type, section: str, prefix: str = "") -> list[Option]:
-    docs, out = _field_docs(cls), []
+    docs, out = field_docs(cls), []
     for field in attrs.fields(cls):
         if field.name == "optimizer":  # its fields become optimizer_* options
             continue
