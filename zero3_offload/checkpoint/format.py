@@ -132,7 +132,7 @@ def read_metadata(directory: Path) -> dict[str, Any]:
 def open_for_reading(file: Path) -> Any:
     """``safe_open`` with the ``pread`` backend where safetensors offers it."""
     # pread copies only the slices asked for; the default maps the whole file
-    # and keeps the pages read resident (see benchmarks/bench_consolidate.py).
+    # and keeps the pages read resident (docs/benchmarks.md, "consolidate", measures both).
     try:
         return safe_open(str(file), framework="pt", backend="pread")
     except TypeError:  # safetensors < 0.7: no backend argument
