@@ -7,14 +7,22 @@ import gc
 
 import pytest
 import torch
-from models import SEQ, lm_loss, make_batches, make_model, make_torch_optimizer
-from rank_bodies import TrainSpec, eval_probe, memory_probe, train
+from helpers import (
+    SEQ,
+    TrainSpec,
+    assert_bitwise,
+    eval_probe,
+    max_abs_diff,
+    memory_probe,
+    reference,
+    run_named,
+    train,
+)
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zero3_offload.errors import StateError
 from zero3_offload.execution.layer_runner import LayerRunner
-from zero3_offload.testing import run_ranks
 
 MODES = {"kept": False, "recompute": True}
 
@@ -94,69 +102,62 @@ def test_kept_graph_needs_the_layer_gathered() -> None:
         executor.backward("l", layer, saved, torch.randn(4, 5))
 
 
-def _seeded_reference(spec: TrainSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain torch with the same per-step seeds as ``TrainSpec.seed``."""
-    model = make_model(**spec.model)
-    opt = make_torch_optimizer("adamw", model.parameters())
-    losses = []
-    for step, (x, y) in enumerate(make_batches(spec.steps, spec.batch)):
-        assert spec.seed is not None
-        torch.manual_seed(spec.seed + step)
-        opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+@pytest.fixture(scope="module")
+def one_rank_dropout() -> dict[str, dict]:
+    """4 steps with dropout on one rank, each mode; one rank run."""
+    runs = run_named(1, {mode: (train, dropout_spec(mode)) for mode in MODES})
+    return {mode: result for mode, (result,) in runs.items()}
+
+
+def dropout_spec(mode: str) -> TrainSpec:
+    return TrainSpec(
+        steps=4, seed=100, model={"dropout": 0.2}, config={"activation_checkpointing": MODES[mode]}
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-async def test_dropout_matches_torch_on_one_rank(mode: str) -> None:
+def test_dropout_matches_torch_on_one_rank(one_rank_dropout: dict[str, dict], mode: str) -> None:
     """Dropout draws the same masks as plain torch (kept: the forward's; recompute:
     replayed from the saved RNG state, without disturbing the global stream)."""
-    spec = TrainSpec(
-        steps=4,
-        seed=100,
-        model={"dropout": 0.2},
-        config={"activation_checkpointing": MODES[mode]},
-    )
-    ref_losses, ref_state = _seeded_reference(spec)
-    (result,) = await run_ranks(train, 1, spec)
+    ref_losses, ref_state = reference(dropout_spec(mode), "adamw")
+    result = one_rank_dropout[mode]
     assert max(abs(a - b) for a, b in zip(result["losses"], ref_losses, strict=True)) < 1e-6
-    err = max((result["state"][n] - ref_state[n]).abs().max().item() for n in ref_state)
-    assert err < 1e-5
+    assert max_abs_diff(result["state"], ref_state) < 1e-5
     # Dropout really changed the numbers: without it the run differs.
-    plain, _ = _seeded_reference(TrainSpec(steps=4, seed=100))
+    plain, _ = reference(TrainSpec(steps=4, seed=100), "adamw")
     assert abs(plain[0] - ref_losses[0]) > 1e-3
 
 
-async def test_modes_agree_on_two_ranks_with_dropout() -> None:
+MODES_AGREE = {"steps": 4, "seed": 7, "model": {"dropout": 0.1, "n_blocks": 3}}
+PROBE = {"batch": 8, "model": {"n_blocks": 2}}
+EVAL = TrainSpec(steps=2)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list[dict]]:
+    """The 2-rank runs of this file, in one rank run: training with dropout and a memory
+    probe in each mode, an evaluation probe and the training it interrupts."""
+    calls = {}
+    for mode, flag in MODES.items():
+        config = {"activation_checkpointing": flag}
+        calls[f"train-{mode}"] = (train, TrainSpec(config=config, **MODES_AGREE))
+        calls[f"probe-{mode}"] = (memory_probe, TrainSpec(config=config, **PROBE))
+    calls["eval"] = (eval_probe, EVAL)
+    calls["eval-trained"] = (train, EVAL)
+    return run_named(2, calls)
+
+
+def test_modes_agree_on_two_ranks_with_dropout(two_ranks: dict[str, list[dict]]) -> None:
     """With dropout, recompute reproduces the kept forward bitwise (same masks, same math)."""
-    common = {"steps": 4, "seed": 7, "model": {"dropout": 0.1, "n_blocks": 3}}
-    results = {
-        mode: await run_ranks(
-            train, 2, TrainSpec(config={"activation_checkpointing": flag}, **common)
-        )
-        for mode, flag in MODES.items()
-    }
-    kept, recompute = results["kept"], results["recompute"]
+    kept, recompute = two_ranks["train-kept"], two_ranks["train-recompute"]
     for a, b in zip(kept, recompute, strict=True):
         assert a["losses"] == b["losses"]
-    for name, value in kept[0]["state"].items():
-        assert torch.equal(value, recompute[0]["state"][name]), name
+    assert_bitwise(kept[0]["state"], recompute[0]["state"])
 
 
-async def test_activation_bytes_are_counted() -> None:
+def test_activation_bytes_are_counted(two_ranks: dict[str, list[dict]]) -> None:
     """Kept mode keeps far more than layer inputs; recompute keeps exactly the inputs."""
-    spec = {"batch": 8, "model": {"n_blocks": 2}}
-    probes = {
-        mode: (
-            await run_ranks(
-                memory_probe, 2, TrainSpec(config={"activation_checkpointing": flag}, **spec)
-            )
-        )[0]
-        for mode, flag in MODES.items()
-    }
+    probes = {mode: two_ranks[f"probe-{mode}"][0] for mode in MODES}
     d, layers, local_batch = 24, 5, 4  # TinyGPT defaults: embed, 2 blocks, ln_f, head
     # The token ids are a view of the whole batch's [8, SEQ + 1] int64 storage, which is
     # what keeping them holds; each later layer's input is a [4, SEQ, d] fp32 tensor.
@@ -170,15 +171,12 @@ async def test_activation_bytes_are_counted() -> None:
         assert after["cpu_memory_used"] >= after["activation_bytes"]
 
 
-async def test_forward_under_no_grad_keeps_nothing() -> None:
+def test_forward_under_no_grad_keeps_nothing(two_ranks: dict[str, list[dict]]) -> None:
     """Evaluation forward: same output, nothing kept, no backward; training goes on exactly."""
-    spec = TrainSpec(steps=2)
-    results = await run_ranks(eval_probe, 2, spec)
-    trained = await run_ranks(train, 2, spec)
+    results, trained = two_ranks["eval"], two_ranks["eval-trained"]
     for r, t in zip(results, trained, strict=True):
         assert torch.equal(r["evaluated"], r["trained_out"])
         assert r["kept_by_eval"] == 0
         assert "torch.no_grad()" in r["error"]
         assert r["losses"] == t["losses"]
-    for name, value in results[0]["state"].items():
-        assert torch.equal(value, trained[0]["state"][name]), name
+    assert_bitwise(results[0]["state"], trained[0]["state"])

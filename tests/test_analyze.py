@@ -17,8 +17,7 @@ from typing import Any
 
 import attrs
 import pytest
-from models import lm_loss, make_batches, make_model
-from rank_bodies import local_slice
+from helpers import make_batches, make_model, train_step
 
 import zero3_offload.logging
 from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
@@ -44,13 +43,9 @@ async def logged_run(ctx: RankContext, log_dir: str) -> dict[str, Any]:
     names = model.layer_names
     config = Zero3CpuOffloadConfig(overlap_computation=True)
     async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
-        for x, y in make_batches(STEPS, 8):
-            out = await manager.forward_pass(local_slice(x, ctx), names)
-            out.requires_grad_()
-            lm_loss(out, local_slice(y, ctx)).backward()
+        for batch in make_batches(STEPS, 8):
             # With the learning rate, CPU optimizer work overlaps the backward.
-            await manager.backward_pass(out.grad, names, learning_rate=LR)
-            await manager.optimizer_step(LR)
+            await train_step(manager, ctx, batch, names, LR, early_lr=True)
         after_training = _figures(manager.get_performance_stats())
     # close() completes the gathers prefetched for a next step: they are logged too.
     return {
@@ -83,13 +78,15 @@ def _analyze_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[dict[
     return json.loads(captured.out), captured.err
 
 
-def test_report_equals_the_ranks_own_stats(run: tuple[list[str], list[dict[str, Any]]]) -> None:
+def test_report_equals_the_ranks_own_stats(
+    run: tuple[list[str], list[dict[str, Any]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The command's main in this process; test_user_errors_exit_2_in_one_line runs the
+    # real process.
     logs, results = run
-    as_json = _cli("analyze", *logs, "--json")
-    table = _cli("analyze", *logs)
-    assert as_json.returncode == 0, as_json.stderr
-    assert table.returncode == 0, table.stderr
-    report = json.loads(as_json.stdout)
+    report, _ = _analyze_json(capsys, *logs)
+    assert main(["analyze", *logs]) == 0
+    table = capsys.readouterr()
     assert report["skipped_lines"] == 0
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     for rank_report, result in zip(report["ranks"], results, strict=True):
@@ -136,10 +133,10 @@ def test_report_equals_the_ranks_own_stats(run: tuple[list[str], list[dict[str, 
     assert overall["median_step_s"] == pytest.approx(statistics.median(slowest), rel=REL)
     # The tables name every layer and every column.
     for name in [*results[0]["names"], *HEADERS, "training efficiency", "prefetch hit rate"]:
-        assert name in table.stdout, name
-    assert "rank 0" in table.stdout
-    assert "rank 1" in table.stdout
-    assert "0 line(s) skipped" in table.stdout
+        assert name in table.out, name
+    assert "rank 0" in table.out
+    assert "rank 1" in table.out
+    assert "0 line(s) skipped" in table.out
 
 
 def _x_events(trace: dict[str, Any]) -> list[dict[str, Any]]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from models import make_model
-from rank_bodies import TrainSpec, train
+from helpers import TrainSpec, assert_bitwise, make_model, parameters, run_in_turn, run_named, train
 from safetensors.torch import load_file
 
 from zero3_offload import (
@@ -23,12 +25,25 @@ from zero3_offload.checkpoint.atomic_save import prepare_save, write_shard
 from zero3_offload.testing import RankContext, RankFailedError, run_ranks
 
 
-def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Checkpoints the tests only read, saved in one 2-rank run: ``good`` after 2 steps
+    (returned with the state it holds) and ``foreign``, of a model with another layer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    runs = run_named(
+        2,
+        {
+            "good": (train, TrainSpec(steps=2, save_dir=str(root / "good"))),
+            "foreign": (
+                train,
+                TrainSpec(steps=1, save_dir=str(root / "foreign"), model={"n_blocks": 3}),
+            ),
+        },
+    )
+    return root, runs["good"][0]["state"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [{}, {"compute_dtype": "fp16"}],
@@ -37,9 +52,11 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
 async def test_exact_resume_in_fresh_processes(tmp_path: Path, config: dict) -> None:
     # fp16: rank 1 injects an inf at step 2, so the saved loss scale is not the default.
     inject = (1, 2) if config else None
-    straight = await run_ranks(train, 2, TrainSpec(steps=10, config=config, inject_inf=inject))
-    first = TrainSpec(steps=5, config=config, inject_inf=inject, save_dir=str(tmp_path))
-    half = await run_ranks(train, 2, first)
+    straight, half = await run_in_turn(
+        2,
+        (train, TrainSpec(steps=10, config=config, inject_inf=inject)),
+        (train, TrainSpec(steps=5, config=config, inject_inf=inject, save_dir=str(tmp_path))),
+    )
     second = TrainSpec(steps=5, first_step=5, config=config, load_dir=str(tmp_path))
     resumed = await run_ranks(train, 2, second)
     assert_bitwise(straight[0]["state"], resumed[0]["state"])
@@ -52,15 +69,22 @@ async def test_exact_resume_in_fresh_processes(tmp_path: Path, config: dict) -> 
     assert (tmp_path / "latest").read_text().strip() == expected
 
 
+@pytest.mark.slow
 async def test_reshard_to_one_and_four_ranks(tmp_path: Path) -> None:
-    saved = await run_ranks(train, 2, TrainSpec(steps=3, save_dir=str(tmp_path)))
     more = {"steps": 3, "first_step": 3}
-    at_two = await run_ranks(train, 2, TrainSpec(load_dir=str(tmp_path), **more))
+    saved, at_two = await run_in_turn(
+        2,
+        (train, TrainSpec(steps=3, save_dir=str(tmp_path))),
+        (train, TrainSpec(load_dir=str(tmp_path), **more)),
+    )
     for world in (1, 4):
-        # Zero steps: the loaded full state equals the saved one, bit for bit.
-        loaded = await run_ranks(train, world, TrainSpec(steps=0, load_dir=str(tmp_path)))
+        loaded, continued = await run_in_turn(
+            world,
+            # Zero steps: the loaded full state equals the saved one, bit for bit.
+            (train, TrainSpec(steps=0, load_dir=str(tmp_path))),
+            (train, TrainSpec(load_dir=str(tmp_path), **more)),
+        )
         assert_bitwise(saved[0]["state"], loaded[0]["state"])
-        continued = await run_ranks(train, world, TrainSpec(load_dir=str(tmp_path), **more))
         for name, value in at_two[0]["state"].items():
             assert (continued[0]["state"][name] - value).abs().max().item() < 1e-4, name
 
@@ -77,14 +101,17 @@ async def crash_during_save(ctx: RankContext, root: str) -> None:
         await manager.save_checkpoint(root)  # rank 0 goes on: must not commit
 
 
-async def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    saved = await run_ranks(train, 2, TrainSpec(steps=2, save_dir=str(tmp_path)))
+async def test_crash_during_save_keeps_previous_checkpoint(
+    tmp_path: Path, checkpoints: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    root, saved = checkpoints
+    shutil.copytree(root / "good", tmp_path, dirs_exist_ok=True)
     with pytest.raises(RankFailedError):
         await run_ranks(crash_during_save, 2, str(tmp_path), timeout_s=60)
     assert (tmp_path / "latest").read_text().strip() == "step-00000002"
     assert not (tmp_path / "step-00000099").exists()
     loaded = await run_ranks(train, 2, TrainSpec(steps=0, load_dir=str(tmp_path)))
-    assert_bitwise(saved[0]["state"], loaded[0]["state"])
+    assert_bitwise(saved, loaded[0]["state"])
 
 
 async def bad_loads(ctx: RankContext, cases: dict[str, str]) -> dict[str, Any]:
@@ -101,13 +128,14 @@ async def bad_loads(ctx: RankContext, cases: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-async def test_untrusted_corrupt_and_foreign_checkpoints_are_refused(tmp_path: Path) -> None:
-    good = tmp_path / "good"
-    await run_ranks(train, 2, TrainSpec(steps=1, save_dir=str(good)))
-    ckpt = good / "step-00000001"
+async def test_untrusted_corrupt_and_foreign_checkpoints_are_refused(
+    tmp_path: Path, checkpoints: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    root, _ = checkpoints
+    ckpt = root / "good" / "step-00000002"
 
     def variant(name: str) -> Path:
-        target = tmp_path / name / "step-00000001"
+        target = tmp_path / name / "step-00000002"
         target.mkdir(parents=True)
         for f in ckpt.iterdir():
             (target / f.name).write_bytes(f.read_bytes())
@@ -121,53 +149,53 @@ async def test_untrusted_corrupt_and_foreign_checkpoints_are_refused(tmp_path: P
     shard.write_bytes(shard.read_bytes()[:100])
     missing = variant("missing")
     (missing / "rank-00000-of-00002.safetensors").unlink()
-    foreign = tmp_path / "foreign"
-    await run_ranks(train, 2, TrainSpec(steps=1, save_dir=str(foreign), model={"n_blocks": 3}))
     cases = {
         "pickle": str(pickled),
         "truncated": str(truncated),
         "missing": str(missing),
-        "foreign": str(foreign),
+        "foreign": str(root / "foreign"),
         "nothing": str(tmp_path / "nowhere"),
     }
-    for r in await run_ranks(bad_loads, 2, cases):
+    results = await run_ranks(bad_loads, 2, cases)
+    for r in results:
         assert "extra.pt" in r["pickle"] and "never pickles" in r["pickle"]
         assert "rank-00000-of-00002.safetensors" in r["missing"]
         assert "layers differ" in r["foreign"] and "block2" in r["foreign"]
         assert "no checkpoint" in r["nothing"]
         assert r["unchanged"]
     # The truncated file is rank 1's: rank 1 names it, rank 0 reports the other rank.
-    results = await run_ranks(bad_loads, 2, {"truncated": str(truncated)})
     assert "rank-00001-of-00002.safetensors" in results[1]["truncated"]
     assert "another rank" in results[0]["truncated"]
 
 
-async def test_consolidated_file_loads_strict_into_plain_model(tmp_path: Path) -> None:
-    saved = await run_ranks(train, 2, TrainSpec(steps=2, save_dir=str(tmp_path / "ckpt")))
-    out = consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "model.safetensors")
+def test_consolidated_file_loads_strict_into_plain_model(
+    tmp_path: Path, checkpoints: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    root, saved = checkpoints
+    out = consolidate_checkpoint(root / "good", tmp_path / "model.safetensors")
     model = make_model(seed=123)
     model.load_state_dict(load_file(str(out)), strict=True)
-    assert_bitwise({n: p.detach() for n, p in model.named_parameters()}, saved[0]["state"])
-    pt = consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "model.pt", fmt="pt")
+    assert_bitwise(parameters(model), saved)
+    pt = consolidate_checkpoint(root / "good", tmp_path / "model.pt", fmt="pt")
     state = torch.load(pt, weights_only=True)
-    assert_bitwise(state, saved[0]["state"])
+    assert_bitwise(state, saved)
     x = torch.randint(0, 37, (2, 12))
     reference = make_model(seed=9)
     reference.load_state_dict(state, strict=True)
     assert torch.equal(model(x), reference(x))
 
 
-async def test_consolidate_command(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    saved = await run_ranks(train, 2, TrainSpec(steps=1, save_dir=str(tmp_path / "ckpt")))
+@pytest.mark.slow
+def test_consolidate_command(
+    tmp_path: Path, checkpoints: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    root, saved = checkpoints
     out = tmp_path / "full.safetensors"
-    cmd = [sys.executable, "-m", "zero3_offload", "consolidate", str(tmp_path / "ckpt"), str(out)]
+    cmd = [sys.executable, "-m", "zero3_offload", "consolidate", str(root / "good"), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
-    assert_bitwise(load_file(str(out)), saved[0]["state"])
+    assert_bitwise(load_file(str(out)), saved)
     bad = subprocess.run(
         [sys.executable, "-m", "zero3_offload", "consolidate", str(tmp_path / "nope"), str(out)],
         capture_output=True,

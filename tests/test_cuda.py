@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import lm_loss, make_batches, make_model
-from rank_bodies import TrainSpec, train
-from test_equivalence import compare, reference
+from helpers import TrainSpec, compare, lm_loss, make_batches, make_model, reference, train
 
 from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.testing import RankContext, run_ranks

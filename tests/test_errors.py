@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import torch
-from models import VOCAB, lm_loss, make_batches, make_model
+from helpers import VOCAB, lm_loss, make_batches, make_model, run_named
 from torch import nn
 
 from zero3_offload import (
@@ -21,7 +20,7 @@ from zero3_offload import (
     Zero3CpuOffloadManager,
     Zero3Error,
 )
-from zero3_offload.testing import RankContext, run_ranks
+from zero3_offload.testing import RankContext
 
 
 async def snapshot(manager: Zero3CpuOffloadManager) -> dict[str, Any]:
@@ -155,12 +154,9 @@ async def bad_models(ctx: RankContext) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def messages() -> dict[str, str]:
-    async def collect() -> dict[str, str]:
-        (calls,) = await run_ranks(bad_calls, 1)
-        (models,) = await run_ranks(bad_models, 1)
-        return {**calls, **models}
-
-    return asyncio.run(collect())
+    runs = run_named(1, {"calls": (bad_calls,), "models": (bad_models,)})
+    (calls,), (models,) = runs["calls"], runs["models"]
+    return {**calls, **models}
 
 
 def test_unknown_layer_lists_known_names(messages: dict[str, str]) -> None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,7 @@ def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
     return losses, kept, evaluated
 
 
+@pytest.mark.slow
 def test_train_tiny_loss_falls() -> None:
     out = run_example("examples/train_tiny.py", "--steps", "20")
     losses, kept, evaluated = _losses_and_kept(out)

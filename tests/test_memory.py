@@ -5,10 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import pytest
 import structlog
-import torch
-from models import lm_loss, make_batches, make_model
-from rank_bodies import local_slice
+from helpers import (
+    TrainSpec,
+    lm_loss,
+    local_slice,
+    make_batches,
+    make_model,
+    max_abs_diff,
+    reference,
+    run_named,
+    train_step,
+)
 
 from zero3_offload import (
     AutoMemoryStrategy,
@@ -17,18 +26,22 @@ from zero3_offload import (
     Zero3CpuOffloadConfig,
     Zero3CpuOffloadManager,
 )
-from zero3_offload.testing import RankContext, run_ranks
+from zero3_offload.testing import RankContext
 
 NAMES = ["embed", "block0", "block1", "ln_f", "head"]
 
 
-async def step(manager: Zero3CpuOffloadManager, ctx: RankContext, i: int, names=NAMES) -> None:
-    (x, y) = make_batches(i + 1, 8)[i]
-    out = await manager.forward_pass(local_slice(x, ctx), names)
-    out.requires_grad_()
-    lm_loss(out, local_slice(y, ctx)).backward()
-    await manager.backward_pass(out.grad, names)
-    await manager.optimizer_step(1e-3)
+async def step(manager: Zero3CpuOffloadManager, ctx: RankContext, i: int) -> None:
+    await train_step(manager, ctx, make_batches(i + 1, 8)[i], NAMES)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list]:
+    """The rank functions below on 2 ranks, in one rank run. ``pressure`` goes first: the
+    pressure it provokes counts this process's RSS, which the others would raise."""
+    return run_named(
+        2, {"pressure": (pressure,), "budgets": (budgets,), "failing_forward": (failing_forward,)}
+    )
 
 
 async def budgets(ctx: RankContext) -> dict[str, Any]:
@@ -74,8 +87,8 @@ async def budgets(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
-async def test_budgets_checked_at_construction_with_counted_need() -> None:
-    results = await run_ranks(budgets, 2)
+def test_budgets_checked_at_construction_with_counted_need(runs: dict[str, list]) -> None:
+    results = runs["budgets"]
     for r in results:
         assert "'block1'" in r["gpu"] and "29392 bytes" in r["gpu"] and "10000" in r["gpu"]
         assert "cpu_memory_budget=50000" in r["cpu"] and "needs" in r["cpu"]
@@ -104,23 +117,15 @@ async def failing_forward(ctx: RankContext) -> dict[str, Any]:
     return {"error": error, "after_error": after_error, "after_reset": after_reset, "state": state}
 
 
-async def test_error_mid_forward_and_reset_leave_nothing_in_flight() -> None:
-    results = await run_ranks(failing_forward, 2)
+def test_error_mid_forward_and_reset_leave_nothing_in_flight(runs: dict[str, list]) -> None:
+    results = runs["failing_forward"]
     for r in results:
         assert "'block0'" in r["error"]
         for status in (r["after_error"], r["after_reset"]):
             assert status["active_operations"] == 0 and status["inflight_bytes"] == 0
     # Two good steps after the error equal two plain steps.
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    for x, y in make_batches(2, 8):
-        opt.zero_grad()
-        lm_loss(model(x), y).backward()
-        opt.step()
-    state = results[0]["state"]
-    assert (
-        max((state[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()) < 1e-4
-    )
+    _, ref_state = reference(TrainSpec(steps=2), "adamw")
+    assert max_abs_diff(results[0]["state"], ref_state) < 1e-4
 
 
 async def pressure(ctx: RankContext) -> dict[str, Any]:
@@ -142,7 +147,7 @@ async def pressure(ctx: RankContext) -> dict[str, Any]:
         persistent_layers = list(manager.get_prefetch_status().persistent_layers)
         snapshots = []
         for i in range(2):
-            await step(manager, ctx, i, NAMES)
+            await step(manager, ctx, i)
             status, memory = manager.get_prefetch_status(), manager.get_memory_stats()
             snapshots.append(
                 {
@@ -158,8 +163,8 @@ async def pressure(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
-async def test_pressure_above_threshold_releases_and_shrinks_depth() -> None:
-    for r in await run_ranks(pressure, 2):
+def test_pressure_above_threshold_releases_and_shrinks_depth(runs: dict[str, list]) -> None:
+    for r in runs["pressure"]:
         assert r["persistent_layers"] == ["block0", "embed", "head", "ln_f"]
         relieved, restored = r["snapshots"]
         # Step 1: persistent layers held -> pressure over the threshold -> relief.

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import make_model
-from rank_bodies import local_slice
+from helpers import local_slice, make_model
 from torch import nn
 
 from zero3_offload import (
@@ -95,6 +94,7 @@ async def big_model(ctx: RankContext, budget: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 async def test_model_larger_than_one_rank_trains_on_two() -> None:
     budget = 512 * 2**20
     params = DEPTH * (WIDTH * WIDTH + WIDTH)

@@ -7,10 +7,7 @@ worker-thread job), not sleeps or injected delays.
 
 from __future__ import annotations
 
-import torch
-from rank_bodies import TrainSpec, train
-
-from zero3_offload.testing import run_ranks
+from helpers import TrainSpec, assert_bitwise, run_in_turn, train
 
 MODEL = {"d": 96, "n_blocks": 4}
 
@@ -26,8 +23,11 @@ def overlaps(timeline: list[tuple]) -> list[tuple[str, str]]:
 
 async def test_optimizer_runs_during_backward_with_identical_results() -> None:
     common = {"steps": 6, "early_lr": True, "model": MODEL, "timeline": True}
-    on = await run_ranks(train, 2, TrainSpec(config={"overlap_computation": True}, **common))
-    off = await run_ranks(train, 2, TrainSpec(config={"overlap_computation": False}, **common))
+    on, off = await run_in_turn(
+        2,
+        (train, TrainSpec(config={"overlap_computation": True}, **common)),
+        (train, TrainSpec(config={"overlap_computation": False}, **common)),
+    )
     found = [pair for r in on for pair in overlaps(r["timeline"])]
     assert found, "no CPU optimizer interval overlapped another layer's backward compute"
     for r in off:
@@ -37,6 +37,5 @@ async def test_optimizer_runs_during_backward_with_identical_results() -> None:
     # Worker threads, not the event loop's thread, ran the optimizer.
     workers = {e[5] for r in on for e in r["timeline"] if e[0] == "cpu-optimizer"}
     assert "event-loop" not in workers
-    for name, value in on[0]["state"].items():
-        assert torch.equal(value, off[0]["state"][name]), name
+    assert_bitwise(on[0]["state"], off[0]["state"])
     assert on[0]["losses"] == off[0]["losses"]

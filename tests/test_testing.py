@@ -117,6 +117,7 @@ async def blocking_body(ctx: RankContext, pid_dir: str) -> int:
     return pids[ctx.rank]
 
 
+@pytest.mark.slow
 async def test_run_timeout_is_reported_and_stops_the_ranks(tmp_path):
     with pytest.raises(RankFailedError) as info:
         await run_ranks(blocking_body, 2, str(tmp_path), timeout_s=8)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from torch.distributed.run import get_args_parser
 
 from zero3_offload.testing import free_port
@@ -22,6 +23,7 @@ def run(*command: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_custom_layers_loss_falls_and_the_encoder_runs_alone() -> None:
     out = run(sys.executable, "examples/custom_layers.py", "--steps", "15")
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
@@ -46,6 +48,7 @@ def test_multinode_guide_commands_parse_with_torchrun() -> None:
         assert args.training_script_args[0] == "train"
 
 
+@pytest.mark.slow
 def test_multinode_guide_local_cpu_test_runs() -> None:
     (local,) = [c for c in torchrun_commands() if "--nnodes" not in c]
     assert local == shlex.split("torchrun --nproc-per-node 2 -m zero3_offload train --steps 3")
