@@ -1,0 +1,1 @@
+"""The shared pieces of the benchmarks: launcher, sampler, plan, report writer, workload."""

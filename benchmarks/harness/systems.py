@@ -1,0 +1,225 @@
+"""The systems a training benchmark compares, behind one interface: ``SYSTEMS[kind](spec, rank)``
+with ``start()`` (join the group), ``setup(model)``, ``step(x, y, clock)`` (phases ``forward``,
+``loss``, ``backward``, ``optimizer``), ``model_state()`` (bytes counted from the tensors the
+system exposes), ``info()`` and ``close()``. Each kind's ``options`` are described in
+docs/benchmarks.md (peers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from harness.workload import lm_loss
+
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+class System(NamedTuple):
+    """A system as a suite's table names it: how to build it, on how many ranks."""
+
+    label: str
+    kind: str  # a key of SYSTEMS
+    world: int
+    options: dict[str, Any]
+
+
+def storage_bytes(groups: dict[str, Iterable[Any]]) -> dict[str, int]:
+    """Bytes per group of the distinct storages behind the tensors, each counted once (views of
+    one flat buffer count at its size; a DTensor by its local shard)."""
+    seen, out = set(), {}
+    for name, tensors in groups.items():
+        out[name] = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+                if s.data_ptr() not in seen and s.nbytes():
+                    seen.add(s.data_ptr())
+                    out[name] += s.nbytes()
+    return {**out, "total": sum(out.values())}
+
+
+def _state(opt: Any) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+class Torch:
+    """Plain torch (one process, the whole batch), and FSDP2 (``fsdp2``: ``fully_shard`` on every
+    child and the root; ``cpu_offload`` adds ``CPUOffloadPolicy``, pinned on CUDA,
+    ``param_dtype`` a ``MixedPrecisionPolicy`` reducing in fp32); then torch's AdamW."""
+
+    def __init__(self, spec: dict[str, Any], rank: Any) -> None:
+        self.spec, self.rank, self.options = spec, rank, dict(spec["options"])
+
+    async def start(self) -> None:
+        if self.spec["kind"] == "fsdp2":
+            dist.init_process_group(self.spec.get("backend", "gloo"))
+
+    async def setup(self, model: torch.nn.Module) -> None:
+        opts = self.options
+        if self.spec["kind"] == "fsdp2":
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+            kw: dict[str, Any] = {}
+            if opts.get("cpu_offload"):
+                pin = self.spec.get("device") == "cuda"  # pinned host memory for the copies
+                kw["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
+            if opts.get("param_dtype"):
+                dtype = getattr(torch, opts["param_dtype"])
+                kw["mp_policy"] = MixedPrecisionPolicy(
+                    param_dtype=dtype, reduce_dtype=torch.float32
+                )
+            for module in [*model.children(), model]:
+                fully_shard(module, **kw)
+        fused = {"fused": opts["fused"]} if "fused" in opts else {}
+        adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), betas=BETAS, eps=EPS, **adamw)
+
+    async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
+        clock.phase("forward")
+        self.opt.zero_grad(set_to_none=True)
+        out = self.model(x)
+        clock.phase("loss")
+        loss = lm_loss(out, y)
+        clock.phase("backward")
+        loss.backward()
+        clock.phase("optimizer")
+        self.opt.step()
+        return loss
+
+    def model_state(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        grads, state = [p.grad for p in params], _state(self.opt)
+        return storage_bytes({"params": params, "grads": grads, "optimizer_state": state})
+
+    def info(self) -> dict[str, Any]:
+        return {"optimizer": type(self.opt).__name__}
+
+    async def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DeepSpeed(Torch):
+    async def start(self) -> None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+
+    async def setup(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        batch, adamw = self.spec["dims"]["global_batch"], {"lr": self.spec["lr"], "eps": EPS}
+        adamw.update(betas=list(BETAS), weight_decay=self.spec["weight_decay"])
+        offload = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+        config = {
+            "train_batch_size": batch,
+            "gradient_accumulation_steps": 1,
+            "train_micro_batch_size_per_gpu": batch // self.rank.world,
+            "optimizer": {"type": "AdamW", "params": adamw},
+            "zero_optimization": {"stage": 3, **offload},
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10**9,
+        }
+        self.model, params = model, model.parameters()
+        self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
+
+    async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
+        clock.phase("forward")
+        out = self.engine(x)
+        clock.phase("loss")
+        loss = lm_loss(out, y)
+        clock.phase("backward")
+        self.engine.backward(loss)
+        clock.phase("optimizer")
+        self.engine.step()
+        return loss
+
+    def model_state(self) -> dict[str, int]:
+        z, params = self.engine.optimizer, list(self.model.parameters())
+        flat32 = getattr(z, "fp32_partitioned_groups_flat", [])
+        return storage_bytes(
+            {
+                # this rank's compute partitions (views of one flat CPU buffer), and the parameters
+                # kept gathered (below the persistence threshold)
+                "params": [
+                    *getattr(z, "fp16_partitioned_groups_flat", []),
+                    *(getattr(p, "ds_tensor", None) for p in params),
+                    *(p.data for p in getattr(z, "persistent_parameters", [])),
+                ],
+                "master_params": flat32,
+                "grads": [
+                    getattr(z, "grad_partitions_flat_buffer", None),
+                    *(p.grad for p in params),
+                    *(g.grad for g in flat32),
+                ],
+                "optimizer_state": _state(z.optimizer),
+            }
+        )
+
+    def info(self) -> dict[str, Any]:
+        import deepspeed
+
+        z = self.engine.optimizer
+        info = {"optimizer": type(z.optimizer).__name__, "deepspeed_version": deepspeed.__version__}
+        return {**info, "persistent_params": len(getattr(z, "persistent_parameters", []))}
+
+
+class Ours(Torch):
+    async def start(self) -> None:
+        from zero3_offload import init_process_group_from_env
+
+        self.lr_in_backward = self.options.pop("lr_in_backward", False)
+        self.group = await init_process_group_from_env(self.spec.get("backend", "gloo"))
+
+    async def setup(self, model: torch.nn.Module) -> None:
+        from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
+
+        wd = self.spec["weight_decay"]
+        opt = OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
+        device = self.spec.get("device", "cpu")
+        self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
+        self.manager = Zero3CpuOffloadManager(self.config, self.group, model)
+        self.names = model.layer_names
+
+    async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
+        manager, lr = self.manager, self.spec["lr"]
+        clock.phase("forward")
+        out = await manager.forward_pass(x, self.names)
+        clock.phase("loss")
+        out.requires_grad_()  # the loss lives outside the manager
+        loss = lm_loss(out, y)
+        loss.backward()
+        clock.phase("backward")
+        in_backward = lr if self.lr_in_backward else None  # the update inside backward_pass
+        await manager.backward_pass(out.grad, self.names, learning_rate=in_backward)
+        clock.phase("optimizer")
+        await manager.optimizer_step(lr)
+        return loss
+
+    def model_state(self) -> dict[str, int]:
+        m = self.manager.get_memory_stats()
+        params, total = m.master_param_bytes + m.compute_copy_bytes, m.model_state_bytes()
+        state = {"grads": m.gradient_bytes, "optimizer_state": m.optimizer_state_bytes}
+        return {"params": params, **state, "total": total}
+
+    def info(self) -> dict[str, Any]:
+        m = self.manager.get_memory_stats()
+        stats = {k: v for k, v in attrs.asdict(m).items() if k.endswith("_bytes")}
+        prefetch = dict(self.manager.get_performance_stats().prefetch)
+        config = self.config.to_dict()
+        return {"library_memory_stats": stats, "prefetch_counters": prefetch, "config": config}
+
+    async def close(self) -> None:
+        from zero3_offload import destroy_process_group
+
+        await self.manager.close()
+        destroy_process_group()
+
+
+SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}

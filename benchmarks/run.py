@@ -1,0 +1,85 @@
+"""Run a benchmark suite, or rebuild results' markdown: see docs/benchmarks.md.
+
+python benchmarks/run.py SUITE [options]     # SUITE --help: what it measures, its options
+python benchmarks/run.py --render benchmarks/results/*.json   # each JSON's .md, again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harness.plan import progress
+from harness.report import RESULTS_DIR, machine_info, markdown, write
+from suites import compression, consolidate, gpu, optimizer, overlap, peers, rss_phases, scaling
+
+SUITES = {  # by name, each a module of suites/
+    s.__name__.split(".")[-1].replace("_", "-"): s
+    for s in (optimizer, compression, overlap, consolidate, peers, scaling, rss_phases, gpu)
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    render = "run nothing: write each results JSON's markdown beside it"
+    parser.add_argument("--render", nargs="+", type=Path, metavar="JSON", help=render)
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="with --render: the plot too")
+    sub = parser.add_subparsers(dest="suite", metavar="SUITE")
+    for name, suite in SUITES.items():
+        doc = suite.__doc__
+        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=raw)
+        p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, no figure")
+        p.add_argument("--repeats", type=int, help="timed repeats (or steps) per case")
+        p.add_argument("--warmup", type=int, help="untimed repeats (or steps) first")
+        p.add_argument("--threads", type=int, help="torch threads (per rank where ranks run)")
+        p.add_argument("--out", type=Path, help="results JSON (default results/<name>.json)")
+        for flag, kwargs in suite.OPTIONS.items():
+            p.add_argument(flag, **kwargs)
+        p.epilog = suite.EPILOG
+    args = parser.parse_args(argv)
+    if args.render:
+        for path in args.render:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            suite, md = SUITES[payload["suite"]], path.with_suffix(".md")
+            md.write_text(markdown(payload, suite.report(payload)), encoding="utf-8")
+            progress(f"wrote {md}")
+            if args.plot is not None and hasattr(suite, "plot"):
+                suite.plot(payload, args.plot)
+                progress(f"wrote {args.plot}")
+        return 0
+    if args.suite is None:
+        parser.error("name a SUITE, or --render JSON")
+    suite = SUITES[args.suite]
+    # the suite's defaults (with --quick, its QUICK ones first) for the options not given
+    quick = getattr(suite, "QUICK", {}) if args.quick else {}
+    for key, value in {**suite.DEFAULTS, **quick}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    problem = suite.check(args) if hasattr(suite, "check") else None
+    if any(v is not None and v < 1 for v in (args.repeats, args.threads)):
+        problem = "--repeats and --threads must be >= 1"
+    if problem:
+        parser.error(f"{args.suite}: {problem}")
+    info = machine_info(args.threads)  # first: it sets torch's threads; the load at the start
+    result = suite.run(args)
+    if result is None:  # it could not run (the suite said why)
+        return 2
+    name = args.suite + ("-quick" if args.quick else "")  # unless the suite names its results
+    head = {"suite": args.suite, "benchmark": name, "quick": args.quick, "machine": info}
+    payload = {**head, **result}
+    out = args.out or RESULTS_DIR / f"{payload['benchmark']}.json"
+    md = write(out, payload, suite.report(payload))
+    print(md.read_text(encoding="utf-8"))
+    progress(f"wrote {out} and {md}")
+    if getattr(args, "plot_path", None) is not None:
+        suite.plot(payload, args.plot_path)
+        progress(f"wrote {args.plot_path}")
+    # 1 when a run or part failed, 2 when the systems' losses disagree
+    return 1 if payload.get("failed") else 2 if payload.get("losses_agree") is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

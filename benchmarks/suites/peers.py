@@ -1,0 +1,175 @@
+"""zero3_offload vs FSDP2, FSDP2 + CPU offload, DeepSpeed ZeRO-3 offload and plain torch.
+
+The same GPT, initial weights, batches and AdamW in every system; each run fresh processes, the
+order rotated per round. ``--sweep-ours`` compares configurations of zero3_offload instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from harness import train
+from harness.plan import progress
+from harness.report import Report, markdown_table, systems_table
+from harness.systems import System
+from harness.train import LOSS_STEPS, LOSS_TOLERANCE, loss_agreement, summarize
+
+WORLD = 2
+SIZES = {  # d, heads, blocks, seq; the defaults of the options
+    "quick": ((128, 4, 2, 64), {"rounds": 2, "warmup": 1, "repeats": 5, "timeout": 300}),
+    "small": ((512, 8, 6, 128), {"rounds": 3, "warmup": 2, "repeats": 6, "timeout": 900}),
+    "large": ((1024, 16, 24, 128), {"rounds": 1, "warmup": 1, "repeats": 4, "timeout": 3600}),
+}
+
+
+def ours(label: str, **options: Any) -> System:
+    return System(label, "zero3_offload", WORLD, options)
+
+
+LR_BWD = {"lr_in_backward": True}
+TUNED = {**LR_BWD, "prefetch_buffer_size": 1}
+NO_OFFLOAD = {"offload_params": False, "offload_grads": False, "offload_optimizer_states": False}
+CPU_OFFLOAD, CKPT = {"fused": True, "cpu_offload": True}, {"activation_checkpointing": True}
+PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
+SYSTEMS = {
+    "torch": System("plain torch (1 process)", "torch", 1, {"fused": True}),
+    "fsdp2": System("FSDP2", "fsdp2", WORLD, {"fused": True}),
+    "fsdp2_offload": System("FSDP2 + CPUOffloadPolicy", "fsdp2", WORLD, CPU_OFFLOAD),
+    "deepspeed": System("DeepSpeed ZeRO-3 offload", "deepspeed", WORLD, {}),
+    "ours_default": ours("zero3_offload default"),
+    "ours_fast": ours("zero3_offload tuned", **TUNED),
+    "ours_ckpt": ours("zero3_offload tuned + activation ckpt", **TUNED, **CKPT),
+}
+SWEEP = {  # candidates for ours' fastest configuration
+    "ours_default": SYSTEMS["ours_default"],
+    "lr_bwd": ours("lr in backward_pass", **LR_BWD),
+    "lr_bwd_nooffload": ours("lr in backward, offload off", **LR_BWD, **NO_OFFLOAD),
+    "lr_bwd_1worker": ours("lr in backward, cpu_worker_threads=1", **LR_BWD, cpu_worker_threads=1),
+    "lr_bwd_depth1": ours("lr in backward, prefetch_buffer_size=1", **TUNED),
+    "lr_bwd_persist": ours("lr in backward, small layers persistent", **LR_BWD, **PERSIST),
+    "no_prefetch": ours("async_prefetch=False", async_prefetch=False),
+}
+
+OPTIONS = {
+    "--large": {"action": "store_true", "help": "the 303M-parameter model"},
+    "--sweep-ours": {"action": "store_true", "help": f"ours' configurations: {', '.join(SWEEP)}"},
+    "--systems": {"help": f"comma-separated subset of {', '.join(SYSTEMS)} (or the sweep's)"},
+    "--rounds": {"type": int, "help": "rounds of all systems (3; quick 2; large 1)"},
+    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
+    "--blocks": {"type": int, "help": "blocks instead of the size's; the name gets -<N>blocks"},
+    "--timeout": {"type": float, "help": "seconds per run (900; quick 300; large 3600)"},
+    **train.RANK_OPTIONS,
+}
+DEFAULTS = {"threads": 1}
+EPILOG = (
+    "--repeats/--warmup: timed/untimed steps per run (6/2; quick 5/1; large 4/1); --threads: torch "
+    "threads per rank (1; plain torch gets 2x)"
+)
+
+
+def check(args: Any) -> str | None:
+    if args.quick and args.large:
+        return "--quick and --large exclude each other"
+    args.size = "quick" if args.quick else "large" if args.large else "small"
+    for key, value in SIZES[args.size][1].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    table = SWEEP if args.sweep_ours else SYSTEMS
+    args.system_keys = args.systems.split(",") if args.systems else list(table)
+    if unknown := [k for k in args.system_keys if k not in table]:
+        return f"unknown systems {unknown}; known: {', '.join(table)}"
+    if min(args.rounds, args.repeats, args.blocks or 1) < 1 or args.warmup < 0:
+        return "--rounds, --repeats and --blocks must be >= 1, --warmup >= 0"
+    if args.warmup + args.repeats < LOSS_STEPS:
+        return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
+    return None
+
+
+def run(args: Any) -> dict[str, Any] | None:
+    systems = {k: (SWEEP if args.sweep_ours else SYSTEMS)[k] for k in args.system_keys}
+    d, heads, blocks, seq = SIZES[args.size][0]
+    dims = dict(d=d, heads=heads, n_layers=args.blocks or blocks, seq=seq, global_batch=8)
+    threads = {k: args.threads * (WORLD if s.kind == "torch" else 1) for k, s in systems.items()}
+    result = train.compare(args, systems, dims, threads=threads)
+    name = "peers-sweep" if args.sweep_ours else "peers"
+    name += "" if args.size == "small" else f"-{args.size}"
+    name += f"-{args.blocks}blocks" if args.blocks else ""
+    name += "-mmap" if args.mmap_threshold is not None else ""
+    result["config"].update(
+        world_size=WORLD, threads_per_rank=args.threads, malloc_mmap_threshold=args.mmap_threshold
+    )
+    payload = {"benchmark": name, "size": args.size, **result}
+    if not (summary := summarize(payload)):
+        progress("no system produced a result")
+        return None
+    return {**payload, "losses_agree": loss_agreement(summary)["agree"]}
+
+
+def report(payload: dict[str, Any]) -> Report:
+    cfg, summary = payload["config"], summarize(payload)
+    agreement = loss_agreement(summary)
+    base = summary.get("torch") or next(iter(summary.values()))
+    # the losses of each system's first run, their max |diff| from the reference, and between runs
+    k, losses = min(cfg["warmup"] + cfg["steps"], len(base["losses"])), []
+    for key, s in summary.items():
+        diff = agreement["systems"][key]["max_diff"]
+        shown = [f"{v:.5f}" for v in s["losses"][:k]]
+        losses.append([s["label"], *shown, f"{diff:.2e}", f"{s['losses_max_run_spread']:.1e}"])
+    diff_header = f"max |diff| vs {base['label']} (first {LOSS_STEPS})"
+    l_headers = ["system", *(f"step {i}" for i in range(k)), diff_header, "max spread between runs"]
+    # per round: the order of the runs, the range of the load averages at their starts, and each
+    # system's run's median step (its CPU seconds per step in parentheses)
+    rounds = []
+    for r in range(cfg["rounds"]):
+        in_round = [run for run in payload["runs"] if run["round"] == r]
+        by = {run["key"]: run for run in in_round if run["ok"]}
+        starts = [x.get("load_average_at_start") for x in in_round]
+        loads = [f"{load[0]:.1f}" for load in starts if load]
+        cells = [
+            f"{train.run_median(by[key]):.3f} ({statistics.median(train.step_cpu(by[key])):.2f})"
+            if key in by
+            else "-"
+            for key in summary
+        ]
+        order = " > ".join(x["key"] for x in in_round)
+        rounds.append([str(r), order, f"{min(loads)}-{max(loads)}" if loads else "-", *cells])
+    r_headers = ["round", "order", "load avg", *(s["label"] for s in summary.values())]
+    tables = "\n\n".join(
+        [
+            systems_table(summary, {"FSDP2": "fsdp2", "torch": "torch"}),
+            f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
+            "weights and data for every system):",
+            markdown_table(l_headers, losses),
+            "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and "
+            "the 1-minute load average at the runs' starts; drift of the machine shows here:",
+            markdown_table(r_headers, rounds),
+        ]
+    )
+    dims, per_layer, mmap = cfg["dims"], cfg["layer_params"], cfg["malloc_mmap_threshold"]
+    labels = {k: s.label for k, s in (SWEEP | SYSTEMS).items()}
+    malloc = "defaults (dynamic mmap threshold, up to 32 MiB) in every process"
+    malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else malloc
+    notes = [
+        f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
+        f"seq {dims['seq']}, byte vocabulary 256: {cfg['params']:,} fp32 params in "
+        f"{len(per_layer)} layers (largest {max(per_layer.values()):,}); global batch "
+        f"{dims['global_batch']}, split evenly over the ranks; seed {cfg['seed']} for every "
+        f"system. Data: {cfg['corpus']['description']} (sha256 {cfg['corpus']['sha256'][:12]}), "
+        "the same batches for every system.",
+        f"AdamW lr {cfg['lr']}, betas (0.9, 0.999), eps 1e-8, weight decay {cfg['weight_decay']}, "
+        "fp32. torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
+        "(gradient_clipping set to 0: DeepSpeed's default is 1.0); zero3_offload: torch's fused "
+        "AdamW kernel per layer shard.",
+        f"Each run: fresh processes, {cfg['warmup']} warm-up + {cfg['steps']} timed steps; "
+        f"{cfg['rounds']} rounds, the order rotated each round. Columns as docs/benchmarks.md "
+        "(peers) defines them: medians over every timed step of every rank and run; CPU s summed "
+        "over the ranks; peak RSS = VmHWM, max over ranks, median over runs; vs X = this / X's.",
+        f"Losses agree with {base['label']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
+        f"steps: {agreement['agree']} (max |diff| {agreement['max_diff']:.2e}).",
+        f"glibc malloc: {malloc}.",
+        *(f"SKIPPED {labels.get(k, k)}: {msg}" for k, msg in payload["skipped"].items()),
+        f"whole benchmark {payload['total_wall_s']:.0f} s wall.",
+    ]
+    title = f"zero3_offload vs peers ({payload['size']} model, same model, data and seed)"
+    return Report(title, tables, notes)
