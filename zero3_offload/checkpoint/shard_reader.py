@@ -44,10 +44,33 @@ class ShardReader:
             raise CheckpointError(f"{self._files[0]}: cannot read {key} ({exc})") from exc
 
     def flat_range(self, key: str, old_shard: int, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the flat buffer that ``key``'s shards make up."""
-        out = torch.zeros(end - start, dtype=torch.float32)
+        """Elements [start, end) of the flat buffer that ``key``'s shards make up.
+
+        Elements beyond the saved buffer (padding of a larger world size) are zero.
+        Memory: the result plus one shard's slice at a time; the result is not
+        zero-filled where the files cover it, so its pages are touched only as
+        the slices land.
+        """
+        out = torch.empty(end - start, dtype=torch.float32)
+        saved = self.world * old_shard  # the saved flat buffer's padded length
+        out[max(0, saved - start) :].zero_()
         if old_shard == 0:
             return out
+        for q in range(start // old_shard, min(self.world, -(-end // old_shard))):
+            lo, hi = max(start, q * old_shard), min(end, (q + 1) * old_shard)
+            if lo >= hi:
+                continue
+            try:
+                piece = self._open(q).get_slice(key)[lo - q * old_shard : hi - q * old_shard]
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"{self._files[q]}: cannot read {key} ({exc})") from exc
+            if piece.numel() != hi - lo:
+                raise CheckpointError(f"{self._files[q]}: {key} is truncated")
+            out[lo - start : hi - start] = piece
+            del piece  # not alive while the next slice is read
+        return out
         for q in range(start // old_shard, min(self.world, -(-end // old_shard))):
             lo, hi = max(start, q * old_shard), min(end, (q + 1) * old_shard)
             if lo >= hi:
