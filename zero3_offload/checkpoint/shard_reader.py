@@ -71,17 +71,3 @@ class ShardReader:
             out[lo - start : hi - start] = piece
             del piece  # not alive while the next slice is read
         return out
-        for q in range(start // old_shard, min(self.world, -(-end // old_shard))):
-            lo, hi = max(start, q * old_shard), min(end, (q + 1) * old_shard)
-            if lo >= hi:
-                continue
-            try:
-                piece = self._open(q).get_slice(key)[lo - q * old_shard : hi - q * old_shard]
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(f"{self._files[q]}: cannot read {key} ({exc})") from exc
-            if piece.numel() != hi - lo:
-                raise CheckpointError(f"{self._files[q]}: {key} is truncated")
-            out[lo - start : hi - start] = piece
-        return out
