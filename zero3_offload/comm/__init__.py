@@ -1,9 +1,9 @@
 """Communication: process groups, awaitable collectives, copy streams, worker threads.
 
-These are the parts torsh mocks (its collectives sleep); here every collective
-is a real ``torch.distributed`` call whose completion the event loop awaits,
-every host/device copy runs on a CUDA side stream ordered by events, and CPU
-work runs in worker threads.
+These are the parts torsh only simulates (its collectives wait a fixed time).
+Here every collective is a real ``torch.distributed`` call whose completion the
+event loop awaits, every host/device copy runs on a CUDA side stream ordered
+by events, and CPU work runs in worker threads.
 """
 
 from zero3_offload.comm.collectives import Collectives, PendingCollective
