@@ -33,7 +33,6 @@ from zero3_offload.errors import ConfigError, InputError, StateError, Zero3Error
 from zero3_offload.execution.forward_record import ForwardRecord, SavedStep
 from zero3_offload.gradient.reducer import PendingGradient
 from zero3_offload.logging import get_logger
-from zero3_offload.memory.allocator import return_freed_memory
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.parameter.flat_layout import owned_numel, total_numel
 from zero3_offload.parameter.meta_init import InitFn, reset_parameters_in_order
@@ -477,12 +476,10 @@ class Zero3CpuOffloadManager:
             Bytes of gathered parameters released.
         """
         self._check_open()
-        gatherer = self._engine.gatherer
-        before = gatherer.reserved_bytes()
-        await self._engine.prefetch.release_all(keep_persistent=False)
-        gatherer.clear_pool()
-        return_freed_memory(self.device)
-        freed = before - gatherer.reserved_bytes()
+        e = self._engine
+        before = e.gatherer.reserved_bytes()
+        await e.pressure.free_gathered(e.prefetch)
+        freed = before - e.gatherer.reserved_bytes()
         log.info("memory_optimized", rank=self.rank, freed_bytes=freed)
         return freed
 

@@ -125,6 +125,13 @@ class PressurePolicy:
             return 0
         return max(1, int(depth * (1.0 - self.strategy.aggressiveness())))
 
+    async def free_gathered(self, prefetch: PrefetchScheduler) -> None:
+        """Release every gathered layer (persistent ones too) and the gather pool, then
+        return freed memory to the allocator and the OS. Call it between passes."""
+        await prefetch.release_all(keep_persistent=False)
+        self._gatherer.clear_pool()
+        return_freed_memory(self._gatherer.device)
+
     async def check(self, prefetch: PrefetchScheduler, comm: Collectives) -> MemoryPressure:
         """Sample pressure (agreed over ranks, a collective) and apply the strategy.
 
@@ -136,9 +143,7 @@ class PressurePolicy:
         threshold = self.strategy.pressure_threshold()
         relieved = False
         if pressure > threshold:
-            await prefetch.release_all(keep_persistent=False)
-            self._gatherer.clear_pool()
-            return_freed_memory(self._gatherer.device)
+            await self.free_gathered(prefetch)
             prefetch.persistence_enabled = False
             prefetch.set_depth(self.shrunk_depth(prefetch.max_depth))
             relieved = True
