@@ -20,21 +20,25 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.engine.arguments import check_backward_args, check_lr, resolve_layer_names
 from zero3_offload.engine.engine import Engine, build_engine
+from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.engine.step_state import StepState
 from zero3_offload.errors import ConfigError, InputError, StateError, Zero3Error
 from zero3_offload.execution.forward_record import ForwardRecord, SavedStep
+from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.gradient.reducer import PendingGradient
 from zero3_offload.logging import get_logger
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
-from zero3_offload.parameter.flat_layout import owned_numel, total_numel
+from zero3_offload.parameter.flat_layout import owned_numel, param_key, total_numel
 from zero3_offload.parameter.meta_init import InitFn, reset_parameters_in_order
 from zero3_offload.prefetch.scheduler import layer_seconds
 from zero3_offload.prefetch.status import PrefetchQueueStatus
@@ -61,7 +65,14 @@ class Zero3CpuOffloadManager:
             [Note: meta initialisation] in ``parameter.meta_init``).
         init_fn: ``init_fn(layer_name, module)`` initialises a materialised
             meta layer in place; the default calls ``reset_parameters()`` of
-            its submodules in registration order.
+            its submodules in registration order (module mode: of each module
+            owning parameters, called with its path).
+        units: module mode (see [Note: module mode] in
+            ``execution.module_runner``): submodule names or ``nn.Module``
+            classes whose instances are sharded and gathered as units; every
+            other parameter forms the root unit. Without it a transformers
+            model takes the classes in its ``_no_split_modules``, and any
+            other model is a chain of its children (``forward_pass``).
 
     Raises:
         ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
@@ -77,8 +88,9 @@ class Zero3CpuOffloadManager:
         model: nn.Module | Mapping[str, nn.Module],
         *,
         init_fn: InitFn = reset_parameters_in_order,
+        units: Sequence[UnitSpec] | None = None,
     ) -> None:
-        self._engine = build_engine(config, process_group, model, init_fn=init_fn)
+        self._engine = build_engine(config, process_group, model, init_fn=init_fn, units=units)
         self._state = StepState()
         self._closed = False
         engine = self._engine
@@ -174,6 +186,13 @@ class Zero3CpuOffloadManager:
         if self._closed:
             raise StateError("the manager is closed; build a new one")
 
+    def _check_chain(self, call: str) -> None:
+        if self._engine.model_runner is not None:
+            raise StateError(
+                f"{call} runs a chain of layers, but this manager runs the model's own code "
+                "(module mode): use `await manager.forward(...)` and `await manager.backward(loss)`"
+            )
+
     # ----------------------------------------------------------------- passes
 
     async def forward_pass(self, x: torch.Tensor, layer_names: Sequence[str]) -> torch.Tensor:
@@ -198,6 +217,7 @@ class Zero3CpuOffloadManager:
         """
         self._check_open()
         e, state = self._engine, self._state
+        self._check_chain("forward_pass")
         names = resolve_layer_names(e.layers, layer_names)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -273,6 +293,7 @@ class Zero3CpuOffloadManager:
         """
         self._check_open()
         e, state = self._engine, self._state
+        self._check_chain("backward_pass")
         record = check_backward_args(
             state.record, resolve_layer_names(e.layers, layer_names), grad_output
         )
@@ -357,6 +378,122 @@ class Zero3CpuOffloadManager:
         with contextlib.suppress(Zero3Error):
             await self._engine.prefetch.release_all()
 
+    # ------------------------------------------------------------ module mode
+
+    def _module_runner(self, call: str) -> ModuleRunner:
+        runner = self._engine.model_runner
+        if runner is None:
+            raise StateError(
+                f"{call}() runs a whole model's own forward and needs module mode: build the "
+                "manager with units=[...] (transformers models choose theirs); this manager "
+                "trains a chain of layers with forward_pass/backward_pass"
+            )
+        return runner
+
+    async def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's own forward, ``model(*args, **kwargs)``, under ZeRO-3 (module mode).
+
+        The model's code runs on the manager's model thread while the event
+        loop stays free: each unit is gathered when the model reaches it (the
+        next ones prefetched in the recorded order) and released after it. A
+        training forward (autograd on) keeps what :meth:`backward` needs;
+        under ``torch.no_grad()`` nothing is kept. See [Note: module mode].
+
+        Args:
+            args: positional arguments of the model (tensors are moved to the device).
+            kwargs: keyword arguments of the model, e.g. ``input_ids=x, labels=y``.
+
+        Returns:
+            What the model returns (e.g. a transformers ``ModelOutput``), with
+            its autograd history: compute the loss from it, or take ``out.loss``.
+
+        Raises:
+            StateError: when the manager is not in module mode.
+            LayerExecutionError: when the model's code raised (cause chained);
+                nothing is kept and nothing stays gathered.
+            CommunicationError: when a gather fails.
+        """
+        self._check_open()
+        runner = self._module_runner("forward")
+        e, state = self._engine, self._state
+        training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        started = time.perf_counter()
+        if training and state.window_started is None:
+            state.window_started = started
+        e.gatherer.phase = "forward"
+        args, kwargs = tree_map(
+            lambda t: t.to(e.device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+        )
+        phase = "forward" if training else "inference"
+        out, unit_pass = await runner.run_forward(phase, args, kwargs)
+        state.unit_forward = unit_pass if training else None
+        e.stats.forward_passes += 1
+        e.stats.forward_samples += _batch_size(args, kwargs)
+        e.stats.total_forward_time += time.perf_counter() - started
+        return out
+
+    async def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate this rank's ``loss`` through the last :meth:`forward` (module mode).
+
+        Each unit's gradient is reduce-scattered (mean over ranks) as soon as
+        autograd completed it, overlapping the backward of the units before
+        it; this rank keeps the shard it owns, accumulated over the micro-steps
+        of the window. Gradients are committed only when the whole backward
+        succeeded.
+
+        Args:
+            loss: a scalar computed from the last training forward's output
+                (d(this rank's loss); the manager averages over ranks and
+                accumulation steps).
+
+        Raises:
+            StateError: without a training forward since the last backward.
+            InputError: when ``loss`` is not a scalar tensor with autograd history.
+            LayerExecutionError: when the model's backward raised.
+            CommunicationError: when a collective fails.
+        """
+        self._check_open()
+        runner = self._module_runner("backward")
+        e, state = self._engine, self._state
+        forward = state.unit_forward
+        if forward is None:
+            raise StateError(
+                "backward called without a training forward to go back through: call "
+                "`await manager.forward(...)` (outside torch.no_grad()) first; each forward is "
+                "used by one backward"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise InputError(
+                "loss must be a scalar tensor, got "
+                + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss))
+            )
+        if loss.grad_fn is None:
+            raise InputError(
+                "loss has no autograd history: compute it from the output of "
+                "`await manager.forward(...)` called outside torch.no_grad()"
+            )
+        started = time.perf_counter()
+        e.gatherer.phase = "backward"
+        scaled = loss * self.loss_scale if self.loss_scale is not None else loss
+        state.unit_forward = None  # one backward per forward, whatever happens
+        try:
+            unit_pass = await runner.run_backward(scaled, forward)
+            waited = time.perf_counter()
+            results = await asyncio.gather(*unit_pass.landings)
+            e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
+            await e.grads.commit(zip((p.layer for p in unit_pass.pending), results, strict=True))
+        except BaseException:
+            failed = runner.current
+            runner.current = None
+            runner.clear_grads()
+            if failed is not None:
+                await self._abandon_backward(failed.pending, failed.landings)
+            else:
+                await e.prefetch.release_all()
+            raise
+        e.stats.backward_passes += 1
+        e.stats.total_backward_time += time.perf_counter() - started
+
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
 
@@ -381,8 +518,9 @@ class Zero3CpuOffloadManager:
         lr = check_lr(learning_rate)
         if e.grads.micro_steps <= state.calls_since_update:
             raise StateError(
-                "optimizer_step called without a backward_pass since the last call: "
-                "call forward_pass and backward_pass for each micro-batch first"
+                "optimizer_step called without a backward_pass (module mode: backward) since the last "
+                "call: call forward_pass and backward_pass (forward and backward) for each "
+                "micro-batch first"
             )
         if state.early_lr is not None and lr != state.early_lr:
             raise ConfigError(
@@ -441,7 +579,7 @@ class Zero3CpuOffloadManager:
             full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
             await e.comm.all_gather(full, e.params.master(name).to(e.device))
             for pname, view in layout.unflatten(full):
-                out[f"{name}.{pname}"] = view.detach().to("cpu", copy=True)
+                out[param_key(name, pname)] = view.detach().to("cpu", copy=True)
         return out
 
     def get_performance_stats(self) -> Zero3PerformanceStats:
@@ -579,6 +717,8 @@ class Zero3CpuOffloadManager:
         if self._closed:
             return
         await self._engine.prefetch.release_all(keep_persistent=False)
+        if self._engine.model_runner is not None:
+            self._engine.model_runner.close()
         self._state.reset()
         self._closed = True
 
@@ -592,3 +732,11 @@ class Zero3CpuOffloadManager:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Rows of the first tensor argument with a dimension (1 when there is none)."""
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.dim():
+            return int(t.shape[0])
+    return 1

@@ -24,6 +24,7 @@ import torch
 from zero3_offload.checkpoint.format import read_metadata, resolve_checkpoint
 from zero3_offload.checkpoint.shard_reader import ShardReader
 from zero3_offload.errors import CheckpointError
+from zero3_offload.parameter.flat_layout import param_key
 
 __all__ = ["consolidate_checkpoint", "iter_full_parameters"]
 
@@ -55,7 +56,7 @@ def iter_full_parameters(
             load = functools.partial(
                 _load_param, reader, key, shard, param["offset"], param["numel"], shape
             )
-            yield f"{layer['name']}.{param['name']}", shape, load
+            yield param_key(layer["name"], param["name"]), shape, load
 
 
 def _load_param(

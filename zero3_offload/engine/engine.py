@@ -9,7 +9,7 @@ others it uses, as keyword arguments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -22,8 +22,10 @@ from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.engine.model_layers import split_layers
+from zero3_offload.engine.model_units import UnitSpec, default_unit_classes, split_units
 from zero3_offload.errors import ConfigError
 from zero3_offload.execution.layer_runner import LayerRunner
+from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
@@ -34,6 +36,7 @@ from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.parameter.flat_layout import (
+    ROOT_UNIT,
     LayerLayout,
     build_layouts,
     owned_numel,
@@ -43,6 +46,7 @@ from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.meta_init import InitFn, shard_initial_values
 from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
 from zero3_offload.stats.performance import Zero3PerformanceStats
 from zero3_offload.stats.step_log import StepLog
@@ -63,7 +67,7 @@ class Engine:
     config: Zero3CpuOffloadConfig
     device: torch.device  # the compute device
     mapping: Zero3RankMapping  # this rank's place in the group
-    layers: dict[str, nn.Module]  # layer name -> module, in the model's order
+    layers: dict[str, nn.Module | UnitParams]  # layer (unit) name -> its parameters' holder
     layouts: dict[str, LayerLayout]  # layer name -> its flat layout
     cpu_need: CpuMemoryNeed  # CPU bytes of the shards, checked against the budget
     stats: Zero3PerformanceStats  # counts and timings of this rank
@@ -84,6 +88,7 @@ class Engine:
     accounting: MemoryAccounting  # counts bytes held, by kind and place
     pressure: PressurePolicy  # frees gathered memory under pressure
     checkpointer: ShardCheckpointer  # this rank's part of checkpoints
+    model_runner: ModuleRunner | None  # module mode: runs the model's own code; else None
 
 
 def build_engine(
@@ -92,8 +97,14 @@ def build_engine(
     model: nn.Module | Mapping[str, nn.Module],
     *,
     init_fn: InitFn,
+    units: Sequence[UnitSpec] | None = None,
 ) -> Engine:
     """Build every component of a manager (a collective: rank 0's values are broadcast).
+
+    Module mode (see [Note: module mode] in ``execution.module_runner``) is
+    chosen when ``units`` is given or the model names default units (a
+    transformers model's ``_no_split_modules``); otherwise the model's children
+    (or the mapping) are a chain of layers.
 
     Raises:
         ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
@@ -109,7 +120,17 @@ def build_engine(
     cpu = torch.device("cpu")
     pin = config.pin_cpu_memory and device.type == "cuda"
     mapping = Zero3RankMapping(rank=process_group.rank(), world_size=process_group.size())
-    layers = split_layers(model)
+    module_mode = isinstance(model, nn.Module) and (
+        units is not None or bool(default_unit_classes(model))
+    )
+    unit_modules: dict[str, nn.Module] = {}
+    layers: dict[str, nn.Module | UnitParams]
+    if module_mode:
+        assert isinstance(model, nn.Module)
+        unit_params, unit_modules = split_units(model, units)
+        layers = dict(unit_params)
+    else:
+        layers = dict(split_layers(model))
     layouts = build_layouts(layers, mapping)
 
     stats = Zero3PerformanceStats()
@@ -162,6 +183,7 @@ def build_engine(
         bucket=config.prefetch_bucket_size,
         persistence_threshold=config.param_persistence_threshold,
         rank=mapping.rank,
+        resident=ROOT_UNIT if ROOT_UNIT in layers else None,
     )
     shard_initial_values(
         layers=layers,
@@ -171,6 +193,7 @@ def build_engine(
         comm=comm,
         device=device,
         init_fn=init_fn,
+        model=model if module_mode else None,
     )
 
     largest = max((lay.padded_numel for lay in layouts.values()), default=0)
@@ -227,6 +250,20 @@ def build_engine(
         stats=stats,
         timeline=timeline,
     )
+    model_runner = None
+    if module_mode:
+        assert isinstance(model, nn.Module)
+        model_runner = ModuleRunner(
+            model=model,
+            units=unit_params,
+            unit_modules=unit_modules,
+            gatherer=gatherer,
+            prefetch=prefetch,
+            reducer=reducer,
+            recompute=config.activation_checkpointing,
+            stats=stats,
+            timeline=timeline,
+        )
     return Engine(
         config=config,
         device=device,
@@ -252,4 +289,5 @@ def build_engine(
         accounting=accounting,
         pressure=pressure,
         checkpointer=checkpointer,
+        model_runner=model_runner,
     )

@@ -23,6 +23,7 @@ from torch import nn
 from zero3_offload.comm.collectives import Collectives, PendingCollective
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 from zero3_offload.stats.timeline import Timeline
 
@@ -72,20 +73,23 @@ class GradientReducer:
         self._buffers = buffers
         self._timeline = timeline
 
-    async def prepare(self, layer: str, module: nn.Module) -> GradientSlot:
-        """Take a flat buffer for ``layer``'s gradients before its backward runs.
+    async def prepare(
+        self, layer: str, module: nn.Module | UnitParams, *, in_place: bool = True
+    ) -> GradientSlot:
+        """Take a flat buffer for ``layer``'s gradients.
 
-        When the parameters are fp32 on the buffer's device, each ``param.grad``
-        is set to its zeroed view of the buffer, so autograd accumulates into
-        the buffer in place (see [Note: gradients in place]); otherwise the
-        gradients are copied in by :meth:`start_reduce_scatter`.
+        With ``in_place`` (before the layer's backward runs) and parameters in
+        fp32 on the buffer's device, each ``param.grad`` is set to its zeroed
+        view of the buffer, so autograd accumulates into the buffer in place
+        (see [Note: gradients in place]); otherwise the gradients are copied in
+        by :meth:`start_reduce_scatter`.
         """
         layout = self._layouts[layer]
         waited = time.perf_counter()
         slot, flat = await self._buffers.acquire(layout.padded_numel)
         self._timeline.record("wait", layer, "backward", waited, time.perf_counter())
         params = dict(module.named_parameters())
-        in_place = all(
+        in_place = in_place and all(
             params[s.name].dtype == flat.dtype and params[s.name].device == flat.device
             for s in layout.slots
         )
@@ -96,7 +100,7 @@ class GradientReducer:
         return GradientSlot(index=slot, flat=flat)
 
     async def start_reduce_scatter(
-        self, layer: str, module: nn.Module, prepared: GradientSlot
+        self, layer: str, module: nn.Module | UnitParams, prepared: GradientSlot
     ) -> PendingGradient:
         """Launch the reduce-scatter of ``module``'s parameter gradients.
 
@@ -123,7 +127,7 @@ class GradientReducer:
             if grad is None:
                 dest.zero_()
             elif grad.data_ptr() != dest.data_ptr():  # not accumulated in place
-                dest.copy_(grad.view(-1))
+                dest.copy_(grad.reshape(-1))
             param.grad = None
         flat[layout.numel :].zero_()
         shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)

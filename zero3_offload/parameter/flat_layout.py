@@ -21,8 +21,25 @@ from torch import nn
 
 from zero3_offload.errors import InputError
 from zero3_offload.parameter.rank_mapping import Zero3RankMapping
+from zero3_offload.parameter.unit_params import UnitParams
 
-__all__ = ["LayerLayout", "ParamSlot", "build_layouts", "owned_numel", "total_numel"]
+__all__ = [
+    "ROOT_UNIT",
+    "LayerLayout",
+    "ParamSlot",
+    "build_layouts",
+    "owned_numel",
+    "param_key",
+    "total_numel",
+]
+
+ROOT_UNIT = "<root>"
+"""Module mode's root unit: its parameter names are the model's full names."""
+
+
+def param_key(layer: str, name: str) -> str:
+    """A parameter's name in the whole model (as in ``model.named_parameters()``)."""
+    return name if layer == ROOT_UNIT else f"{layer}.{name}"
 
 
 @attrs.frozen
@@ -50,7 +67,7 @@ class LayerLayout:
     def shard_end(self) -> int:
         return self.shard_start + self.shard_numel
 
-    def flatten(self, module: nn.Module, *, dtype: torch.dtype) -> torch.Tensor:
+    def flatten(self, module: nn.Module | UnitParams, *, dtype: torch.dtype) -> torch.Tensor:
         """The padded flat buffer of ``module``'s current parameter values (on their device)."""
         params = dict(module.named_parameters())
         device = next(iter(params.values())).device if params else torch.device("cpu")
@@ -66,7 +83,7 @@ class LayerLayout:
 
 
 def build_layouts(
-    layers: Mapping[str, nn.Module], mapping: Zero3RankMapping
+    layers: Mapping[str, nn.Module | UnitParams], mapping: Zero3RankMapping
 ) -> dict[str, LayerLayout]:
     """Each layer's flat layout, after checking that the model can be partitioned.
 
@@ -84,7 +101,7 @@ def build_layouts(
         slots: list[ParamSlot] = []
         offset = 0
         for pname, param in module.named_parameters():
-            full = f"{layer_name}.{pname}"
+            full = param_key(layer_name, pname)
             if id(param) in owner:
                 raise InputError(
                     f"parameter {full} is the same tensor as {owner[id(param)]}: parameters "

@@ -109,6 +109,14 @@ class ParameterGatherer:
         """``name``'s gathered flat buffer (KeyError when it is not gathered)."""
         return self._gathered[name]
 
+    def gathered_storages(self) -> dict[int, tuple[str, int]]:
+        """Storage pointer -> (layer, storage offset) of every gathered buffer with elements."""
+        return {
+            flat.untyped_storage().data_ptr(): (name, flat.storage_offset())
+            for name, flat in self._gathered.items()
+            if flat.numel()
+        }
+
     def is_gathered(self, name: str) -> bool:
         return name in self._gathered
 

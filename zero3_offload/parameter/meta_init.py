@@ -26,8 +26,14 @@ from zero3_offload.errors import InputError
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.parameter.unit_params import UnitParams
 
-__all__ = ["InitFn", "reset_parameters_in_order", "shard_initial_values"]
+__all__ = [
+    "InitFn",
+    "reset_own_parameters",
+    "reset_parameters_in_order",
+    "shard_initial_values",
+]
 
 
 InitFn = Callable[[str, nn.Module], None]
@@ -66,49 +72,104 @@ def reset_parameters_in_order(name: str, module: nn.Module) -> None:
             reset()
 
 
-def _materialize(name: str, module: nn.Module, init_fn: InitFn) -> None:
+def _materialize(name: str, module: nn.Module | UnitParams, init_fn: InitFn) -> None:
+    if isinstance(module, UnitParams):
+        # Module mode: each module owning the unit's parameters, on its own.
+        for path, owner in module.owners():
+            if any(t.is_meta for t in owner.parameters(recurse=False)):
+                owner.to_empty(device="cpu", recurse=False)
+                with torch.no_grad():
+                    init_fn(path, owner)
+        return
     if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         module.to_empty(device="cpu")
         with torch.no_grad():
             init_fn(name, module)
 
 
+def reset_own_parameters(path: str, module: nn.Module) -> None:
+    """Module mode's default initialiser: ``module.reset_parameters()`` (its own parameters).
+
+    Raises:
+        InputError: when the module has no ``reset_parameters``.
+    """
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise InputError(
+            f"{path} ({type(module).__name__}) has parameters but no reset_parameters(): "
+            "pass init_fn=... to initialise it after meta construction"
+        )
+    reset()
+
+
 def shard_initial_values(
     *,
-    layers: Mapping[str, nn.Module],
+    layers: Mapping[str, nn.Module | UnitParams],
     layouts: Mapping[str, LayerLayout],
     store: ParameterStore,
     gatherer: ParameterGatherer,
     comm: Collectives,
     device: torch.device,
     init_fn: InitFn = reset_parameters_in_order,
+    model: nn.Module | None = None,
 ) -> None:
     """Broadcast rank 0's parameters and buffers; keep only this rank's shards.
 
     Layers built on the meta device are materialised one at a time first (see
     [Note: meta initialisation]). Afterwards the modules hold no parameter
-    storage and live on ``device``.
+    storage and live on ``device``. In module mode (``model`` given, layers
+    are units) the model's buffers are broadcast and moved once, at the end;
+    a meta unit is initialised owner module by owner module, by default with
+    :func:`reset_own_parameters`.
 
     Raises:
         CommunicationError: when a broadcast fails.
         InputError: when a meta layer cannot be initialised.
     """
+    if model is not None:
+        if init_fn is reset_parameters_in_order:
+            init_fn = reset_own_parameters
+        meta = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta:
+            raise InputError(
+                f"buffers {meta[:5]} are on the meta device and cannot be initialised: build "
+                "the model with only its parameters on meta (zero3_offload.integrations."
+                "meta_model.parameters_on_meta()) or eagerly"
+            )
     if init_fn is reset_parameters_in_order:
         # Refuse before materialising anything, so a model that cannot be
         # initialised is left as it was.
         for name, module in layers.items():
             if any(t.is_meta for t in module.parameters()):
+                assert isinstance(module, nn.Module)
                 _check_resettable(name, module)
+    elif init_fn is reset_own_parameters:
+        for module in layers.values():
+            for path, owner in module.owners() if isinstance(module, UnitParams) else ():
+                if any(t.is_meta for t in owner.parameters(recurse=False)) and not callable(
+                    getattr(owner, "reset_parameters", None)
+                ):
+                    reset_own_parameters(path, owner)  # raises, naming the module
     for name, module in layers.items():
         _materialize(name, module, init_fn)
         layout = layouts[name]
         flat = layout.flatten(module, dtype=torch.float32).to(device)
         comm.broadcast_blocking(flat, src=0)
         store.put_master(name, flat[layout.shard_start : layout.shard_end].clone())
-        for buf in module.buffers():
-            staged = buf.detach().to(device)
-            comm.broadcast_blocking(staged, src=0)
-            buf.data = staged
+        if model is None:
+            _broadcast_buffers(module, comm, device)
         gatherer.release_views(name)  # this layer's full values are not kept
+    if model is not None:
+        _broadcast_buffers(model, comm, device)
+        model.to(device)
+        return
     for module in layers.values():
+        assert isinstance(module, nn.Module)
         module.to(device)
+
+
+def _broadcast_buffers(module: nn.Module, comm: Collectives, device: torch.device) -> None:
+    for buf in module.buffers():
+        staged = buf.detach().to(device)
+        comm.broadcast_blocking(staged, src=0)
+        buf.data = staged

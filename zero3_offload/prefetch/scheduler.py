@@ -74,9 +74,12 @@ class PrefetchScheduler:
         bucket: most bytes in flight ahead of use (``prefetch_bucket_size``; 0: no cap).
         persistence_threshold: layers with fewer elements stay gathered.
         rank: this rank (for logs).
+        resident: a layer held during every pass next to the others (module
+            mode's root unit), or None.
 
     Raises:
-        MemoryBudgetError: when a single layer is larger than the budget.
+        MemoryBudgetError: when a single layer (next to ``resident``) is larger
+            than the budget.
     """
 
     def __init__(
@@ -90,16 +93,20 @@ class PrefetchScheduler:
         bucket: int,
         persistence_threshold: int,
         rank: int,
+        resident: str | None = None,
     ) -> None:
         self.rank = rank
         self._gatherer = gatherer
         self._sizes = {name: gatherer.nbytes(name) for name in layers}
-        largest = max(self._sizes, key=self._sizes.__getitem__, default=None)
-        if largest is not None and self._sizes[largest] > budget:
+        others = {n: b for n, b in self._sizes.items() if n != resident}
+        largest = max(others, key=others.__getitem__, default=None)
+        held = self._sizes[resident] if resident is not None else 0
+        if largest is not None and held + others[largest] > budget:
+            beside = f" next to {resident!r} ({held} bytes)" if resident is not None else ""
             raise MemoryBudgetError(
-                f"layer {largest!r} needs {self._sizes[largest]} bytes gathered, more than "
-                f"gpu_param_memory_budget={budget}: raise the budget to at least that "
-                "or split the layer"
+                f"layer {largest!r} needs {others[largest]} bytes gathered{beside}, more "
+                f"than gpu_param_memory_budget={budget}: raise the budget to at least "
+                f"{held + others[largest]} or split the layer"
             )
         self.budget = budget
         self.max_depth = depth
@@ -110,6 +117,9 @@ class PrefetchScheduler:
         self.metrics = PrefetchMetrics()
         self.trace = PassTrace()
         self._queued = 0
+        # Layers acquired and not finished yet (module mode holds several at
+        # once, e.g. the root unit around a decoder layer): never evicted.
+        self.in_use: set[str] = set()
 
     # ------------------------------------------------------------ helpers
 
@@ -145,7 +155,7 @@ class PrefetchScheduler:
     async def _make_room(self, name: str, order: Sequence[str], i: int) -> None:
         # Evict, in this order, until ``name`` fits: cached layers not needed
         # soon, persistent ones not needed soon, prefetches in flight, anything.
-        soon = set(order[i + 1 : i + 1 + self.depth])
+        soon = set(order[i + 1 : i + 1 + self.depth]) | self.in_use
         gathered = self._gatherer.gathered_layers()
         cached = [n for n in gathered if n not in soon and not self._keeps(n)]
         persistent = [n for n in gathered if n not in soon and self._keeps(n)]
@@ -160,13 +170,18 @@ class PrefetchScheduler:
         for candidate in self._gatherer.gathered_layers():
             if self._fits(name):
                 return
-            self._gatherer.release(candidate)
+            if candidate not in self.in_use:
+                self._gatherer.release(candidate)
+        if not self._fits(name):
+            raise MemoryBudgetError(
+                f"layer {name!r} ({self._sizes[name]} bytes) does not fit "
+                f"gpu_param_memory_budget={self.budget} next to the layers in use "
+                f"{sorted(self.in_use)}: raise the budget"
+            )
 
     # ------------------------------------------------------------ passes
 
-    async def begin_pass(self, phase: str, order: Sequence[str]) -> None:
-        """Check ``order`` against the trace; drop prefetches made for another order."""
-        order = tuple(order)
+    def _note_order(self, phase: str, order: tuple[str, ...]) -> None:
         known = self.trace.observe(phase, order)
         if known is not None and known != order:
             self.metrics.trace_rebuilds += 1
@@ -177,6 +192,8 @@ class PrefetchScheduler:
                 old=list(known),
                 new=list(order),
             )
+
+    async def _drop_stale(self, order: Sequence[str]) -> None:
         soon = set(order[: 1 + self.depth])
         stale = [h.layer for h in self._gatherer.inflight() if h.layer not in soon]
         await self._discard(stale, counter="wasted")
@@ -184,9 +201,28 @@ class PrefetchScheduler:
             if name not in soon and not self._keeps(name):
                 self._gatherer.release(name)
 
+    async def begin_pass(self, phase: str, order: Sequence[str]) -> None:
+        """Check ``order`` against the trace; drop prefetches made for another order."""
+        order = tuple(order)
+        self._note_order(phase, order)
+        await self._drop_stale(order)
+
+    async def begin_recorded_pass(self, phase: str, predicted: Sequence[str]) -> None:
+        """Start a pass whose order is only known as it runs (module mode).
+
+        Prefetches made for another start than ``predicted`` are dropped; the
+        order is recorded by :meth:`end_recorded_pass`.
+        """
+        await self._drop_stale(tuple(predicted))
+
+    def end_recorded_pass(self, phase: str, order: Sequence[str]) -> None:
+        """Record the order a module-mode pass ran in (a change is logged and counted)."""
+        self._note_order(phase, tuple(order))
+
     async def acquire(self, order: Sequence[str], i: int) -> nn.Module:
         """Make ``order[i]`` gathered (waiting if needed) and prefetch what follows it."""
         name = order[i]
+        self.in_use.add(name)
         if self._gatherer.is_gathered(name):
             self.metrics.hits += 1
         elif self._gatherer.is_inflight(name):
@@ -211,6 +247,7 @@ class PrefetchScheduler:
             next_order: the predicted next pass's order, used at the last layer.
         """
         name = order[i]
+        self.in_use.discard(name)
         upcoming = list(order[i + 1 : i + 1 + self.depth])
         last = i == len(order) - 1
         if last and next_order:
@@ -219,6 +256,12 @@ class PrefetchScheduler:
             self._gatherer.release(name)
         if last and next_order:
             self._launch_window(next_order, 0)
+
+    def finish_unit(self, name: str, upcoming: Sequence[str]) -> None:
+        """After ``name``'s use ended: release it unless it persists or is in ``upcoming``."""
+        self.in_use.discard(name)
+        if not (self._keeps(name) or name in upcoming):
+            self._gatherer.release(name)
 
     def next_after_forward(self, order: Sequence[str]) -> tuple[str, ...]:
         """The order predicted to follow a forward over ``order`` (its backward, or none)."""
@@ -240,6 +283,7 @@ class PrefetchScheduler:
     async def release_all(self, *, keep_persistent: bool = True) -> None:
         """Drain, then release every gathered layer (persistent ones too unless kept)."""
         await self.drain()
+        self.in_use.clear()
         for name in self._gatherer.gathered_layers():
             if not (keep_persistent and self._keeps(name)):
                 self._gatherer.release(name)

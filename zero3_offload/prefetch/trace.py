@@ -38,6 +38,10 @@ class PassTrace:
         """The last order of a pass of kind ``phase`` (empty before the first)."""
         return self._orders.get(phase, ())
 
+    def backward_follows_forward(self) -> bool:
+        """Whether the calls so far predict a backward after each training forward."""
+        return self._backward_follows_forward
+
     def next_after_forward(self, order: Sequence[str]) -> tuple[str, ...]:
         """The order predicted to follow a forward over ``order``: its backward, or none."""
         return tuple(reversed(order)) if self._backward_follows_forward else ()

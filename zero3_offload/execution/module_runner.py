@@ -1,0 +1,460 @@
+"""Running a whole model's own forward and backward under ZeRO-3 (module mode).
+
+[Note: module mode]
+The model's ``forward`` runs unchanged, with its keyword arguments, outputs
+and buffers, on a dedicated *model thread*; the event loop stays free. Hooks
+connect the model's code to the components on the loop: each hook hands a
+coroutine to the loop (``run_coroutine_threadsafe``) and blocks the model
+thread until it is done, so every gather, reduce-scatter and copy is an
+awaitable on the loop while the model's code waits. The hooks:
+
+- forward pre-hook of the model: the root unit (parameters outside every
+  other unit) is acquired for the whole pass;
+- forward pre-hook of each unit module: the unit is acquired through the
+  prefetch scheduler, at its position in the predicted order (the order
+  recorded by the previous pass of the same kind); the look-ahead gathers of
+  the next units start there;
+- forward post-hook of each unit: the unit is released (unless the scheduler
+  keeps it), and a hook is put on its outputs that acquires it again when
+  their gradient arrives (the unit's backward is about to run);
+- saved-tensor hooks over the whole forward: a saved tensor that is a view of
+  a gathered unit's buffer is kept as its place in that buffer (see
+  [Note: kept activations] in ``execution.layer_runner``) and rebuilt from the
+  buffer gathered again in backward, gathering it first if needed;
+- a post-accumulate-grad hook on every parameter: before backward runs, the
+  autograd graph is walked once to count, per unit, the parameters that will
+  receive a gradient; when a unit's count reaches zero its gradients are
+  complete, so they are reduce-scattered (overlapping the backward of the
+  units before it) and the unit is released. Units whose count is unknown
+  (e.g. under reentrant checkpointing) are completed at the end of backward,
+  in forward order, identically on every rank.
+
+A parameter used by several units belongs to the root unit (see
+``engine.model_units``), so tied weights have one gradient, accumulated by
+autograd from both uses before the hook sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import attrs
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
+from zero3_offload.gradient.reducer import GradientReducer, PendingGradient
+from zero3_offload.parameter.flat_layout import ROOT_UNIT
+from zero3_offload.parameter.gatherer import ParameterGatherer
+from zero3_offload.parameter.unit_params import UnitParams
+from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.tensor_bytes import storage_bytes
+from zero3_offload.stats.timeline import Timeline
+
+__all__ = ["ModuleRunner", "UnitPass"]
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class _UnitSlot:
+    """A saved tensor's place in a unit's gathered flat buffer."""
+
+    unit: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements from the buffer's start
+
+
+@attrs.define
+class UnitPass:
+    """One module-mode pass in progress: the order of units as it runs, and what it keeps."""
+
+    phase: str  # "forward", "inference", "generate" or "backward"
+    predicted: tuple[str, ...]  # the order expected from the trace
+    observed: list[str] = attrs.Factory(list)  # units in the order they were entered
+    on_track: bool = True  # observed is a prefix of predicted so far
+    where: dict[str, tuple[tuple[str, ...], int]] = attrs.Factory(dict)  # unit -> (order, i)
+    started: dict[str, float] = attrs.Factory(dict)  # unit -> perf_counter at entry
+    kept: dict[int, int] = attrs.Factory(dict)  # storage pointer -> bytes saved for backward
+    expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to land
+    done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
+    pending: list[PendingGradient] = attrs.Factory(list)
+    landings: list[asyncio.Future[torch.Tensor]] = attrs.Factory(list)
+
+    def units(self) -> list[str]:
+        """Distinct units entered, in first-entry order."""
+        return list(dict.fromkeys(self.observed))
+
+
+class ModuleRunner:
+    """Runs ``model(*args, **kwargs)`` and its backward with units gathered on demand.
+
+    See [Note: module mode].
+
+    Args:
+        model: the whole model; its own ``forward`` runs.
+        units: unit name -> its parameters (the root unit under ``ROOT_UNIT``).
+        unit_modules: unit name -> its submodule, for every non-root unit.
+        gatherer: gathers and releases units.
+        prefetch: orders gathers under the budget.
+        reducer: reduce-scatters units' gradients.
+        recompute: wrap every unit's forward in (non-reentrant) activation
+            checkpointing.
+        stats: per-layer compute times.
+        timeline: compute intervals.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        units: Mapping[str, UnitParams],
+        unit_modules: Mapping[str, nn.Module],
+        gatherer: ParameterGatherer,
+        prefetch: PrefetchScheduler,
+        reducer: GradientReducer,
+        recompute: bool,
+        stats: Zero3PerformanceStats,
+        timeline: Timeline,
+    ) -> None:
+        self.model = model
+        self._units = units
+        self._gatherer = gatherer
+        self._prefetch = prefetch
+        self._reducer = reducer
+        self._stats = stats
+        self._timeline = timeline
+        self._root = ROOT_UNIT if ROOT_UNIT in units else None
+        self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-model")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._storages: dict[int, tuple[str, int]] = {}
+        self.current: UnitPass | None = None
+        self._handles: list[Any] = [
+            model.register_forward_pre_hook(self._root_pre),
+            model.register_forward_hook(self._root_post),
+        ]
+        for name, module in unit_modules.items():
+            self._handles.append(
+                module.register_forward_pre_hook(functools.partial(self._unit_pre, name))
+            )
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._unit_post, name))
+            )
+            if recompute:
+                module.forward = functools.partial(_checkpointed, module.forward)
+        for unit in units.values():
+            for param in unit.parameters():
+                self._handles.append(param.register_post_accumulate_grad_hook(self._grad_landed))
+
+    # ------------------------------------------------------- the loop bridge
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it (from the model or autograd thread)."""
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            coro.close()
+            raise StateError(
+                "the model was called outside the manager, or from the event loop's thread: "
+                "run it through `await manager.forward(...)` / `await manager.backward(loss)`"
+            )
+        result = asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self._storages = self._gatherer.gathered_storages()
+        return result
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._storages = self._gatherer.gathered_storages()
+        done = self._loop.run_in_executor(self._executor, fn)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # A thread cannot be stopped: let the model's code finish (its hooks
+            # need the loop) before the cancellation goes on.
+            with contextlib.suppress(BaseException):
+                await done
+            raise
+
+    # ---------------------------------------------------------------- passes
+
+    async def run_forward(
+        self, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, call: str = "forward"
+    ) -> tuple[Any, UnitPass]:
+        """Run ``model(*args, **kwargs)`` (or ``model.<call>``) on the model thread.
+
+        Args:
+            phase: ``"forward"`` (training: the graph is kept), ``"inference"``
+                (no graph) or ``"generate"`` (units stay gathered between the
+                model's calls while the budget allows).
+            args: positional arguments of the call.
+            kwargs: keyword arguments of the call.
+            call: the model's method to run.
+
+        Returns:
+            The call's result and the finished pass.
+
+        Raises:
+            LayerExecutionError: when the model's code raised (the cause is chained).
+        """
+        trace = self._prefetch.trace
+        predicted = trace.order(phase)
+        unit_pass = UnitPass(phase=phase, predicted=predicted)
+        await self._prefetch.begin_recorded_pass(phase, predicted)
+        self.current = unit_pass
+        grad = phase == "forward"
+        method = self.model if call == "forward" else getattr(self.model, call)
+
+        def run() -> Any:
+            if not grad:
+                with torch.no_grad():
+                    return method(*args, **kwargs)
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+            ):
+                return method(*args, **kwargs)
+
+        try:
+            out = await self._in_thread(run)
+        except Zero3Error:
+            await self._abort()
+            raise
+        except Exception as exc:
+            await self._abort()
+            raise LayerExecutionError(f"the model raised in {call}: {exc}") from exc
+        except BaseException:
+            await self._abort()
+            raise
+        self.current = None
+        self._prefetch.end_recorded_pass(phase, unit_pass.observed)
+        if phase == "generate":
+            await self._prefetch.release_all()
+        return out, unit_pass
+
+    async def run_backward(self, loss: torch.Tensor, forward: UnitPass) -> UnitPass:
+        """Backpropagate ``loss`` on the model thread; reduce-scatter each unit when complete.
+
+        The reduce-scatters are launched as units complete; their landings are
+        in the returned pass's ``landings`` (awaited by the caller). On error
+        the pass (with whatever is in flight) is in ``self.current`` for the
+        caller to abandon.
+
+        Raises:
+            LayerExecutionError: when the model's backward raised.
+        """
+        trace = self._prefetch.trace
+        forward_units = forward.units()
+        predicted = trace.order("backward") or self._predict_backward(forward_units)
+        unit_pass = UnitPass(phase="backward", predicted=predicted)
+        unit_pass.expected = self._count_gradients(loss)
+        await self._prefetch.begin_recorded_pass("backward", predicted)
+        self.current = unit_pass
+        if self._root is not None and self._root in forward_units:
+            await self._enter(self._root)
+
+        def run() -> None:
+            torch.autograd.backward(loss)
+
+        try:
+            await self._in_thread(run)
+        except Zero3Error:
+            raise
+        except Exception as exc:
+            raise LayerExecutionError(f"the model raised in backward: {exc}") from exc
+        # Units whose gradients were not counted complete now, in forward order
+        # (the root last): the same collectives in the same order on every rank.
+        rest = [u for u in forward_units if u != self._root and u not in unit_pass.done]
+        if self._root is not None and self._root in forward_units:
+            rest.append(self._root)
+        for unit in rest:
+            if unit not in unit_pass.done:
+                await self._unit_done(unit)
+        self.current = None
+        self._prefetch.end_recorded_pass("backward", unit_pass.observed)
+        return unit_pass
+
+    async def _abort(self) -> None:
+        self.current = None
+        await self._prefetch.release_all()
+
+    def _predict_backward(self, forward_units: list[str]) -> tuple[str, ...]:
+        others = [u for u in reversed(forward_units) if u != self._root]
+        return tuple([self._root, *others] if self._root in forward_units else others)
+
+    def _count_gradients(self, loss: torch.Tensor) -> dict[str, int]:
+        """Per unit, the parameters whose gradient this backward will accumulate."""
+        counts: dict[str, int] = {}
+        seen: set[Any] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # AccumulateGrad nodes
+            if variable is not None:
+                unit = self._param_unit.get(id(variable))
+                if unit is not None:
+                    counts[unit] = counts.get(unit, 0) + 1
+                continue
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return counts
+
+    # ------------------------------------------------------ coroutines (loop)
+
+    async def _enter(self, unit: str) -> None:
+        p = self.current
+        assert p is not None
+        if p.phase == "backward" and unit in p.where:
+            if not self._gatherer.is_gathered(unit):
+                await self._gatherer.gather(unit)
+            return
+        i = len(p.observed)
+        p.on_track = p.on_track and i < len(p.predicted) and p.predicted[i] == unit
+        p.observed.append(unit)
+        order = p.predicted if p.on_track else tuple(p.observed)
+        p.where[unit] = (order, i)
+        await self._prefetch.acquire(order, i)
+        p.started[unit] = time.perf_counter()
+
+    async def _exit(self, unit: str) -> None:
+        p = self.current
+        assert p is not None
+        order, i = p.where[unit]
+        self._record_compute(unit, p.phase, p.started.pop(unit, None))
+        if p.phase == "generate":
+            self._prefetch.in_use.discard(unit)  # stays gathered while the budget allows
+            return
+        next_order: tuple[str, ...] = ()
+        last = p.phase == "forward" and p.on_track and i == len(order) - 1
+        follows = p.phase == "forward" and self._prefetch.trace.backward_follows_forward()
+        if last and follows:
+            trace = self._prefetch.trace
+            next_order = trace.order("backward") or self._predict_backward(p.units())
+        if unit == self._root:
+            # A backward starts where the forward ended (the LM head): keep the root.
+            self._prefetch.finish_unit(unit, (unit,) if follows else ())
+        else:
+            self._prefetch.finish_use(order, i, next_order=next_order)
+
+    async def _unit_done(self, unit: str) -> None:
+        """``unit``'s gradients are complete: launch its reduce-scatter, release it."""
+        p = self.current
+        assert p is not None
+        p.done.add(unit)
+        params = self._units[unit]
+        if len(params):
+            slot = await self._reducer.prepare(unit, params, in_place=False)
+            pending = await self._reducer.start_reduce_scatter(unit, params, slot)
+            p.pending.append(pending)
+            p.landings.append(asyncio.ensure_future(self._reducer.finish(pending)))
+        if unit in p.where:
+            self._record_compute(unit, "backward", p.started.pop(unit, None))
+            order, i = p.where[unit]
+            if unit == self._root:
+                self._prefetch.finish_unit(unit, ())
+            else:
+                self._prefetch.finish_use(order, i)
+
+    def _record_compute(self, unit: str, phase: str, t0: float | None) -> None:
+        if t0 is None:
+            return
+        t1 = time.perf_counter()
+        self._stats.record_layer(unit, phase, t1 - t0)
+        self._timeline.record("compute", unit, phase, t0, t1)
+
+    # ------------------------------------------------------ hooks (model thread)
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if self._root is not None:
+            self._call(self._enter(self._root))
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        p = self.current
+        if self._root is not None and p is not None and p.phase != "backward":
+            self._call(self._exit(self._root))
+
+    def _unit_pre(self, unit: str, module: nn.Module, args: Any) -> None:
+        self._call(self._enter(unit))
+
+    def _unit_post(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
+        p = self.current
+        if p is None or p.phase == "backward":
+            return  # a recomputation during backward: the unit stays until it is done
+        self._call(self._exit(unit))
+        if p.phase == "forward":
+            hook = functools.partial(self._before_backward, unit)
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(hook)
+
+    def _before_backward(self, unit: str, grad: torch.Tensor) -> None:
+        p = self.current
+        if p is not None and p.phase == "backward" and unit not in p.where:
+            self._call(self._enter(unit))
+
+    def _grad_landed(self, param: torch.Tensor) -> None:
+        p = self.current
+        if p is None or p.phase != "backward":
+            return
+        unit = self._param_unit[id(param)]
+        left = p.expected.get(unit)
+        if left is None:
+            return  # not counted: completed at the end of backward
+        p.expected[unit] = left - 1
+        if left == 1:
+            self._call(self._unit_done(unit))
+
+    def _pack(self, t: torch.Tensor) -> object:
+        if t.layout == torch.strided and not t.is_meta and t.device == self._gatherer.device:
+            found = self._storages.get(t.untyped_storage().data_ptr())
+            if found is not None:
+                unit, base = found
+                return _UnitSlot(unit, t.size(), t.stride(), t.storage_offset() - base)
+            p = self.current
+            if p is not None:
+                p.kept.update(storage_bytes(t))
+        return t
+
+    def _unpack(self, saved: object) -> torch.Tensor:
+        if not isinstance(saved, _UnitSlot):
+            assert isinstance(saved, torch.Tensor)
+            return saved
+        if not self._gatherer.is_gathered(saved.unit):
+            self._call(self._enter(saved.unit))
+        flat = self._gatherer.gathered_flat(saved.unit)
+        return flat.as_strided(saved.size, saved.stride, flat.storage_offset() + saved.offset)
+
+    def clear_grads(self) -> None:
+        """Drop every parameter's ``.grad`` left by a backward that failed part way."""
+        for unit in self._units.values():
+            for param in unit.parameters():
+                param.grad = None
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Remove the hooks and stop the model thread."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._executor.shutdown(wait=True)
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward`` under non-reentrant activation checkpointing (recomputed in backward)."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
