@@ -17,11 +17,12 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import anyio.to_thread
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,14 +33,14 @@ from zero3_offload.engine.arguments import check_backward_args, check_lr, resolv
 from zero3_offload.engine.engine import Engine, build_engine
 from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.engine.step_state import StepState
-from zero3_offload.errors import ConfigError, InputError, StateError, Zero3Error
+from zero3_offload.errors import CheckpointError, ConfigError, InputError, StateError, Zero3Error
 from zero3_offload.execution.forward_record import ForwardRecord, SavedStep
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.gradient.reducer import PendingGradient
 from zero3_offload.logging import get_logger
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.parameter.flat_layout import owned_numel, param_key, total_numel
-from zero3_offload.parameter.meta_init import InitFn, reset_parameters_in_order
+from zero3_offload.parameter.meta_init import InitFn, ShardSource, reset_parameters_in_order
 from zero3_offload.prefetch.scheduler import layer_seconds
 from zero3_offload.prefetch.status import PrefetchQueueStatus
 from zero3_offload.stats.performance import Zero3PerformanceStats
@@ -73,6 +74,9 @@ class Zero3CpuOffloadManager:
             other parameter forms the root unit. Without it a transformers
             model takes the classes in its ``_no_split_modules``, and any
             other model is a chain of its children (``forward_pass``).
+        shard_source: ``source(layer, layout)`` returns this rank's fp32
+            shard of each layer (e.g. read from pretrained weight files, as
+            :meth:`from_pretrained` does) instead of broadcasting rank 0's values.
 
     Raises:
         ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
@@ -89,8 +93,11 @@ class Zero3CpuOffloadManager:
         *,
         init_fn: InitFn = reset_parameters_in_order,
         units: Sequence[UnitSpec] | None = None,
+        shard_source: ShardSource | None = None,
     ) -> None:
-        self._engine = build_engine(config, process_group, model, init_fn=init_fn, units=units)
+        self._engine = build_engine(
+            config, process_group, model, init_fn=init_fn, units=units, shard_source=shard_source
+        )
         self._state = StepState()
         self._closed = False
         engine = self._engine
@@ -130,6 +137,51 @@ class Zero3CpuOffloadManager:
             torch.manual_seed(seed)
         return cls(config, process_group, model, init_fn=init_fn)
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        config: Zero3CpuOffloadConfig,
+        process_group: dist.ProcessGroup,
+        path: str | os.PathLike[str],
+        *,
+        units: Sequence[UnitSpec] | None = None,
+    ) -> Zero3CpuOffloadManager:
+        """Build a module-mode manager from a local transformers model directory.
+
+        The model is built from ``config.json`` with its parameters on the meta
+        device; each rank then reads from the safetensors files
+        (``model.safetensors`` or a sharded index) only the slices of its own
+        shards, so no rank holds a full copy of the weights. Needs
+        transformers (``pip install 'zero3_offload[hf]'``).
+
+        Args:
+            config: the configuration.
+            process_group: the group whose ranks share the model.
+            path: the model directory.
+            units: as for the constructor (default: the model's ``_no_split_modules``).
+
+        Returns:
+            The manager; ``manager.model`` is the transformers model.
+
+        Raises:
+            ConfigError: when transformers is missing or cannot build the config.
+            CheckpointError: for a missing or hostile directory, or weights that do
+                not match the config.
+        """
+        from zero3_offload.integrations.pretrained_load import PretrainedShards
+
+        with PretrainedShards(path) as pretrained:
+            manager = cls(
+                config, process_group, pretrained.model, units=units, shard_source=pretrained.shard
+            )
+        log.info(
+            "pretrained_loaded",
+            rank=manager.rank,
+            path=str(path),
+            bytes_read=pretrained.bytes_read,
+        )
+        return manager
+
     # -------------------------------------------------------------- accessors
 
     @property
@@ -144,6 +196,13 @@ class Zero3CpuOffloadManager:
         Calling their methods directly bypasses the manager's ordering and checks.
         """
         return self._engine
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The whole model in module mode (its parameters hold storage only while
+        gathered); None for a chain of layers."""
+        runner = self._engine.model_runner
+        return None if runner is None else runner.model
 
     @property
     def device(self) -> torch.device:
@@ -494,6 +553,44 @@ class Zero3CpuOffloadManager:
         e.stats.backward_passes += 1
         e.stats.total_backward_time += time.perf_counter() - started
 
+    async def generate(
+        self, input_ids: torch.Tensor, *, keep_gathered: bool = True, **kwargs: Any
+    ) -> Any:
+        """Run the model's own ``generate`` under ZeRO-3, without autograd (module mode).
+
+        Every rank must call it (each decoding step gathers the units). With
+        more than one rank ``synced_gpus=True`` is passed unless given, so ranks
+        whose sequences end at different steps keep running forwards together.
+
+        Args:
+            input_ids: the prompt tokens (moved to the device).
+            keep_gathered: keep units gathered between decoding steps while
+                ``gpu_param_memory_budget`` allows (least recently used ones
+                are released when a unit does not fit); False gathers and
+                releases every unit at every step, as training forwards do.
+            kwargs: passed to ``model.generate`` (e.g. ``max_new_tokens``,
+                ``do_sample``).
+
+        Returns:
+            What ``model.generate`` returns (the token ids, prompt included).
+
+        Raises:
+            StateError: when the manager is not in module mode.
+            LayerExecutionError: when the model's code raised.
+        """
+        self._check_open()
+        runner = self._module_runner("generate")
+        e = self._engine
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if self.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        kwargs = tree_map(lambda t: t.to(e.device) if isinstance(t, torch.Tensor) else t, kwargs)
+        e.gatherer.phase = "forward"
+        phase = "generate" if keep_gathered else "inference"
+        out, _ = await runner.run_forward(phase, (input_ids.to(e.device),), kwargs, call="generate")
+        return out
+
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
 
@@ -518,9 +615,9 @@ class Zero3CpuOffloadManager:
         lr = check_lr(learning_rate)
         if e.grads.micro_steps <= state.calls_since_update:
             raise StateError(
-                "optimizer_step called without a backward_pass (module mode: backward) since the last "
-                "call: call forward_pass and backward_pass (forward and backward) for each "
-                "micro-batch first"
+                "optimizer_step called without a backward_pass (module mode: backward) since "
+                "the last call: call forward_pass and backward_pass (forward and backward) for "
+                "each micro-batch first"
             )
         if state.early_lr is not None and lr != state.early_lr:
             raise ConfigError(
@@ -571,16 +668,94 @@ class Zero3CpuOffloadManager:
             ``{name as in model.named_parameters(): fp32 CPU tensor}``.
         """
         self._check_open()
-        e = self._engine
         out: dict[str, torch.Tensor] = {}
-        for name, layout in e.layouts.items():
-            if not layout.padded_numel:
-                continue
-            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
-            await e.comm.all_gather(full, e.params.master(name).to(e.device))
-            for pname, view in layout.unflatten(full):
-                out[param_key(name, pname)] = view.detach().to("cpu", copy=True)
+        for name in self._engine.layouts:
+            for key, value in await self._full_layer(name):
+                out[key] = value
         return out
+
+    async def _full_layer(self, name: str) -> list[tuple[str, torch.Tensor]]:
+        """``(full name, fp32 CPU tensor)`` of ``name``'s parameters (a collective)."""
+        e = self._engine
+        layout = e.layouts[name]
+        if not layout.padded_numel:
+            return []
+        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
+        await e.comm.all_gather(full, e.params.master(name).to(e.device))
+        return [
+            (param_key(name, pname), view.detach().to("cpu", copy=True))
+            for pname, view in layout.unflatten(full)
+        ]
+
+    async def save_pretrained(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_shard_bytes: int = 5 * 2**30,
+        dtype: torch.dtype = torch.float32,
+    ) -> Path:
+        """Write the trained model as a transformers directory (a collective; module mode).
+
+        ``AutoModelForCausalLM.from_pretrained(directory)`` loads the result
+        as is: ``config.json``, ``model.safetensors`` (or numbered shards of at
+        most ``max_shard_bytes`` and their index), tied weights stored once as
+        transformers stores them. Streamed: units are gathered one at a time
+        and rank 0 writes them, holding at most one file's tensors; the
+        directory appears complete or not at all.
+
+        Args:
+            directory: the target (created; must not exist or be empty).
+            max_shard_bytes: largest weight file.
+            dtype: dtype of the stored weights (the fp32 masters are converted).
+
+        Returns:
+            The directory written.
+
+        Raises:
+            StateError: when the model has no transformers ``config``.
+            CheckpointError: when writing failed on rank 0 (every rank raises).
+        """
+        self._check_open()
+        model = self.model
+        if model is None or getattr(model, "config", None) is None:
+            raise StateError(
+                "save_pretrained needs a transformers model (module mode, with model.config); "
+                "use save_checkpoint or full_state_dict for other models"
+            )
+        from zero3_offload.integrations.pretrained_writer import write_pretrained
+
+        e = self._engine
+        names = list(e.layouts)
+        done: list[str] = []
+        error: BaseException | None = None
+        if self.rank == 0:
+            loop = asyncio.get_running_loop()
+
+            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+                for name in names:
+                    future = asyncio.run_coroutine_threadsafe(self._full_layer(name), loop)
+                    done.append(name)
+                    yield from future.result()
+
+            def write() -> object:
+                return write_pretrained(
+                    directory, model.config, tensors(), max_shard_bytes=max_shard_bytes, dtype=dtype
+                )
+
+            try:
+                await anyio.to_thread.run_sync(write)
+            except Zero3Error as exc:
+                error = exc
+        # Every rank takes part in every gather, also after rank 0 failed.
+        for name in names[len(done) :]:
+            await self._full_layer(name)
+        if not await e.comm.agree(error is None):
+            raise CheckpointError(
+                f"save_pretrained to {os.fspath(directory)} failed on rank 0"
+                + (f": {error}" if error is not None else "")
+            ) from error
+        log.info("pretrained_saved", rank=self.rank, path=os.fspath(directory))
+        return Path(directory)
 
     def get_performance_stats(self) -> Zero3PerformanceStats:
         """A snapshot of this rank's timings, counts, prefetch metrics and recent timeline."""

@@ -43,7 +43,7 @@ from zero3_offload.parameter.flat_layout import (
     total_numel,
 )
 from zero3_offload.parameter.gatherer import ParameterGatherer
-from zero3_offload.parameter.meta_init import InitFn, shard_initial_values
+from zero3_offload.parameter.meta_init import InitFn, ShardSource, shard_initial_values
 from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
@@ -98,6 +98,7 @@ def build_engine(
     *,
     init_fn: InitFn,
     units: Sequence[UnitSpec] | None = None,
+    shard_source: ShardSource | None = None,
 ) -> Engine:
     """Build every component of a manager (a collective: rank 0's values are broadcast).
 
@@ -194,6 +195,7 @@ def build_engine(
         device=device,
         init_fn=init_fn,
         model=model if module_mode else None,
+        source=shard_source,
     )
 
     largest = max((lay.padded_numel for lay in layouts.values()), default=0)

@@ -88,7 +88,17 @@ class ParameterGatherer:
         self.pool_limit = 0  # bytes the pool may hold (build_engine sets it)
 
     def release_views(self, name: str) -> None:
-        """Point ``name``'s parameters at empty tensors (used once, after sharding it)."""
+        """Point ``name``'s parameters at empty tensors (used once, after sharding it).
+
+        A parameter still on the meta device (its values came from a shard
+        source) cannot take a real tensor as ``.data``; its contents are
+        swapped with an empty real parameter instead, so the object (and any
+        tie to it) stays the same.
+        """
+        for param in self._layers[name].parameters():
+            if param.is_meta:
+                empty = torch.empty(0, dtype=self._store.compute_dtype, device=self.device)
+                torch.utils.swap_tensors(param, nn.Parameter(empty, param.requires_grad))
         self._unbind(name)
 
     def _unbind(self, name: str) -> None:

@@ -30,6 +30,7 @@ from zero3_offload.parameter.unit_params import UnitParams
 
 __all__ = [
     "InitFn",
+    "ShardSource",
     "reset_own_parameters",
     "reset_parameters_in_order",
     "shard_initial_values",
@@ -37,6 +38,10 @@ __all__ = [
 
 
 InitFn = Callable[[str, nn.Module], None]
+
+ShardSource = Callable[[str, LayerLayout], torch.Tensor]
+"""``source(layer, layout)`` -> this rank's fp32 shard of ``layer``, read from elsewhere
+(e.g. pretrained weight files) instead of materialising and broadcasting the layer."""
 
 
 def _post_order(path: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -87,6 +92,10 @@ def _materialize(name: str, module: nn.Module | UnitParams, init_fn: InitFn) -> 
             init_fn(name, module)
 
 
+def _never_called(path: str, module: nn.Module) -> None:
+    raise AssertionError("a shard source replaces initialisation")
+
+
 def reset_own_parameters(path: str, module: nn.Module) -> None:
     """Module mode's default initialiser: ``module.reset_parameters()`` (its own parameters).
 
@@ -112,6 +121,7 @@ def shard_initial_values(
     device: torch.device,
     init_fn: InitFn = reset_parameters_in_order,
     model: nn.Module | None = None,
+    source: ShardSource | None = None,
 ) -> None:
     """Broadcast rank 0's parameters and buffers; keep only this rank's shards.
 
@@ -120,7 +130,8 @@ def shard_initial_values(
     storage and live on ``device``. In module mode (``model`` given, layers
     are units) the model's buffers are broadcast and moved once, at the end;
     a meta unit is initialised owner module by owner module, by default with
-    :func:`reset_own_parameters`.
+    :func:`reset_own_parameters`. With ``source``, each rank takes its shards
+    from it: nothing is materialised or broadcast but the buffers.
 
     Raises:
         CommunicationError: when a broadcast fails.
@@ -136,6 +147,8 @@ def shard_initial_values(
                 "the model with only its parameters on meta (zero3_offload.integrations."
                 "meta_model.parameters_on_meta()) or eagerly"
             )
+    if source is not None:
+        init_fn = _never_called
     if init_fn is reset_parameters_in_order:
         # Refuse before materialising anything, so a model that cannot be
         # initialised is left as it was.
@@ -151,8 +164,12 @@ def shard_initial_values(
                 ):
                     reset_own_parameters(path, owner)  # raises, naming the module
     for name, module in layers.items():
-        _materialize(name, module, init_fn)
         layout = layouts[name]
+        if source is not None:
+            store.put_master(name, source(name, layout).to(device))
+            gatherer.release_views(name)
+            continue
+        _materialize(name, module, init_fn)
         flat = layout.flatten(module, dtype=torch.float32).to(device)
         comm.broadcast_blocking(flat, src=0)
         store.put_master(name, flat[layout.shard_start : layout.shard_end].clone())

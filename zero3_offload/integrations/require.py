@@ -1,0 +1,29 @@
+"""Importing optional third-party libraries with an actionable error when they are missing."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+from zero3_offload.errors import ConfigError
+
+__all__ = ["require_transformers"]
+
+
+def require_transformers() -> types.ModuleType:
+    """Import and return the ``transformers`` module.
+
+    Returns:
+        The imported ``transformers`` package.
+
+    Raises:
+        ConfigError: when ``transformers`` cannot be imported; the message says how to
+            install it. The import error is chained.
+    """
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as exc:
+        raise ConfigError(
+            "this feature needs the transformers library, which could not be imported "
+            f"({exc}); install it with: pip install 'zero3_offload[hf]'"
+        ) from exc
