@@ -204,6 +204,75 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------- export
+
+
+def _add_export(commands: Any) -> None:
+    parser = commands.add_parser(
+        "export",
+        help="write a checkpoint as a transformers model directory",
+        description=(
+            "Write the parameters of a checkpoint saved in module mode from a transformers "
+            "model as a directory that AutoModelForCausalLM.from_pretrained(OUT) loads: "
+            "config.json and safetensors weights (sharded when large), streamed parameter by "
+            "parameter. Needs transformers (pip install 'zero3_offload[hf]')."
+        ),
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or root")
+    parser.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    parser.add_argument(
+        "--config",
+        metavar="DIR",
+        default=None,
+        help="directory of the model's config.json, for checkpoints that do not record it",
+    )
+    parser.add_argument(
+        "--max-shard-mib",
+        type=int,
+        default=5 * 1024,
+        metavar="MIB",
+        help="largest weight file in MiB (default: 5120)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="dtype of the stored weights (default: float32)",
+    )
+    parser.set_defaults(handler=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+    from rich.progress import Progress
+
+    from zero3_offload.errors import CheckpointError, ConfigError
+    from zero3_offload.integrations.checkpoint_export import export_checkpoint
+
+    if args.max_shard_mib <= 0:
+        raise UsageError(f"--max-shard-mib must be > 0, got {args.max_shard_mib}")
+    with Progress(console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task("exporting", total=None)
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        try:
+            files = export_checkpoint(
+                args.checkpoint,
+                args.out,
+                config_dir=args.config,
+                max_shard_bytes=args.max_shard_mib * 2**20,
+                dtype=getattr(torch, args.dtype),
+                progress=advance,
+            )
+        except (CheckpointError, ConfigError) as exc:
+            raise UsageError(str(exc)) from exc
+    size = sum(f.stat().st_size for f in files)
+    _console().print(f"wrote {args.out} ({len(files)} files, {size} bytes)", markup=False)
+    return 0
+
+
 # ----------------------------------------------------------------- entry point
 
 
@@ -215,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_analyze(commands)
     _add_consolidate(commands)
+    _add_export(commands)
     add_train(commands)
     return parser
 

@@ -61,6 +61,7 @@ class ShardCheckpointer:
     workers: WorkerThreads
     stats: Zero3PerformanceStats  # optimizer_steps is saved and restored
     timeline: Timeline  # its step counter is saved and restored
+    model_config: dict[str, Any] | None = None  # a transformers model's config, for export
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         tensors: dict[str, torch.Tensor] = {}
@@ -92,6 +93,7 @@ class ShardCheckpointer:
             "backward_passes": self.grads.micro_steps,
             "loss_scaler": None if scaler is None else scaler.state_dict(),
             "config": self.config.to_dict(),
+            "model_config": self.model_config,
         }
 
     async def save(self, root: str | os.PathLike[str], *, calls_since_update: int) -> Path:

@@ -10,6 +10,7 @@ others it uses, as keyword arguments.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -251,6 +252,7 @@ def build_engine(
         workers=workers,
         stats=stats,
         timeline=timeline,
+        model_config=_model_config(model) if module_mode else None,
     )
     model_runner = None
     if module_mode:
@@ -293,3 +295,9 @@ def build_engine(
         checkpointer=checkpointer,
         model_runner=model_runner,
     )
+
+
+def _model_config(model: object) -> dict[str, Any] | None:
+    """A transformers model's config as a dict (None for other models)."""
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else None
