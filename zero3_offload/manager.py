@@ -369,6 +369,7 @@ class Zero3CpuOffloadManager:
             g = g * self.loss_scale
         pending: list[PendingGradient] = []
         landings: list[asyncio.Future[torch.Tensor | None]] = []
+        e.reducer.begin_pass()
         try:
             order = names[::-1]
             await e.prefetch.begin_pass("backward", order)

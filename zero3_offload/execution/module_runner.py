@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
-from zero3_offload.gradient.reducer import GradientReducer, PendingGradient
+from zero3_offload.gradient.reducer import GradientReducer, GradientSlot, PendingGradient
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.unit_params import UnitParams
@@ -89,6 +89,7 @@ class UnitPass:
     kept: dict[int, int] = attrs.Factory(dict)  # storage pointer -> bytes saved for backward
     expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to land
     done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
+    slots: dict[str, GradientSlot] = attrs.Factory(dict)  # backward: buffers taken at entry
     pending: list[PendingGradient] = attrs.Factory(list)
     landings: list[asyncio.Future[torch.Tensor]] = attrs.Factory(list)
 
@@ -259,6 +260,7 @@ class ModuleRunner:
         predicted = trace.order("backward") or self._predict_backward(forward_units)
         unit_pass = UnitPass(phase="backward", predicted=predicted)
         unit_pass.expected = self._count_gradients(loss)
+        self._reducer.begin_pass()
         await self._prefetch.begin_recorded_pass("backward", predicted)
         self.current = unit_pass
         if self._root is not None and self._root in forward_units:
@@ -327,6 +329,11 @@ class ModuleRunner:
         order = p.predicted if p.on_track else tuple(p.observed)
         p.where[unit] = (order, i)
         await self._prefetch.acquire(order, i)
+        if p.phase == "backward" and unit != self._root and len(self._units[unit]):
+            # Autograd accumulates into the flat buffer the reduce-scatter sends
+            # (see [Note: gradients in place]); the root, whose gradients arrive
+            # at both ends of the backward, does not hold a buffer that long.
+            p.slots[unit] = await self._reducer.prepare(unit, self._units[unit])
         p.started[unit] = time.perf_counter()
 
     async def _exit(self, unit: str) -> None:
@@ -356,7 +363,9 @@ class ModuleRunner:
         p.done.add(unit)
         params = self._units[unit]
         if len(params):
-            slot = await self._reducer.prepare(unit, params, in_place=False)
+            slot = p.slots.pop(unit, None) or await self._reducer.prepare(
+                unit, params, in_place=False
+            )
             pending = await self._reducer.start_reduce_scatter(unit, params, slot)
             p.pending.append(pending)
             p.landings.append(asyncio.ensure_future(self._reducer.finish(pending)))

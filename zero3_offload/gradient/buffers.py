@@ -14,7 +14,11 @@ class GradientBuffers:
     """A pool of flat fp32 gradient buffers on the device, reused across layers.
 
     ``depth`` buffers let the reduce-scatter of ``depth - 1`` layers stay in
-    flight while the next layer's gradients are written.
+    flight while the next layer's gradients are written. A slot is taken from
+    :meth:`acquire` until :meth:`hold` hands it to its reduce-scatter (or
+    :meth:`free`); when every slot is taken (module mode can have several
+    units' gradients open at once) a fresh buffer outside the pool is handed
+    out under slot ``-1``.
 
     Args:
         numel: elements of the largest layer's padded flat buffer.
@@ -27,6 +31,8 @@ class GradientBuffers:
             torch.empty(numel, dtype=torch.float32, device=device) for _ in range(depth)
         ]
         self._busy: list[PendingCollective | None] = [None] * depth  # reading each slot
+        self._taken = [False] * depth  # acquired, gradients being written (not yet held)
+        self._device = device
         self._next = 0
 
     async def acquire(self, numel: int) -> tuple[int, torch.Tensor]:
@@ -35,8 +41,15 @@ class GradientBuffers:
         Slots are taken round robin; when the next one is still read by a
         reduce-scatter in flight, this waits for that collective.
         """
-        slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
+        depth = len(self._buffers)
+        free = [
+            k % depth for k in range(self._next, self._next + depth) if not self._taken[k % depth]
+        ]
+        if not free:
+            return -1, torch.empty(numel, dtype=torch.float32, device=self._device)
+        slot = free[0]
+        self._next = (slot + 1) % depth
+        self._taken[slot] = True
         pending = self._busy[slot]
         if pending is not None:
             await pending.wait()
@@ -45,11 +58,19 @@ class GradientBuffers:
 
     def hold(self, slot: int, collective: PendingCollective) -> None:
         """Mark ``slot`` as read by ``collective`` until :meth:`free`."""
-        self._busy[slot] = collective
+        if slot >= 0:
+            self._busy[slot] = collective
+            self._taken[slot] = False
 
     def free(self, slot: int) -> None:
-        """Mark ``slot`` as free (its collective completed)."""
-        self._busy[slot] = None
+        """Mark ``slot`` as free (its collective completed, or it is given back unused)."""
+        if slot >= 0:
+            self._busy[slot] = None
+            self._taken[slot] = False
+
+    def untake_all(self) -> None:
+        """Forget slots taken by a pass that failed before launching their reduce-scatter."""
+        self._taken = [False] * len(self._taken)
 
     def nbytes(self) -> int:
         """Bytes of the buffers, counted from the tensors."""

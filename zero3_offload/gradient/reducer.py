@@ -73,6 +73,10 @@ class GradientReducer:
         self._buffers = buffers
         self._timeline = timeline
 
+    def begin_pass(self) -> None:
+        """Start a backward pass: buffers a failed pass took and never launched are free."""
+        self._buffers.untake_all()
+
     async def prepare(
         self, layer: str, module: nn.Module | UnitParams, *, in_place: bool = True
     ) -> GradientSlot:
