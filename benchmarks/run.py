@@ -7,18 +7,16 @@ python benchmarks/run.py --render benchmarks/results/*.json   # each JSON's .md,
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
 
 from harness.plan import progress
 from harness.report import RESULTS_DIR, machine_info, markdown, write
-from suites import compression, consolidate, gpu, optimizer, overlap, peers, rss_phases, scaling
 
-SUITES = {  # by name, each a module of suites/
-    s.__name__.split(".")[-1].replace("_", "-"): s
-    for s in (optimizer, compression, overlap, consolidate, peers, scaling, rss_phases, gpu)
-}
+NAMES = "optimizer compression overlap consolidate peers hf_peers scaling rss_phases gpu pretrained_load"
+SUITES = {n.replace("_", "-"): importlib.import_module(f"suites.{n}") for n in NAMES.split()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,14 @@
 """The systems a training benchmark compares, behind one interface: ``SYSTEMS[kind](spec, rank)``
 with ``start()`` (join the group), ``setup(model)``, ``step(x, y, clock)`` (phases ``forward``,
-``loss``, ``backward``, ``optimizer``), ``model_state()`` (bytes counted from the tensors the
-system exposes), ``info()`` and ``close()``. Each kind's ``options`` are described in
-docs/benchmarks.md (peers).
+``loss``, ``backward``, ``optimizer``; an HF model's loss is its own, from ``labels``),
+``model_state()`` (bytes counted from the tensors the system exposes), ``info()`` and ``close()``.
+Each kind's ``options`` are described in docs/benchmarks.md (peers, hf-peers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import attrs
@@ -49,8 +50,10 @@ def _state(opt: Any) -> list[torch.Tensor]:
 
 class Torch:
     """Plain torch (one process, the whole batch), and FSDP2 (``fsdp2``: ``fully_shard`` on every
-    child and the root; ``cpu_offload`` adds ``CPUOffloadPolicy``, pinned on CUDA,
-    ``param_dtype`` a ``MixedPrecisionPolicy`` reducing in fp32); then torch's AdamW."""
+    child and the root, or with ``wrap="decoder_layers"`` on each of an HF model's
+    ``model.model.layers`` and the root, as torchtitan does; ``cpu_offload`` adds
+    ``CPUOffloadPolicy``, pinned on CUDA, ``param_dtype`` a ``MixedPrecisionPolicy`` reducing in
+    fp32); then torch's AdamW."""
 
     def __init__(self, spec: dict[str, Any], rank: Any) -> None:
         self.spec, self.rank, self.options = spec, rank, dict(spec["options"])
@@ -73,19 +76,28 @@ class Torch:
                 kw["mp_policy"] = MixedPrecisionPolicy(
                     param_dtype=dtype, reduce_dtype=torch.float32
                 )
-            for module in [*model.children(), model]:
+            by_layer = opts.get("wrap") == "decoder_layers"
+            for module in [*(model.model.layers if by_layer else model.children()), model]:
                 fully_shard(module, **kw)
         fused = {"fused": opts["fused"]} if "fused" in opts else {}
         adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), betas=BETAS, eps=EPS, **adamw)
 
+    async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
+        """``call``'s forward (awaited if async), then the loss: an HF model's own from ``labels``
+        (the input ids: it shifts them), else :func:`lm_loss` of the logits and ``y``."""
+        clock.phase("forward")
+        hf = self.spec["dims"].get("model") == "llama"
+        out = call(input_ids=x, labels=x) if hf else call(x)
+        out = await out if inspect.isawaitable(out) else out
+        clock.phase("loss")
+        return out.loss if hf else lm_loss(out, y)
+
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         clock.phase("forward")
         self.opt.zero_grad(set_to_none=True)
-        out = self.model(x)
-        clock.phase("loss")
-        loss = lm_loss(out, y)
+        loss = await self.forward_loss(self.model, x, y, clock)
         clock.phase("backward")
         loss.backward()
         clock.phase("optimizer")
@@ -130,10 +142,7 @@ class DeepSpeed(Torch):
         self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
-        clock.phase("forward")
-        out = self.engine(x)
-        clock.phase("loss")
-        loss = lm_loss(out, y)
+        loss = await self.forward_loss(self.engine, x, y, clock)
         clock.phase("backward")
         self.engine.backward(loss)
         clock.phase("optimizer")
@@ -184,8 +193,11 @@ class Ours(Torch):
         opt = OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
         device = self.spec.get("device", "cpu")
         self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
-        self.manager = Zero3CpuOffloadManager(self.config, self.group, model)
-        self.names = model.layer_names
+        self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
+        self.names = getattr(model, "layer_names", None)
+
+    def units(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {}  # chain mode: the model's children are the layers
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         manager, lr = self.manager, self.spec["lr"]
@@ -222,4 +234,22 @@ class Ours(Torch):
         destroy_process_group()
 
 
+class OursModule(Ours):
+    """Module mode: the manager runs the model's own forward; its units are the GPT's blocks
+    (the rest the root unit), or by default an HF model's ``_no_split_modules``."""
+
+    def units(self, model: torch.nn.Module) -> dict[str, Any]:
+        blocks = [n for n in getattr(model, "layer_names", []) if n.startswith("block")]
+        return {"units": blocks} if blocks else {}
+
+    async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
+        loss = await self.forward_loss(self.manager.forward, x, y, clock)
+        clock.phase("backward")
+        await self.manager.backward(loss)
+        clock.phase("optimizer")
+        await self.manager.optimizer_step(self.spec["lr"])
+        return loss
+
+
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
+SYSTEMS["ours-module"] = OursModule

@@ -51,7 +51,7 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(spec["seed"])  # the same initial weights in every system
-    model = workload.GPT(workload.shape(spec["dims"]))
+    model = workload.build(spec["dims"])
     rank.mark("model_built")
     await system.setup(model)
     rank.mark("setup_done")
@@ -99,6 +99,7 @@ def train_runs(
 
     def one(e: dict[str, Any]) -> dict[str, Any]:
         system, size = systems[e["key"]], sizes[e.get("size", "")]
+        hf = ["transformers"] if size.get("model") == "llama" else []
         run_spec = {
             "lr": LR,
             "weight_decay": WEIGHT_DECAY,
@@ -108,8 +109,8 @@ def train_runs(
             "seed": args.seed,
             "warmup": size["warmup"],
             "steps": size["timed_steps"],
-            "dims": {k: size[k] for k in ("d", "heads", "n_layers", "seq", "global_batch")},
-            "imports": ["deepspeed"] if system.kind == "deepspeed" else [],
+            "dims": {k: size[k] for k in workload.DIMS if k in size},
+            "imports": [*(["deepspeed"] if system.kind == "deepspeed" else []), *hf],
             "threads": threads[e["key"]],
             "mmap_threshold": get("mmap_threshold"),
         }
@@ -124,7 +125,7 @@ def train_runs(
 
 
 def compare(args: Any, systems: dict[str, System], dims: dict[str, int], **kw: Any) -> dict:
-    """Train each of ``systems`` on the GPT of ``dims`` with :func:`train_runs` (``kw`` goes to
+    """Train each of ``systems`` on the model of ``dims`` with :func:`train_runs` (``kw`` goes to
     it; from ``args`` also ``warmup`` and ``repeats``): the payload's config, the runs, the
     systems skipped (DeepSpeed when it is not installed, and systems whose runs failed) with why,
     and the time it took."""
@@ -133,20 +134,22 @@ def compare(args: Any, systems: dict[str, System], dims: dict[str, int], **kw: A
         skipped[key] = "deepspeed is not installed (pip install deepspeed to include it)"
         progress(f"SKIPPED {systems.pop(key).label}: {skipped[key]}")
     per_layer = workload.layer_params(dims)
-    progress(f"GPT {dims}: {sum(per_layer.values()):,} params in {len(per_layer)} layers")
+    model = workload.LLAMA if dims.get("model") == "llama" else workload.MODEL
+    progress(f"{model} {dims}: {sum(per_layer.values()):,} params in {len(per_layer)} layers")
     started = time.perf_counter()
     size = {**dims, "warmup": args.warmup, "timed_steps": args.repeats}
     runs = train_runs(args, systems, {"": size}, **kw)
     spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **(kw.get("spec") or {})}
-    for r in runs:
+    for r in runs:  # a failed run: the launcher's error and the ranks' own
         if not r["ok"]:
-            skipped.setdefault(r["key"], r["error"])
+            errors = dict.fromkeys(rk["error"] for rk in r["ranks"] if "error" in rk)
+            skipped.setdefault(r["key"], "; ".join([r["error"], *errors]))
     config = {
         "dims": dims,
         "seed": args.seed,
         "warmup": args.warmup,
         "steps": args.repeats,
-        "model": workload.MODEL,
+        "model": model,
         "params": sum(per_layer.values()),
         "layer_params": per_layer,
         "lr": spec["lr"],

@@ -1,6 +1,7 @@
-"""What every training suite trains: the library's ``GPT`` (its children are the layers) built
-after ``torch.manual_seed(seed)``, on ``ByteCorpus`` windows; every system draws the same global
-batch at each step and a rank of N takes its contiguous 1/N of it.
+"""What every training suite trains: the library's ``GPT`` (its children are the layers), or with
+``dims["model"] == "llama"`` transformers' ``LlamaForCausalLM``, built after
+``torch.manual_seed(seed)``, on ``ByteCorpus`` windows (bytes as token ids); every system draws the
+same global batch at each step and a rank of N takes its contiguous 1/N of it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
 from zero3_offload.train.model import GPT, GPTShape
 
 MODEL = "`zero3_offload.train.model.GPT`"
+LLAMA = "transformers' `LlamaForCausalLM`"
+DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_heads", "vocab")
 
 
 def shape(dims: dict[str, int]) -> GPTShape:
@@ -23,11 +26,35 @@ def shape(dims: dict[str, int]) -> GPTShape:
     return GPTShape(vocab_size=VOCAB_SIZE, seq_len=seq, d_model=d, layers=layers, heads=heads)
 
 
-def layer_params(dims: dict[str, int]) -> dict[str, int]:
-    """Parameters per layer (counted on the meta device: nothing is allocated)."""
+def build(dims: dict[str, Any]) -> torch.nn.Module:
+    """The GPT, or the Llama (its loss from ``labels``) of ``dims``."""
+    if dims.get("model") != "llama":
+        return GPT(shape(dims))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=dims["vocab"],
+        hidden_size=dims["d"],
+        intermediate_size=dims["ffn"],
+        num_hidden_layers=dims["n_layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"],
+        max_position_embeddings=dims["seq"],
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def layer_params(dims: dict[str, Any]) -> dict[str, int]:
+    """Parameters per layer (the Llama's: per decoder layer, the rest as ``root``), counted on
+    the meta device: nothing is allocated."""
     with torch.device("meta"):
-        model = GPT(shape(dims))
-    return {n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()}
+        model = build(dims)
+    llama = dims.get("model") == "llama"
+    units = model.model.layers.named_children() if llama else model.named_children()
+    out = {n: sum(p.numel() for p in m.parameters()) for n, m in units}
+    root = sum(p.numel() for p in model.parameters()) - sum(out.values())
+    return {**out, "root": root} if llama else out
 
 
 @functools.cache

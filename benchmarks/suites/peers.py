@@ -106,7 +106,8 @@ def run(args: Any) -> dict[str, Any] | None:
     return {**payload, "losses_agree": loss_agreement(summary)["agree"]}
 
 
-def report(payload: dict[str, Any]) -> Report:
+def report(payload: dict[str, Any], model: str | None = None, title: str | None = None) -> Report:
+    """The report; ``model`` and ``title`` replace the GPT's note on the model and the title."""
     cfg, summary = payload["config"], summarize(payload)
     agreement = loss_agreement(summary)
     base = summary.get("torch") or next(iter(summary.values()))
@@ -148,15 +149,18 @@ def report(payload: dict[str, Any]) -> Report:
     )
     dims, per_layer, mmap = cfg["dims"], cfg["layer_params"], cfg["malloc_mmap_threshold"]
     labels = {k: s.label for k, s in (SWEEP | SYSTEMS).items()}
+    labels.update({k: s["label"] for k, s in cfg["systems"].items()})
     malloc = "defaults (dynamic mmap threshold, up to 32 MiB) in every process"
     malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else malloc
-    notes = [
+    model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
         f"seq {dims['seq']}, byte vocabulary 256: {cfg['params']:,} fp32 params in "
-        f"{len(per_layer)} layers (largest {max(per_layer.values()):,}); global batch "
-        f"{dims['global_batch']}, split evenly over the ranks; seed {cfg['seed']} for every "
-        f"system. Data: {cfg['corpus']['description']} (sha256 {cfg['corpus']['sha256'][:12]}), "
-        "the same batches for every system.",
+        f"{len(per_layer)} layers (largest {max(per_layer.values()):,})"
+    )
+    notes = [
+        f"{model}; global batch {dims['global_batch']}, split evenly over the ranks; seed "
+        f"{cfg['seed']} for every system. Data: {cfg['corpus']['description']} (sha256 "
+        f"{cfg['corpus']['sha256'][:12]}), the same batches for every system.",
         f"AdamW lr {cfg['lr']}, betas (0.9, 0.999), eps 1e-8, weight decay {cfg['weight_decay']}, "
         "fp32. torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
         "(gradient_clipping set to 0: DeepSpeed's default is 1.0); zero3_offload: torch's fused "
@@ -168,8 +172,11 @@ def report(payload: dict[str, Any]) -> Report:
         f"Losses agree with {base['label']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
         f"steps: {agreement['agree']} (max |diff| {agreement['max_diff']:.2e}).",
         f"glibc malloc: {malloc}.",
-        *(f"SKIPPED {labels.get(k, k)}: {msg}" for k, msg in payload["skipped"].items()),
+        *(
+            f"{'FAILED' if k in cfg['systems'] else 'SKIPPED'} {labels.get(k, k)}: {msg}"
+            for k, msg in payload["skipped"].items()
+        ),
         f"whole benchmark {payload['total_wall_s']:.0f} s wall.",
     ]
-    title = f"zero3_offload vs peers ({payload['size']} model, same model, data and seed)"
+    title = title or f"zero3_offload vs peers ({payload['size']} model, same model, data and seed)"
     return Report(title, tables, notes)

@@ -1,0 +1,110 @@
+"""zero3_offload's module mode on a transformers Llama vs plain torch, FSDP2 and DeepSpeed.
+
+The ~300M-parameter LlamaForCausalLM (GQA) computes its own loss from labels in every system; the
+same initial weights, batches and AdamW everywhere, each run fresh processes (peers' method). The
+``gpt`` part trains the library's GPT in module mode next to chain mode, plain torch and FSDP2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from harness import train
+from harness.plan import progress
+from harness.report import Report
+from harness.systems import System
+from harness.train import LOSS_STEPS, loss_agreement, summarize
+
+from suites import peers
+
+WORLD, BATCH = 2, 4
+LLAMA = dict(model="llama", d=1024, ffn=2816, n_layers=20, heads=16, kv_heads=8, vocab=32000)
+TINY = {"d": 64, "ffn": 176, "n_layers": 2, "heads": 4, "kv_heads": 2, "seq": 64}
+MODELS = {  # name: (full dims, quick dims), indexed by args.quick
+    "llama": ({**LLAMA, "seq": 128}, {**LLAMA, **TINY}),
+    "gpt": (dict(d=1024, heads=16, n_layers=24, seq=128), dict(d=128, heads=4, n_layers=2, seq=64)),
+}
+TORCH = peers.SYSTEMS["torch"]
+MODULE = System("zero3_offload module mode", "ours-module", WORLD, {})
+BY_LAYER = {"fused": True, "wrap": "decoder_layers"}  # torchtitan's: each decoder layer, the root
+SYSTEMS = {
+    "llama": {
+        "torch": TORCH,
+        "fsdp2": System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER),
+        "deepspeed": peers.SYSTEMS["deepspeed"],
+        "ours_module": MODULE,
+    },
+    "gpt": {
+        "torch": TORCH,
+        "fsdp2": peers.SYSTEMS["fsdp2"],
+        "ours_chain": System("zero3_offload chain mode", "zero3_offload", WORLD, {}),
+        "ours_module": MODULE,
+    },
+}
+KEYS = sorted({k for table in SYSTEMS.values() for k in table})
+OPTIONS = {
+    "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, gpt (both)"},
+    "--systems": {"help": f"comma-separated subset of {', '.join(KEYS)} (each model's own)"},
+    "--rounds": {"type": int, "help": "rounds of all systems (1)"},
+    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
+    "--timeout": {"type": float, "help": "seconds per run (3600; quick 300)"},
+    **train.RANK_OPTIONS,
+    "--mmap-threshold": {"type": int, "metavar": "BYTES", "help": "glibc's, per rank (1048576)"},
+}
+DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 3600.0}
+DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
+QUICK = {"timeout": 300.0}
+EPILOG = "--repeats/--warmup: timed/untimed steps per run (4/1); --threads: per rank (1; torch 2x)"
+
+
+def check(args: Any) -> str | None:
+    args.model_keys = args.models.split(",")
+    args.system_keys = args.systems.split(",") if args.systems else KEYS
+    if unknown := (set(args.model_keys) - set(MODELS)) | (set(args.system_keys) - set(KEYS)):
+        return f"unknown models or systems {sorted(unknown)}; known: {', '.join([*MODELS, *KEYS])}"
+    if "llama" in args.model_keys and importlib.util.find_spec("transformers") is None:
+        return "the llama needs transformers (pip install transformers), or --models gpt"
+    if min(args.rounds, args.repeats) < 1 or args.warmup < 0:
+        return "--rounds and --repeats must be >= 1, --warmup >= 0"
+    if args.warmup + args.repeats < LOSS_STEPS:
+        return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
+    return None
+
+
+def run(args: Any) -> dict[str, Any] | None:
+    parts = {}
+    for model in args.model_keys:
+        systems = {k: s for k, s in SYSTEMS[model].items() if k in args.system_keys}
+        dims = {**MODELS[model][args.quick], "global_batch": BATCH}
+        threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
+        part = {"size": model, **train.compare(args, systems, dims, threads=threads)}
+        part["config"].update(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
+        parts[model] = part
+    if not (summaries := {m: summarize(p) for m, p in parts.items() if summarize(p)}):
+        progress("no system produced a result")
+        return None
+    failed = [f"{m}/{r['key']}" for m, p in parts.items() for r in p["runs"] if not r["ok"]]
+    agree = all(loss_agreement(s)["agree"] for s in summaries.values())
+    return {"parts": parts, "failed": failed, "losses_agree": agree}
+
+
+def report(payload: dict[str, Any]) -> Report:
+    tables, notes = [], []
+    for model, part in payload["parts"].items():
+        cfg, dims = part["config"], part["config"]["dims"]
+        shape = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} "
+        if model == "llama":
+            shape += (
+                f"decoder layers, {dims['kv_heads']} KV heads, MLP {dims['ffn']}, vocabulary "
+                f"{dims['vocab']} (the bytes as token ids), seq {dims['seq']}, loss the model's "
+                "own from labels = input ids"
+            )
+        else:
+            shape += f"blocks, byte vocabulary, seq {dims['seq']}"
+        r = peers.report(part, f"Model: {shape}: {cfg['params']:,} fp32 params")
+        intro = "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
+        notes += [f"{model}: {n}" if tables else n for n in r.notes if n not in notes]
+        tables += [r.tables] if model == "llama" else [intro, r.tables]
+    title = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
+    return Report(title, "\n\n".join(tables), notes)

@@ -1,0 +1,282 @@
+"""Peak memory and wall time of loading a ~350M-parameter transformers Llama on 2 ranks.
+
+The model is saved once as one fp32 model.safetensors in a temporary directory; then each case
+runs on 2 fresh processes: zero3_offload's ``Zero3CpuOffloadManager.from_pretrained`` (each rank
+reads only its shard's slices), and plain ``AutoModelForCausalLM.from_pretrained`` in each of the
+2 processes (what every rank does without the library). Rounds interleave the cases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import train
+from harness.launcher import launch, work_directory
+from harness.plan import plan, progress, run_plan
+from harness.report import Report, cols, markdown_table, mib
+
+WORLD, SAMPLE_S, SEED = 2, 0.002, 0
+FULL = dict(d=1024, ffn=2816, n_layers=24, heads=16, kv_heads=8, vocab=32000)
+TINY = dict(d=64, ffn=176, n_layers=2, heads=4, kv_heads=2, vocab=1000)
+OURS, PLAIN = "zero3_offload from_pretrained", "transformers from_pretrained (each rank)"
+CASES = {OURS: "ours", PLAIN: "plain"}
+IMPORTS = ["transformers", "zero3_offload"]  # in every rank before the "imported" mark
+
+OPTIONS = {
+    "--workdir": {"type": Path, "help": "where the saved model goes (default: the temp dir)"},
+    "--timeout": {"type": float, "help": "seconds per run (900; quick 120)"},
+    **train.RANK_OPTIONS,
+}
+DEFAULTS = {"repeats": 2, "warmup": 0, "threads": 1, "timeout": 900.0}
+QUICK = {"repeats": 1, "timeout": 120.0}
+EPILOG = "--repeats/--warmup: measured/unmeasured rounds of both cases (2/0); --threads: per rank"
+
+
+def check(args: Any) -> str | None:
+    if importlib.util.find_spec("transformers") is None:
+        return "needs transformers (pip install transformers)"
+    return "--warmup must be >= 0" if args.warmup < 0 else None
+
+
+def llama_config(dims: dict[str, int]) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=dims["vocab"],
+        hidden_size=dims["d"],
+        intermediate_size=dims["ffn"],
+        num_hidden_layers=dims["n_layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["kv_heads"],
+        tie_word_embeddings=False,
+    )
+
+
+def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Launcher target: build the Llama (seeded) and save it as fp32 safetensors."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM(llama_config(spec["dims"]))
+    built = time.perf_counter()
+    model.save_pretrained(spec["model_dir"], max_shard_size="100GB")
+    numel = sum(p.numel() for p in model.parameters())
+    files = {p.name: p.stat().st_size for p in sorted(Path(spec["model_dir"]).iterdir())}
+    return {
+        "params": numel,
+        "build_s": built - t0,
+        "save_s": time.perf_counter() - built,
+        "files": files,
+    }
+
+
+async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Launcher target (a rank): the manager from the directory, default config (offload on)."""
+    import attrs
+    import structlog
+
+    import zero3_offload as z
+
+    group = await z.init_process_group_from_env("gloo")
+    config = z.Zero3CpuOffloadConfig()
+    ctx.mark("group")
+    t0 = time.perf_counter()
+    with structlog.testing.capture_logs() as logs:
+        manager = z.Zero3CpuOffloadManager.from_pretrained(config, group, spec["model_dir"])
+    load_s = time.perf_counter() - t0
+    ctx.mark("loaded")
+    stats = manager.get_memory_stats()
+    read = [e["bytes_read"] for e in logs if e["event"] == "pretrained_loaded"]
+    shard = stats.master_param_bytes + stats.compute_copy_bytes
+    memory = {k: v for k, v in attrs.asdict(stats).items() if k.endswith("_bytes")}
+    await manager.close()
+    z.destroy_process_group()
+    return {
+        "load_s": load_s,
+        "bytes_read": read[0] if read else None,
+        "shard_bytes": shard,
+        "model_state_bytes": stats.model_state_bytes(),
+        "memory_stats": memory,
+        "params": sum(lay.numel for lay in manager.engine.layouts.values()),
+        "owned_params": sum(lay.shard_numel for lay in manager.engine.layouts.values()),
+        "config": config.to_dict(),
+    }
+
+
+def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Launcher target (one of 2 processes): the whole model, as every rank loads it alone."""
+    from transformers import AutoModelForCausalLM
+
+    ctx.mark("group")  # no group: the same mark as ours, for the table
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
+    load_s = time.perf_counter() - t0
+    ctx.mark("loaded")
+    params = list(model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    dtypes = sorted({str(p.dtype) for p in params})
+    return {
+        "load_s": load_s,
+        "param_bytes": nbytes,
+        "dtypes": dtypes,
+        "model": type(model).__name__,
+    }
+
+
+def run(args: Any) -> dict[str, Any] | None:
+    import torch
+    import transformers
+
+    import zero3_offload
+
+    dims = TINY if args.quick else FULL
+    n_rounds, started = args.warmup + args.repeats, time.perf_counter()
+    with torch.device("meta"):
+        params = sum(
+            p.numel() for p in transformers.LlamaForCausalLM(llama_config(dims)).parameters()
+        )
+    progress(f"Llama of {params:,} parameters ({mib(4 * params)} MiB fp32)")
+    with work_directory("pretrained-load-", args.keep, args.workdir) as work:
+        base = {"dims": dims, "model_dir": str(work / "model"), "threads": args.threads}
+        base.update(imports=IMPORTS, mmap_threshold=args.mmap_threshold)
+        saved = launch("suites.pretrained_load:save", base, work / "save", torchrun=False)
+        if not saved["ok"]:
+            progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
+            return None
+        progress(f"saved in {saved['wall_s']:.0f} s: {saved['ranks'][0]['files']}")
+
+        def one(e: dict[str, Any]) -> dict[str, Any]:
+            case = CASES[e["key"]]
+            target, run_dir = f"suites.pretrained_load:{case}", work / f"round{e['round']}-{case}"
+            return launch(
+                target, base, run_dir, world=WORLD, timeout_s=args.timeout, sample_s=SAMPLE_S
+            )
+
+        def describe(r: dict[str, Any]) -> str:
+            peaks = ", ".join(mib(rank["peak_rss_bytes"]) for rank in r["ranks"])
+            loads = ", ".join(f"{rank['load_s']:.1f}" for rank in r["ranks"])
+            return f"load {loads} s, peak RSS {peaks} MiB"
+
+        runs = run_plan(plan(list(CASES), n_rounds), one, describe)
+    failed = [f"{r['key']} (round {r['round']}): {r['error']}" for r in runs if not r["ok"]]
+    if not any(r["ok"] for r in runs):
+        progress("no case produced a result")
+        return None
+    rounds = [{"round": r, "warmup": r < args.warmup, "cases": {}} for r in range(n_rounds)]
+    for r in runs:
+        rounds[r["round"]]["cases"][r["key"]] = r
+    name = "pretrained-load" + ("-quick" if args.quick else "")
+    name += "-mmap" if args.mmap_threshold is not None else ""
+    return {
+        "benchmark": name,
+        "config": {
+            "world_size": WORLD,
+            "dims": dims,
+            "threads_per_rank": args.threads,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "sample_interval_s": SAMPLE_S,
+            "malloc_mmap_threshold": args.mmap_threshold,
+            "zero3_offload_version": zero3_offload.__version__,
+            "transformers_version": transformers.__version__,
+        },
+        "model": {"params": params, "fp32_bytes": 4 * params, "saved": saved["ranks"][0]},
+        "rounds": rounds,
+        "failed": failed,
+        "total_wall_s": time.perf_counter() - started,
+    }
+
+
+def report(payload: dict[str, Any]) -> Report:
+    cfg, model = payload["config"], payload["model"]
+    model_bytes = model["fp32_bytes"]
+    measured = [rd["cases"] for rd in payload["rounds"] if not rd["warmup"]]
+
+    def med(case: str, rank: int, get: Any) -> float | None:
+        values = [get(c[case]["ranks"][rank]) for c in measured if c.get(case, {}).get("ok")]
+        return statistics.median(values) if values else None
+
+    figures = {
+        "peak": lambda r: r["peak_rss_bytes"],
+        "imported": lambda r: r["marks"]["imported"]["rss_bytes"],
+        "anon": lambda r: r["sampled_peak_bytes"].get("RssAnon", 0),
+        "load": lambda r: r["load_s"],
+    }
+    shard = {rank: med(OURS, rank, lambda r: r["shard_bytes"]) for rank in range(cfg["world_size"])}
+    rows = []
+    for case in CASES:
+        for rank in range(cfg["world_size"]):
+            f = {k: med(case, rank, get) for k, get in figures.items()}
+            if f["peak"] is None:
+                rows.append([case, str(rank), "FAILED", *["-"] * 10])
+                continue
+            plain_peak = med(PLAIN, rank, figures["peak"])
+            read = med(case, rank, lambda r: r.get("bytes_read") or 0) if case == OURS else None
+            rows.append(
+                [
+                    case,
+                    str(rank),
+                    f"{f['load']:.2f}",
+                    mib(f["peak"]),
+                    mib(f["peak"] - f["imported"]),
+                    mib(f["anon"]),
+                    f"{f['peak'] / model_bytes:.2f}",
+                    f"{f['peak'] / shard[rank]:.2f}" if shard[rank] else "-",
+                    f"{f['peak'] / plain_peak:.2f}" if plain_peak else "-",
+                    mib(shard[rank]) if case == OURS and shard[rank] else "-",
+                    mib(read) if read else "-",
+                ]
+            )
+    headers = cols(
+        "case; rank; load s; peak RSS MiB; peak - after import MiB; peak anon MiB; "
+        "peak / model fp32; peak / rank's shard; peak / plain's; rank's shard MiB; read MiB"
+    )
+    saved = model["saved"]
+    files = ", ".join(f"{n} {size:,} B" for n, size in saved["files"].items())
+    dims = cfg["dims"]
+    ours_cfg = next((c[OURS]["ranks"][0] for c in measured if c.get(OURS, {}).get("ok")), None)
+    notes = [
+        f"model: transformers LlamaForCausalLM, hidden {dims['d']}, MLP {dims['ffn']}, "
+        f"{dims['n_layers']} decoder layers, {dims['heads']} heads, {dims['kv_heads']} KV heads, "
+        f"vocabulary {dims['vocab']}, untied head: {model['params']:,} parameters, "
+        f"{model_bytes:,} bytes fp32 ({mib(model_bytes)} MiB); saved once (seed {SEED}, "
+        f"built in {saved['build_s']:.0f} s, saved in {saved['save_s']:.0f} s) as {files}, in "
+        "a temporary directory removed afterwards. Read from the page cache (just written).",
+        f"{cfg['world_size']} fresh processes per case, {cfg['threads_per_rank']} torch "
+        f"thread(s) each; medians of {cfg['repeats']} round(s) after {cfg['warmup']} "
+        "unmeasured, cases interleaved; glibc mmap threshold "
+        + (f"{cfg['malloc_mmap_threshold']}" if cfg["malloc_mmap_threshold"] else "default")
+        + ".",
+        f"{OURS}: Zero3CpuOffloadManager.from_pretrained(Zero3CpuOffloadConfig(), group, dir) "
+        "on 2 gloo ranks (default config: parameters and optimizer state offloaded to the CPU); "
+        "load s around that call only (the group already joined). rank's shard = "
+        "master_param_bytes + compute_copy_bytes of get_memory_stats() (fp32 master and compute "
+        "copy of the rank's 1/2 of every unit), read = bytes_read of its pretrained_loaded log "
+        "event (the slices it read from the file)."
+        + (
+            f" Model state counted after loading: {mib(ours_cfg['model_state_bytes'])} MiB."
+            if ours_cfg
+            else ""
+        ),
+        f"{PLAIN}: AutoModelForCausalLM.from_pretrained(dir) in each of 2 processes (no group); "
+        "load s around that call only.",
+        "peak RSS = each process's VmHWM at its end (file-backed pages of the mapped weight file "
+        "included); after import = VmRSS once torch, transformers and zero3_offload are imported; "
+        f"peak anon = RssAnon sampled every {cfg['sample_interval_s'] * 1000:g} ms by the parent "
+        "(memory that must really exist: clean mapped file pages can be dropped). peak / model "
+        "fp32 and / rank's shard divide peak RSS by the model's fp32 bytes and by the rank's "
+        "shard bytes; peak / plain's by the plain case's peak on the same rank.",
+    ]
+    if payload.get("failed"):
+        notes.append("FAILED: " + "; ".join(payload["failed"]))
+    title = (
+        f"Loading a pretrained Llama ({model['params'] / 1e6:.0f}M parameters, "
+        f"{mib(model_bytes)} MiB fp32) on {cfg['world_size']} ranks: peak RSS per rank"
+    )
+    return Report(title, markdown_table(headers, rows), notes)
