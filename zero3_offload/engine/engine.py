@@ -199,7 +199,11 @@ def build_engine(
         source=shard_source,
     )
 
-    largest = max((lay.padded_numel for lay in layouts.values()), default=0)
+    # Module mode's root unit holds a buffer of its own through the whole
+    # backward (its gradients arrive at both ends), so the pool is sized for
+    # the other units.
+    pooled = [lay.padded_numel for name, lay in layouts.items() if name != ROOT_UNIT]
+    largest = max(pooled or [lay.padded_numel for lay in layouts.values()], default=0)
     gradient_buffers = GradientBuffers(numel=largest, device=device, depth=_GRADIENT_BUFFERS)
     reducer = GradientReducer(
         layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline

@@ -329,11 +329,13 @@ class ModuleRunner:
         order = p.predicted if p.on_track else tuple(p.observed)
         p.where[unit] = (order, i)
         await self._prefetch.acquire(order, i)
-        if p.phase == "backward" and unit != self._root and len(self._units[unit]):
+        if p.phase == "backward" and len(self._units[unit]):
             # Autograd accumulates into the flat buffer the reduce-scatter sends
-            # (see [Note: gradients in place]); the root, whose gradients arrive
-            # at both ends of the backward, does not hold a buffer that long.
-            p.slots[unit] = await self._reducer.prepare(unit, self._units[unit])
+            # (see [Note: gradients in place]). The root's gradients arrive at
+            # both ends of the backward: it takes a buffer of its own, not a
+            # pool slot, for the whole pass.
+            fresh = unit == self._root
+            p.slots[unit] = await self._reducer.prepare(unit, self._units[unit], fresh=fresh)
         p.started[unit] = time.perf_counter()
 
     async def _exit(self, unit: str) -> None:

@@ -21,7 +21,7 @@ class GradientBuffers:
     out under slot ``-1``.
 
     Args:
-        numel: elements of the largest layer's padded flat buffer.
+        numel: elements of each buffer (a larger request gets a fresh buffer).
         device: compute device.
         depth: number of buffers.
     """
@@ -45,8 +45,8 @@ class GradientBuffers:
         free = [
             k % depth for k in range(self._next, self._next + depth) if not self._taken[k % depth]
         ]
-        if not free:
-            return -1, torch.empty(numel, dtype=torch.float32, device=self._device)
+        if not free or numel > self._buffers[0].numel():
+            return self.fresh(numel)
         slot = free[0]
         self._next = (slot + 1) % depth
         self._taken[slot] = True
@@ -55,6 +55,10 @@ class GradientBuffers:
             await pending.wait()
         self._busy[slot] = None
         return slot, self._buffers[slot][:numel]
+
+    def fresh(self, numel: int) -> tuple[int, torch.Tensor]:
+        """A buffer outside the pool (slot ``-1``), for a layer larger than the pool's."""
+        return -1, torch.empty(numel, dtype=torch.float32, device=self._device)
 
     def hold(self, slot: int, collective: PendingCollective) -> None:
         """Mark ``slot`` as read by ``collective`` until :meth:`free`."""

@@ -78,7 +78,12 @@ class GradientReducer:
         self._buffers.untake_all()
 
     async def prepare(
-        self, layer: str, module: nn.Module | UnitParams, *, in_place: bool = True
+        self,
+        layer: str,
+        module: nn.Module | UnitParams,
+        *,
+        in_place: bool = True,
+        fresh: bool = False,
     ) -> GradientSlot:
         """Take a flat buffer for ``layer``'s gradients.
 
@@ -86,11 +91,15 @@ class GradientReducer:
         fp32 on the buffer's device, each ``param.grad`` is set to its zeroed
         view of the buffer, so autograd accumulates into the buffer in place
         (see [Note: gradients in place]); otherwise the gradients are copied in
-        by :meth:`start_reduce_scatter`.
+        by :meth:`start_reduce_scatter`. With ``fresh`` the buffer is a new
+        one, not a pool slot (for a layer that keeps it for a whole pass).
         """
         layout = self._layouts[layer]
         waited = time.perf_counter()
-        slot, flat = await self._buffers.acquire(layout.padded_numel)
+        if fresh:
+            slot, flat = self._buffers.fresh(layout.padded_numel)
+        else:
+            slot, flat = await self._buffers.acquire(layout.padded_numel)
         self._timeline.record("wait", layer, "backward", waited, time.perf_counter())
         params = dict(module.named_parameters())
         in_place = in_place and all(
