@@ -40,3 +40,16 @@ def test_train_tiny_loss_falls() -> None:
     assert ckpt_losses == losses
     assert ckpt_eval == evaluated
     assert 0 < 3 * ckpt_kept < kept
+
+
+@pytest.mark.slow
+def test_finetune_transformers_trains_and_exports() -> None:
+    pytest.importorskip("transformers")
+    out = run_example("examples/finetune_transformers.py", "--steps", "20")
+    losses = [float(v) for v in re.findall(r"step +\d+ +loss (\d+\.\d+)", out)]
+    assert len(losses) == 20
+    assert losses[-1] < 0.8 * losses[0]
+    evaluated = re.search(r"^eval loss (\d+\.\d+)", out, re.M)[1]
+    reloaded = re.search(r"reloaded with transformers: eval loss (\d+\.\d+)", out)[1]
+    assert evaluated == reloaded  # the export holds exactly the trained weights
+    assert re.search(r"generated: b'ZeRO stage", out)

@@ -164,7 +164,8 @@ class ModuleRunner:
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (from the model or autograd thread)."""
-        if self._loop is None or threading.get_ident() == self._loop_thread:
+        outside = self.current is None or self._loop is None
+        if outside or threading.get_ident() == self._loop_thread:
             coro.close()
             raise StateError(
                 "the model was called outside the manager, or from the event loop's thread: "
