@@ -7,7 +7,9 @@ Each kind's ``options`` are described in docs/benchmarks.md (peers, hf-peers).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -243,12 +245,27 @@ class OursModule(Ours):
         return {"units": blocks} if blocks else {}
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
+        ticker = asyncio.ensure_future(self.tick())  # the event loop's responsiveness
         loss = await self.forward_loss(self.manager.forward, x, y, clock)
         clock.phase("backward")
         await self.manager.backward(loss)
         clock.phase("optimizer")
         await self.manager.optimizer_step(self.spec["lr"])
+        ticker.cancel()
         return loss
+
+    async def tick(self, every: float = 1e-3) -> None:
+        """Wake every ``every`` s; the worst lateness of a wake-up, per step, goes to info()."""
+        self.ticks = [*getattr(self, "ticks", []), 0.0]
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(every)
+            self.ticks[-1] = max(self.ticks[-1], time.perf_counter() - t0 - every)
+
+    def info(self) -> dict[str, Any]:
+        worst = sorted(getattr(self, "ticks", [0.0])[1:] or [0.0])  # the first step warms up
+        ms = {"median_step": worst[len(worst) // 2] * 1e3, "max": worst[-1] * 1e3}
+        return {**super().info(), "loop_worst_tick_ms": ms}
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+import anyio.to_thread
 import attrs
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from zero3_offload.stats.tensor_bytes import tensor_bytes
 from zero3_offload.stats.timeline import Timeline
 
 __all__ = ["GradientReducer", "GradientSlot", "PendingGradient"]
+
+# Buffers at least this long (elements) are zeroed in a worker thread.
+_ZERO_OFF_LOOP = 1 << 20
 
 
 @attrs.define
@@ -107,7 +111,10 @@ class GradientReducer:
             for s in layout.slots
         )
         if in_place:
-            flat.zero_()
+            if flat.numel() >= _ZERO_OFF_LOOP:
+                await anyio.to_thread.run_sync(flat.zero_)  # keeps the event loop free
+            else:
+                flat.zero_()
             for s in layout.slots:
                 params[s.name].grad = flat[s.offset : s.offset + s.numel].view_as(params[s.name])
         return GradientSlot(index=slot, flat=flat)
