@@ -771,8 +771,11 @@ class Zero3CpuOffloadManager:
     def get_memory_stats(self) -> Zero3MemoryStats:
         """Bytes this rank holds now, counted from the tensors."""
         record, pressure = self._state.record, self._engine.pressure
+        kept = record.activation_bytes() if record is not None else 0
+        if self._state.unit_forward is not None:  # module mode
+            kept = sum(self._state.unit_forward.kept.values())
         return self._engine.accounting.stats(
-            activation_bytes=record.activation_bytes() if record is not None else 0,
+            activation_bytes=kept,
             pressure=pressure.last_pressure,
             pressure_checks=pressure.checks,
         )
