@@ -86,6 +86,7 @@ class UnitPass:
     on_track: bool = True  # observed is a prefix of predicted so far
     where: dict[str, tuple[tuple[str, ...], int]] = attrs.Factory(dict)  # unit -> (order, i)
     started: dict[str, float] = attrs.Factory(dict)  # unit -> perf_counter at entry
+    root_seconds: float = 0.0  # the root's own compute: its time outside the other units
     kept: dict[int, int] = attrs.Factory(dict)  # storage pointer -> bytes saved for backward
     expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to land
     done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
@@ -329,6 +330,8 @@ class ModuleRunner:
         p.observed.append(unit)
         order = p.predicted if p.on_track else tuple(p.observed)
         p.where[unit] = (order, i)
+        if unit != self._root:
+            self._root_segment(p, resume=False)
         await self._prefetch.acquire(order, i)
         if p.phase == "backward" and len(self._units[unit]):
             # Autograd accumulates into the flat buffer the reduce-scatter sends
@@ -355,6 +358,7 @@ class ModuleRunner:
             next_order = trace.order("backward") or self._predict_backward(p.units())
         if unit == self._root:
             # A backward starts where the forward ended (the LM head): keep the root.
+            p.done.add(unit)
             self._prefetch.finish_unit(unit, (unit,) if follows else ())
         else:
             self._prefetch.finish_use(order, i, next_order=next_order)
@@ -363,6 +367,8 @@ class ModuleRunner:
         """``unit``'s gradients are complete: launch its reduce-scatter, release it."""
         p = self.current
         assert p is not None
+        if unit in p.where:
+            self._record_compute(unit, "backward", p.started.pop(unit, None))
         p.done.add(unit)
         params = self._units[unit]
         if len(params):
@@ -373,7 +379,6 @@ class ModuleRunner:
             p.pending.append(pending)
             p.landings.append(asyncio.ensure_future(self._reducer.finish(pending)))
         if unit in p.where:
-            self._record_compute(unit, "backward", p.started.pop(unit, None))
             order, i = p.where[unit]
             if unit == self._root:
                 self._prefetch.finish_unit(unit, ())
@@ -381,11 +386,34 @@ class ModuleRunner:
                 self._prefetch.finish_use(order, i)
 
     def _record_compute(self, unit: str, phase: str, t0: float | None) -> None:
-        if t0 is None:
+        p = self.current
+        if unit == self._root and p is not None:
+            # The root runs around the other units: its compute is the time
+            # outside them, recorded as the segments between them.
+            self._root_segment(p, resume=False)
+            self._stats.record_layer(unit, phase, p.root_seconds)
+            p.root_seconds = 0.0
             return
-        t1 = time.perf_counter()
-        self._stats.record_layer(unit, phase, t1 - t0)
-        self._timeline.record("compute", unit, phase, t0, t1)
+        if t0 is not None:
+            t1 = time.perf_counter()
+            self._stats.record_layer(unit, phase, t1 - t0)
+            self._timeline.record("compute", unit, phase, t0, t1)
+        if p is not None:
+            self._root_segment(p, resume=True)
+
+    def _root_segment(self, p: UnitPass, *, resume: bool) -> None:
+        """Close the root's open compute segment, or open one (``resume``) while it is in use."""
+        root = self._root
+        if root is None or root not in p.where or root in p.done:
+            return
+        if resume:
+            p.started[root] = time.perf_counter()
+            return
+        t0 = p.started.pop(root, None)
+        if t0 is not None:
+            t1 = time.perf_counter()
+            p.root_seconds += t1 - t0
+            self._timeline.record("compute", root, p.phase, t0, t1)
 
     # ------------------------------------------------------ hooks (model thread)
 
