@@ -18,6 +18,7 @@ from harness import train
 from harness.launcher import launch, work_directory
 from harness.plan import plan, progress, run_plan
 from harness.report import Report, cols, markdown_table, mib
+from harness.sampler import proc_status
 
 WORLD, SAMPLE_S, SEED = 2, 0.002, 0
 FULL = dict(d=1024, ffn=2816, n_layers=24, heads=16, kv_heads=8, vocab=32000)
@@ -91,6 +92,7 @@ async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
         manager = z.Zero3CpuOffloadManager.from_pretrained(config, group, spec["model_dir"])
     load_s = time.perf_counter() - t0
     ctx.mark("loaded")
+    after_load = proc_status()  # RssAnon / RssFile: what the RSS at load is made of
     stats = manager.get_memory_stats()
     read = [e["bytes_read"] for e in logs if e["event"] == "pretrained_loaded"]
     shard = stats.master_param_bytes + stats.compute_copy_bytes
@@ -99,6 +101,7 @@ async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     z.destroy_process_group()
     return {
         "load_s": load_s,
+        "status_after_load": after_load,
         "bytes_read": read[0] if read else None,
         "shard_bytes": shard,
         "model_state_bytes": stats.model_state_bytes(),
@@ -110,7 +113,9 @@ async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 
 def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Launcher target (one of 2 processes): the whole model, as every rank loads it alone."""
+    """Launcher target (one of 2 processes): the whole model, as every rank loads it alone;
+    then every weight read once and written once in place (marks ``read``, ``written``)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     ctx.mark("group")  # no group: the same mark as ours, for the table
@@ -118,13 +123,21 @@ def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
     load_s = time.perf_counter() - t0
     ctx.mark("loaded")
+    # transformers maps the file: parameters are its (copy-on-write) pages, read on first use.
     params = list(model.parameters())
+    with torch.no_grad():
+        checksum = sum(float(p.sum()) for p in params)  # a forward reads every weight
+        ctx.mark("read")
+        for p in params:  # the first optimizer step writes every weight
+            p.mul_(1.0)
+        ctx.mark("written")
     nbytes = sum(p.numel() * p.element_size() for p in params)
     dtypes = sorted({str(p.dtype) for p in params})
     return {
         "load_s": load_s,
         "param_bytes": nbytes,
         "dtypes": dtypes,
+        "checksum": checksum,
         "model": type(model).__name__,
     }
 
@@ -200,13 +213,21 @@ def report(payload: dict[str, Any]) -> Report:
 
     def med(case: str, rank: int, get: Any) -> float | None:
         values = [get(c[case]["ranks"][rank]) for c in measured if c.get(case, {}).get("ok")]
+        values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
+    def at(mark: str, key: str = "hwm_bytes") -> Any:
+        return lambda r: r["marks"][mark][key] if mark in r["marks"] else None
+
     figures = {
-        "peak": lambda r: r["peak_rss_bytes"],
-        "imported": lambda r: r["marks"]["imported"]["rss_bytes"],
-        "anon": lambda r: r["sampled_peak_bytes"].get("RssAnon", 0),
         "load": lambda r: r["load_s"],
+        "loaded": at("loaded"),
+        "rss_loaded": at("loaded", "rss_bytes"),
+        "read": at("read"),
+        "written": at("written"),
+        "peak": lambda r: r["peak_rss_bytes"],
+        "imported": at("imported", "rss_bytes"),
+        "anon": lambda r: r["sampled_peak_bytes"].get("RssAnon"),
     }
     shard = {rank: med(OURS, rank, lambda r: r["shard_bytes"]) for rank in range(cfg["world_size"])}
     rows = []
@@ -214,28 +235,30 @@ def report(payload: dict[str, Any]) -> Report:
         for rank in range(cfg["world_size"]):
             f = {k: med(case, rank, get) for k, get in figures.items()}
             if f["peak"] is None:
-                rows.append([case, str(rank), "FAILED", *["-"] * 10])
+                rows.append([case, str(rank), "FAILED", *["-"] * 12])
                 continue
-            plain_peak = med(PLAIN, rank, figures["peak"])
-            read = med(case, rank, lambda r: r.get("bytes_read") or 0) if case == OURS else None
+            plain_peak, more = med(PLAIN, rank, figures["peak"]), f["peak"] - f["imported"]
+            read = med(case, rank, lambda r: r.get("bytes_read")) if case == OURS else None
             rows.append(
                 [
                     case,
                     str(rank),
                     f"{f['load']:.2f}",
-                    mib(f["peak"]),
-                    mib(f["peak"] - f["imported"]),
-                    mib(f["anon"]),
-                    f"{f['peak'] / model_bytes:.2f}",
-                    f"{f['peak'] / shard[rank]:.2f}" if shard[rank] else "-",
+                    *(mib(f[k]) if f[k] else "-" for k in ("loaded", "rss_loaded", "read")),
+                    *(mib(f[k]) if f[k] else "-" for k in ("written", "peak")),
                     f"{f['peak'] / plain_peak:.2f}" if plain_peak else "-",
-                    mib(shard[rank]) if case == OURS and shard[rank] else "-",
-                    mib(read) if read else "-",
+                    mib(more),
+                    f"{more / model_bytes:.2f}",
+                    f"{more / shard[rank]:.2f}" if shard[rank] else "-",
+                    mib(f["anon"]) if f["anon"] else "-",
+                    mib(shard[rank], 1) if case == OURS and shard[rank] else "-",
+                    mib(read, 1) if read else "-",
                 ]
             )
     headers = cols(
-        "case; rank; load s; peak RSS MiB; peak - after import MiB; peak anon MiB; "
-        "peak / model fp32; peak / rank's shard; peak / plain's; rank's shard MiB; read MiB"
+        "case; rank; load s; peak RSS at load MiB; RSS at load MiB; peak, weights read MiB; "
+        "peak, weights written MiB; peak RSS MiB; / plain's; peak - after import MiB; "
+        "/ model fp32; / rank's shard; peak anon MiB; rank's shard MiB; read MiB"
     )
     saved = model["saved"]
     files = ", ".join(f"{n} {size:,} B" for n, size in saved["files"].items())
@@ -245,7 +268,7 @@ def report(payload: dict[str, Any]) -> Report:
         f"model: transformers LlamaForCausalLM, hidden {dims['d']}, MLP {dims['ffn']}, "
         f"{dims['n_layers']} decoder layers, {dims['heads']} heads, {dims['kv_heads']} KV heads, "
         f"vocabulary {dims['vocab']}, untied head: {model['params']:,} parameters, "
-        f"{model_bytes:,} bytes fp32 ({mib(model_bytes)} MiB); saved once (seed {SEED}, "
+        f"{model_bytes:,} bytes fp32 ({mib(model_bytes, 1)} MiB); saved once (seed {SEED}, "
         f"built in {saved['build_s']:.0f} s, saved in {saved['save_s']:.0f} s) as {files}, in "
         "a temporary directory removed afterwards. Read from the page cache (just written).",
         f"{cfg['world_size']} fresh processes per case, {cfg['threads_per_rank']} torch "
@@ -265,18 +288,22 @@ def report(payload: dict[str, Any]) -> Report:
             else ""
         ),
         f"{PLAIN}: AutoModelForCausalLM.from_pretrained(dir) in each of 2 processes (no group); "
-        "load s around that call only.",
+        "load s around that call only. transformers maps the weight file copy-on-write and reads "
+        "nothing until used, so the process then reads every parameter once (sum: what a forward "
+        "does) and writes it once in place (mul_(1.0): what the first optimizer step does).",
         "peak RSS = each process's VmHWM at its end (file-backed pages of the mapped weight file "
-        "included); after import = VmRSS once torch, transformers and zero3_offload are imported; "
+        "included); at load: VmHWM and VmRSS right after the from_pretrained call; weights "
+        "read / written: VmHWM after reading / writing every parameter (plain only); after "
+        "import = VmRSS once torch, transformers and zero3_offload are imported; "
         f"peak anon = RssAnon sampled every {cfg['sample_interval_s'] * 1000:g} ms by the parent "
-        "(memory that must really exist: clean mapped file pages can be dropped). peak / model "
-        "fp32 and / rank's shard divide peak RSS by the model's fp32 bytes and by the rank's "
-        "shard bytes; peak / plain's by the plain case's peak on the same rank.",
+        "(memory that must really exist: clean mapped file pages can be dropped). / plain's "
+        "divides peak RSS by the plain case's on the same rank; / model fp32 and / rank's shard "
+        "divide peak - after import by the model's fp32 bytes and by the rank's shard bytes.",
     ]
     if payload.get("failed"):
         notes.append("FAILED: " + "; ".join(payload["failed"]))
     title = (
-        f"Loading a pretrained Llama ({model['params'] / 1e6:.0f}M parameters, "
-        f"{mib(model_bytes)} MiB fp32) on {cfg['world_size']} ranks: peak RSS per rank"
+        f"Loading a pretrained Llama ({model['params']:,} parameters, "
+        f"{mib(model_bytes, 1)} MiB fp32) on {cfg['world_size']} ranks: peak RSS per rank"
     )
     return Report(title, markdown_table(headers, rows), notes)

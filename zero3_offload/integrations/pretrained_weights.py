@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
+from zero3_offload.checkpoint.format import open_for_reading
 from zero3_offload.errors import CheckpointError, StateError
 from zero3_offload.logging import get_logger
 
@@ -196,7 +197,7 @@ class PretrainedWeights:
     def _open(self, path: Path) -> int:
         """Open ``path``; its position in ``_paths`` and ``_handles``."""
         try:
-            handle = safe_open(str(path), "pt")
+            handle = open_for_reading(path)  # pread: only the slices asked for are copied
         except (OSError, SafetensorError) as exc:
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
         self._paths.append(path)
