@@ -1,7 +1,11 @@
 """Consolidate a sharded checkpoint into one full fp32 state dict, tensor by tensor.
 
 The output loads with ``model.load_state_dict(..., strict=True)`` into the plain
-model (names as in ``model.named_parameters()``). For safetensors output the
+model (names as in ``model.named_parameters()``). A tied parameter (an embedding
+shared with the LM head) is stored once, under its first name, as
+``named_parameters()`` lists it: load such a model with ``strict=False`` (the
+tie carries the value to the other name), or export it with
+``zero3-offload export``. For safetensors output the
 header (every name, shape and byte range) is known from the checkpoint's
 metadata before any data is read, so the file is written in one pass: each
 parameter is assembled from the slices of the rank files that hold it
