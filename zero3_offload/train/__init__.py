@@ -1,4 +1,5 @@
-"""``zero3-offload train``: a byte-level GPT trained with ZeRO-3 and CPU offloading.
+"""``zero3-offload train``: a byte-level GPT (or, with ``--model``, a local transformers
+causal LM: ``hf``) trained with ZeRO-3 and CPU offloading.
 
 ``command`` registers the subcommand; ``options`` and ``sources`` turn flags,
 ``--config`` and ``--deepspeed-config`` (``deepspeed``) into the effective

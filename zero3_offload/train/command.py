@@ -30,6 +30,11 @@ download: it reads the Python standard library's own source as its text,
 trains on 2 local ranks for 300 steps (about two minutes on 2 CPU cores) and
 prints the evaluation loss before and after.
 
+--model DIR fine-tunes a local transformers causal LM instead: its config.json,
+its weights (model.safetensors or a sharded index; a config-only DIR starts
+from a random init drawn with --seed), and its tokenizer (without one, bytes are
+the tokens); --export OUT writes the result as a transformers directory.
+
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) each process
 joins that job instead of starting ranks: NCCL when CUDA is present, one GPU
 per local rank. Values come from the defaults, then --deepspeed-config, then
@@ -43,6 +48,7 @@ examples:
   zero3-offload train --out run1 --resume --steps 600  # continue to step 600
   zero3-offload train --config run.toml --lr 1e-3      # flags override the file
   zero3-offload train --deepspeed-config ds_config.json --print-config
+  zero3-offload train --model ./my-llama --data notes.txt --out run2 --export tuned
   torchrun --nproc-per-node 2 -m zero3_offload train --steps 3
   zero3-offload analyze run1/logs/*.jsonl              # per-layer timings
 """
@@ -52,7 +58,13 @@ _GROUPS = {
     "optimizer": "optimizer (the fields of OptimizerConfig; the learning rate is --lr)",
 }
 _METAVARS = {"int": "N", "size": "BYTES", "float": "X", "str": "VALUE"}
-_PATH_METAVARS = {"out": "DIR", "data": "PATH", "device": "DEVICE"}
+_PATH_METAVARS = {
+    "out": "DIR",
+    "data": "PATH",
+    "device": "DEVICE",
+    "model": "DIR",
+    "export": "DIR",
+}
 
 
 def _size(text: str) -> int:
@@ -85,7 +97,7 @@ def add_train(commands: Any) -> None:
     """Register ``train`` on the ``zero3-offload`` subcommands ``commands``."""
     parser = commands.add_parser(
         "train",
-        help="train a byte-level GPT with ZeRO-3 (local ranks or under torchrun)",
+        help="train a byte-level GPT, or fine-tune a transformers model, with ZeRO-3",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

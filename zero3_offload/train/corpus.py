@@ -3,15 +3,18 @@
 Every machine with Python has it, so the default run needs no download. The
 files are read in a fixed (sorted) order up to a size limit, so the corpus is
 the same on every run of the same Python; the last ``eval_fraction`` of it is
-held out for evaluation. Batches are drawn at positions that depend only on
-``(seed, split, step, micro-step, rank)``, so a resumed run continues exactly
-where the interrupted one stopped, whatever happened before.
+held out for evaluation. With a tokenizer (``--model`` with one),
+``ByteCorpus.tokenized`` turns each split into token ids. Batches are drawn
+at positions that depend only on ``(seed, split, step, micro-step, rank)``, so
+a resumed run continues exactly where the interrupted one stopped, whatever
+happened before.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -52,10 +55,11 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
 
 @attrs.frozen
 class ByteCorpus:
-    """Training and evaluation bytes as 1-D ``uint8`` tensors."""
+    """Training and evaluation tokens as 1-D tensors: bytes (``uint8``) as read, or
+    ``int64`` token ids after :meth:`tokenized`."""
 
-    train: torch.Tensor  # 1D uint8
-    eval: torch.Tensor  # 1D uint8
+    train: torch.Tensor  # 1D uint8 (bytes) or int64 (token ids)
+    eval: torch.Tensor  # 1D, as train
     source: str  # where the bytes came from, for the run's banner
 
     @classmethod
@@ -97,6 +101,31 @@ class ByteCorpus:
         source = f"{source}, {len(chunks)} files"
         return cls(train=tensor[:-n_eval], eval=tensor[-n_eval:], source=source)
 
+    def tokenized(self, encode: Callable[[str], list[int]]) -> ByteCorpus:
+        """This corpus as token ids: each split decoded as UTF-8 (invalid bytes replaced by
+        U+FFFD) and passed to ``encode``, separately, so no token spans both.
+
+        Args:
+            encode: text -> token ids (e.g. a tokenizer without special tokens).
+
+        Returns:
+            A corpus of ``int64`` ids with the same ``source``.
+
+        Raises:
+            InputError: when a split has fewer than 2 tokens.
+        """
+        splits = []
+        for name, data in (("train", self.train), ("eval", self.eval)):
+            text = data.numpy().tobytes().decode("utf-8", errors="replace")
+            ids = torch.tensor(encode(text), dtype=torch.int64)
+            if ids.numel() < 2:
+                raise InputError(
+                    f"{self.source}: the {name} text gives {ids.numel()} token(s), too few "
+                    "to train on: give more text"
+                )
+            splits.append(ids)
+        return ByteCorpus(train=splits[0], eval=splits[1], source=self.source)
+
     def batch(
         self,
         *,
@@ -117,11 +146,11 @@ class ByteCorpus:
             micro: the micro-step inside the step's accumulation window.
             rank: the data-parallel rank.
             batch_size: sequences in the batch.
-            seq_len: bytes per sequence.
+            seq_len: tokens per sequence (fewer when the split is shorter).
 
         Returns:
             ``(x, y)``, both ``int64`` of shape ``(batch_size, seq_len)``; ``y`` is
-            ``x`` shifted by one byte.
+            ``x`` shifted by one token.
         """
         data = self.train if split == "train" else self.eval
         span = min(seq_len, data.numel() - 1)

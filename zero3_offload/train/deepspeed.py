@@ -2,8 +2,10 @@
 
 The keys with a counterpart here are mapped (table below); every other key is
 listed as unsupported, with the reason where one is known, and ``"auto"`` values
-are ignored with a note. Values are not checked here: the options they become
-are validated like any other, and errors name the DeepSpeed key.
+(as in the configs written for the transformers integration) are ignored with a
+note, so the option keeps its value; so are the ``fp16`` loss-scaling keys when
+fp16 is not enabled. Values are not checked here: the options they become are
+validated like any other, and errors name the DeepSpeed key.
 
 =========================================================  ==================================
 DeepSpeed                                                  zero3-offload
@@ -72,7 +74,9 @@ _REASONS = {
     "allgather_partitions": "parameters are all-gathered per layer",
     "sub_group_size": "the optimizer steps one layer shard at a time",
     "stage3_max_reuse_distance": "prefetch follows the recorded execution order",
-    "stage3_gather_16bit_weights_on_model_save": "use zero3-offload consolidate",
+    "stage3_gather_16bit_weights_on_model_save": (
+        "--export DIR writes the model at the end (fp32); or zero3-offload export / consolidate"
+    ),
     "scheduler": "the schedule is --lr, --warmup-steps and cosine decay",
 }
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -242,6 +246,8 @@ def from_deepspeed(data: Mapping[str, Any], *, world_size: int) -> DeepSpeedMapp
     for key, value in _leaves(data):
         if value == "auto":
             out.notes.append(f"{key}='auto' ignored: the option keeps its default")
+        elif key.startswith("fp16.") and key != "fp16.enabled" and dtype != "float16":
+            out.notes.append(f"{key}={_show(value)} ignored: fp16 is not enabled")
         elif not _map_leaf(key, value, dtype, out):
             reason = _REASONS.get(key.rsplit(".", 1)[-1]) or _REASONS.get(key.split(".", 1)[0])
             out.skip(key, value, reason or "no counterpart in zero3-offload")

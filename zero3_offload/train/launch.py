@@ -34,6 +34,7 @@ from zero3_offload.comm import (
 )
 from zero3_offload.memory.allocator import set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
+from zero3_offload.train import hf
 from zero3_offload.train.loop import RankResult, RunSettings, TrainError, train_rank
 from zero3_offload.train.sources import OptionError, Resolved, in_torchrun
 
@@ -133,8 +134,11 @@ def launch(resolved: Resolved) -> int:
     """Train as ``resolved`` says; return the exit status (130 when interrupted).
 
     Raises:
-        OptionError: ``--resume`` without a checkpoint to resume from, or an
-            ``--out`` that holds checkpoints already without ``--resume``.
+        OptionError: ``--resume`` without a checkpoint to resume from, an
+            ``--out`` that holds checkpoints already without ``--resume``, a
+            ``--model`` that is not a transformers model directory (or does not
+            fit ``--seq-len``, or transformers is missing), or an ``--export``
+            directory that is not empty.
         TrainError: a user's mistake found by a rank.
         RankFailedError: a rank crashed (its traceback is in the message).
         KeyboardInterrupt: interrupted before training started.
@@ -148,6 +152,10 @@ def launch(resolved: Resolved) -> int:
             f"--out {opts.out} holds checkpoints already: add --resume to continue from "
             f"{latest.parent / latest.read_text().strip()}, or give another --out"
         )
+    if opts.model is not None:
+        hf.check_model_dir(opts.model, seq_len=opts.seq_len)
+    if opts.export is not None:
+        hf.check_export_dir(opts.export)
     bar = opts.progress if opts.progress is not None else sys.stdout.isatty()
     settings = RunSettings(train=opts, zero3=resolved.zero3, bar=bar)
     if in_torchrun():

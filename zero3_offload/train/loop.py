@@ -4,7 +4,11 @@ Each rank builds the GPT on the meta device and hands it to
 ``Zero3CpuOffloadManager.from_meta``, so no rank ever holds the whole model;
 then every step runs ``forward_pass``, the loss outside the manager,
 ``backward_pass`` (with the learning rate, so layer updates start during
-backward) and ``optimizer_step``, once per micro-step. Batches depend only on
+backward) and ``optimizer_step``, once per micro-step. With ``--model DIR`` the
+model is a transformers causal LM (see ``train.hf``) run in module mode: each
+micro-step is ``forward(input_ids=x, labels=x)`` (transformers computes the
+shifted loss), ``backward(out.loss)`` and ``optimizer_step``; ``--export`` ends
+the run with ``save_pretrained``. Batches depend only on
 ``(seed, step, micro-step, rank)``, so a resumed run sees the data the
 uninterrupted run would have seen.
 
@@ -22,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -30,9 +35,17 @@ import torch.nn.functional as F
 from zero3_offload import logging as zlogging
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.config import Zero3CpuOffloadConfig
-from zero3_offload.errors import CheckpointError, ConfigError, MemoryBudgetError, Zero3Error
+from zero3_offload.errors import (
+    CheckpointError,
+    ConfigError,
+    InputError,
+    MemoryBudgetError,
+    Zero3Error,
+)
 from zero3_offload.manager import Zero3CpuOffloadManager
+from zero3_offload.parameter.flat_layout import total_numel
 from zero3_offload.testing import RankContext
+from zero3_offload.train import hf
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
 from zero3_offload.train.model import GPT, GPTShape
 from zero3_offload.train.options import TrainOptions
@@ -68,6 +81,7 @@ class RankResult:
     final_eval: float | None
     interrupted: bool
     checkpoint: str | None  # the last checkpoint saved
+    exported: str | None = None  # the --export directory, once written
 
 
 def learning_rate(step: int, options: TrainOptions) -> float:
@@ -118,16 +132,31 @@ class _StopFlag:
 
 
 class _Trainer:
-    def __init__(self, ctx: RankContext, run: RunSettings, manager: Zero3CpuOffloadManager) -> None:
+    def __init__(
+        self,
+        ctx: RankContext,
+        run: RunSettings,
+        manager: Zero3CpuOffloadManager,
+        tokenizer: Any | None = None,
+    ) -> None:
         self.ctx, self.run, self.opts, self.manager = ctx, run, run.train, manager
+        self.tokenizer = tokenizer  # --model's tokenizer; None: bytes are the tokens
+        self.hf = run.train.model is not None  # module mode: the model computes the loss
         self.names = list(manager.layer_names)
         self.comm = Collectives(
             ctx.group, device=manager.device, timeout_s=run.zero3.collective_timeout_s
         )
         opts = self.opts
-        self.corpus = ByteCorpus.load(
-            data=Path(opts.data) if opts.data else None, max_bytes=int(opts.corpus_mb * 1e6)
-        )
+        try:
+            self.corpus = ByteCorpus.load(
+                data=Path(opts.data) if opts.data else None, max_bytes=int(opts.corpus_mb * 1e6)
+            )
+            if self.hf:
+                assert manager.model is not None  # module mode
+                vocab = hf.vocab_size(manager.model)
+                self.corpus = hf.tokenize(self.corpus, tokenizer, vocab)
+        except (ConfigError, InputError) as exc:
+            raise TrainError(str(exc)) from exc
         self.checkpoints = Path(opts.out) / "checkpoints" if opts.out else None
         accum = run.zero3.gradient_accumulation_steps
         self.reporter = Reporter(
@@ -160,28 +189,63 @@ class _Trainer:
         await self.comm.all_reduce_sum(t)
         return [v / self.ctx.world_size for v in t.tolist()]
 
+    async def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():  # forward only: the manager keeps nothing for backward
+            if self.hf:
+                out = await self.manager.forward(input_ids=x, labels=x, use_cache=False)
+                return float(out.loss.item())
+            out = await self.manager.forward_pass(x, self.names)
+        loss, _ = self._loss(out, y)
+        return loss.item()
+
     async def evaluate(self) -> float:
-        total = 0.0
-        for i in range(self.opts.eval_batches):
-            x, y = self._batch("eval", i, 0)
-            with torch.no_grad():  # forward only: the manager keeps nothing for backward
-                out = await self.manager.forward_pass(x, self.names)
-            loss, _ = self._loss(out, y)
-            total += loss.item()
+        model = self.manager.model if self.hf else None
+        if model is not None:
+            model.eval()  # no dropout while evaluating
+        try:
+            total = 0.0
+            for i in range(self.opts.eval_batches):
+                total += await self._eval_loss(*self._batch("eval", i, 0))
+        finally:
+            if model is not None:
+                model.train()
         (mean,) = await self.mean(total / self.opts.eval_batches)
         return mean
+
+    async def _micro_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+        """Forward and backward of one micro-batch; its loss."""
+        if self.hf:
+            # transformers shifts the labels itself: seq_len - 1 predictions per sequence.
+            out = await self.manager.forward(input_ids=x, labels=x, use_cache=False)
+            await self.manager.backward(out.loss)
+            return float(out.loss.item())
+        out = await self.manager.forward_pass(x, self.names)
+        loss, logits = self._loss(out, y)
+        loss.backward()
+        await self.manager.backward_pass(logits.grad, self.names, learning_rate=lr)
+        return loss.item()
 
     async def train_step(self, step: int, lr: float) -> float:
         losses = []
         for micro in range(self.run.zero3.gradient_accumulation_steps):
-            x, y = self._batch("train", step, micro)
-            out = await self.manager.forward_pass(x, self.names)
-            loss, logits = self._loss(out, y)
-            loss.backward()
-            await self.manager.backward_pass(logits.grad, self.names, learning_rate=lr)
+            losses.append(await self._micro_step(*self._batch("train", step, micro), lr))
             await self.manager.optimizer_step(lr)
-            losses.append(loss.item())
         return sum(losses) / len(losses)
+
+    async def export(self) -> str | None:
+        """Write ``--export`` (a collective): the model, and on rank 0 its tokenizer."""
+        target = self.opts.export
+        if target is None:
+            return None
+        try:
+            path = await self.manager.save_pretrained(target)
+            if self.ctx.rank == 0 and self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(path))
+        except (CheckpointError, OSError) as exc:
+            raise TrainError(f"--export {target}: {exc}") from exc
+        what = "model and tokenizer" if self.tokenizer is not None else "model (bytes as tokens)"
+        self.reporter.line(f"exported the {what} to {path}")
+        return str(path)
 
     async def save(self) -> str | None:
         if self.checkpoints is None:
@@ -206,7 +270,7 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
     first = await trainer.resume() if opts.resume else 0
     if first >= opts.steps:
         rep.line(f"the checkpoint is at step {first} and --steps is {opts.steps}: nothing to do")
-        return RankResult(first, first, None, None, False, None)
+        return RankResult(first, first, None, None, False, None, await trainer.export())
     initial = await trainer.evaluate()
     rep.line(f"step {first}: eval loss {initial:.4f}")
     saved, done, interrupted, started = None, first, False, time.perf_counter()
@@ -243,7 +307,12 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
     )
     if interrupted:
         rep.line("resume with --resume" if saved else "nothing saved: give --out DIR to keep it")
-    return RankResult(first, done, initial, final, interrupted, saved)
+        if opts.export:
+            rep.line(f"not exported to {opts.export}: the run did not reach --steps")
+        exported = None
+    else:
+        exported = await trainer.export()
+    return RankResult(first, done, initial, final, interrupted, saved, exported)
 
 
 async def train_rank(ctx: RankContext, run: RunSettings) -> RankResult:
@@ -251,7 +320,10 @@ async def train_rank(ctx: RankContext, run: RunSettings) -> RankResult:
 
     Raises:
         TrainError: for a user's mistake (a budget too small for the model, a
-            checkpoint of another model, CUDA asked for but absent).
+            checkpoint of another model, CUDA asked for but absent; with
+            ``--model``: weights that do not match config.json, a tokenizer that
+            cannot be loaded or gives ids beyond the vocabulary, an ``--export``
+            that cannot be written).
     """
     opts = run.train
     if opts.out:
@@ -261,6 +333,8 @@ async def train_rank(ctx: RankContext, run: RunSettings) -> RankResult:
     stop = _StopFlag(run.stop_file, announce=ctx.rank == 0 and run.stop_file is None)
     stop.install()
     try:
+        if opts.model is not None:
+            return await _train_hf(ctx, run, stop, opts.model)
         shape = GPTShape(
             seq_len=opts.seq_len, d_model=opts.d_model, layers=opts.layers, heads=opts.heads
         )
@@ -276,6 +350,44 @@ async def train_rank(ctx: RankContext, run: RunSettings) -> RankResult:
             return await _loop(trainer, stop)
     finally:
         stop.uninstall()
+
+
+async def _train_hf(ctx: RankContext, run: RunSettings, stop: _StopFlag, model: str) -> RankResult:
+    """Fine-tune the transformers model of ``--model`` (see ``train.hf``)."""
+    try:
+        tokenizer = hf.load_tokenizer(model)
+        manager = hf.build_manager(run.zero3, ctx.group, model, seed=run.train.seed)
+    except (ConfigError, CheckpointError, MemoryBudgetError) as exc:
+        raise TrainError(flagify(str(exc))) from exc
+    async with manager:
+        trainer = _Trainer(ctx, run, manager, tokenizer)
+        _hf_banner(trainer, model)
+        return await _loop(trainer, stop)
+
+
+def _hf_banner(trainer: _Trainer, directory: str) -> None:
+    ctx, opts, corpus, rep = trainer.ctx, trainer.opts, trainer.corpus, trainer.reporter
+    model = trainer.manager.model
+    assert model is not None  # module mode
+    backend = "nccl" if trainer.manager.device.type == "cuda" else "gloo"
+    count = total_numel(trainer.manager.engine.layouts)
+    start = "pretrained weights" if hf.has_weights(directory) else f"random init (seed {opts.seed})"
+    rep.line(
+        f"{type(model).__name__} from {directory} with {count / 1e6:.2f}M parameters, starting "
+        f"from {start}, on {ctx.world_size} rank(s) ({backend}, {trainer.manager.device}); each "
+        f"rank holds 1/{ctx.world_size} of the parameters, gradients and optimizer state"
+    )
+    tokens = (
+        f"{type(trainer.tokenizer).__name__} of {directory}"
+        if trainer.tokenizer is not None
+        else "bytes as tokens: no tokenizer in the model directory"
+    )
+    accumulation = " x accumulation" if trainer.run.zero3.gradient_accumulation_steps > 1 else ""
+    rep.line(
+        f"data: {corpus.source}: {corpus.train.numel() / 1e6:.3f}M train tokens, "
+        f"{corpus.eval.numel() / 1e6:.3f}M eval tokens ({tokens}); {rep.tokens_per_step} tokens "
+        f"per step ({opts.batch_size} x {opts.seq_len} tokens per rank{accumulation})"
+    )
 
 
 def _banner(trainer: _Trainer, shape: GPTShape) -> None:

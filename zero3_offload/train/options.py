@@ -49,14 +49,22 @@ class TrainOptions:
     """Optimizer steps of the whole run; a resumed run continues up to this step."""
     batch_size: int = int_field(8, 1, "sequences")
     """Sequences per rank per micro-step."""
-    seq_len: int = int_field(128, 2, "bytes")
-    """Bytes per training sequence (the model's context length)."""
+    seq_len: int = int_field(128, 2, "tokens")
+    """Tokens per training sequence, bytes for the built-in GPT (the model's context length)."""
+    model: str | None = attrs.field(default=None, validator=_optional_str)
+    """Fine-tune the transformers causal LM of this local directory (config.json; weights
+    from model.safetensors or its index, else random init; its tokenizer, else bytes as
+    tokens) instead of the built-in byte-level GPT."""
+    export: str | None = attrs.field(default=None, validator=_optional_str)
+    """At the end, write the trained model (and its tokenizer) here as a transformers
+    directory that AutoModelForCausalLM.from_pretrained loads (needs model; must not exist
+    or be empty)."""
     d_model: int = int_field(128, 1)
-    """Width of the model."""
+    """Width of the built-in GPT (not used with model)."""
     layers: int = int_field(4, 1, "blocks")
-    """Transformer blocks."""
+    """Transformer blocks of the built-in GPT (not used with model)."""
     heads: int = int_field(4, 1)
-    """Attention heads; must divide d_model."""
+    """Attention heads of the built-in GPT; must divide d_model (not used with model)."""
     lr: float = float_field(3e-3, "> 0", lambda v: v > 0)
     """Peak learning rate, reached after warmup_steps, then cosine decay to a tenth."""
     warmup_steps: int = int_field(20, 0, "steps")
@@ -92,6 +100,11 @@ class TrainOptions:
             raise ConfigError(f"heads={self.heads} is invalid: must divide d_model={self.d_model}")
         if self.resume and self.out is None:
             raise ConfigError("resume=True is invalid: give out=DIR, where the checkpoints are")
+        if self.export is not None and self.model is None:
+            raise ConfigError(
+                f"export={self.export} is invalid: only a transformers model (model=DIR) "
+                "is exported; the built-in GPT's checkpoints are in out=DIR"
+            )
 
 
 @attrs.frozen
