@@ -112,6 +112,31 @@ async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     }
 
 
+async def generate(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Launcher target (a rank): greedy decoding under ZeRO-3, units kept gathered between
+    decoding steps within the budget, and gathered at every step; tokens/s of each."""
+    import torch
+
+    import zero3_offload as z
+
+    group = await z.init_process_group_from_env("gloo")
+    manager = z.Zero3CpuOffloadManager.from_pretrained(
+        z.Zero3CpuOffloadConfig(), group, spec["model_dir"]
+    )
+    prompt = torch.arange(16).view(1, 16)
+    out: dict[str, Any] = {"budget_bytes": manager.config.gpu_param_memory_budget}
+    tokens = {}
+    for keep in (True, False, True):  # the first run warms up
+        t0 = time.perf_counter()
+        ids = await manager.generate(prompt, max_new_tokens=16, do_sample=False, keep_gathered=keep)
+        out[f"keep_gathered={keep}"] = 16 / (time.perf_counter() - t0)
+        tokens[keep] = ids[0].tolist()
+    out["same_tokens"] = tokens[True] == tokens[False]
+    await manager.close()
+    z.destroy_process_group()
+    return out
+
+
 def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Launcher target (one of 2 processes): the whole model, as every rank loads it alone;
     then every weight read once and written once in place (marks ``read``, ``written``)."""
@@ -177,6 +202,10 @@ def run(args: Any) -> dict[str, Any] | None:
             return f"load {loads} s, peak RSS {peaks} MiB"
 
         runs = run_plan(plan(list(CASES), n_rounds), one, describe)
+        decoded = launch(
+            "suites.pretrained_load:generate", base, work / "generate", world=WORLD, timeout_s=900
+        )
+        progress(f"generate: {decoded['ranks'][0] if decoded['ok'] else decoded['error']}")
     failed = [f"{r['key']} (round {r['round']}): {r['error']}" for r in runs if not r["ok"]]
     if not any(r["ok"] for r in runs):
         progress("no case produced a result")
@@ -201,6 +230,7 @@ def run(args: Any) -> dict[str, Any] | None:
         },
         "model": {"params": params, "fp32_bytes": 4 * params, "saved": saved["ranks"][0]},
         "rounds": rounds,
+        "generate": decoded["ranks"][0] if decoded["ok"] else None,
         "failed": failed,
         "total_wall_s": time.perf_counter() - started,
     }
@@ -300,6 +330,15 @@ def report(payload: dict[str, Any]) -> Report:
         "divides peak RSS by the plain case's on the same rank; / model fp32 and / rank's shard "
         "divide peak - after import by the model's fp32 bytes and by the rank's shard bytes.",
     ]
+    if gen := payload.get("generate"):
+        notes.append(
+            "generate (rank 0, 2 ranks, the loaded model, default config: budget "
+            f"{mib(gen['budget_bytes'])} MiB): greedy, 16 new tokens after 16, "
+            f"{gen['keep_gathered=True']:.2f} tokens/s with units kept gathered between decoding "
+            f"steps vs {gen['keep_gathered=False']:.2f} tokens/s gathering them at every step "
+            f"({gen['keep_gathered=True'] / gen['keep_gathered=False']:.2f}x); same tokens: "
+            f"{gen['same_tokens']}."
+        )
     if payload.get("failed"):
         notes.append("FAILED: " + "; ".join(payload["failed"]))
     title = (

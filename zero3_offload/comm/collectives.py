@@ -7,6 +7,13 @@ keeps running other tasks (prefetches, CPU work) while the collective is in
 flight. A collective that does not complete within the timeout raises
 :class:`CommunicationError` naming the op and the group.
 
+Launching is off the loop too: some backends do real work when a collective
+is launched (gloo's reduce-scatter of a 250 MB buffer spends about half a
+second in the launch call), so every launch is handed, in program order, to
+one *launcher thread* per group, which calls the backend in that same order on
+every rank. On CUDA the launch runs on the stream that was current where
+``start_*`` was called.
+
 Backend differences are settled once per group, by capability, in
 :class:`Collectives`: which tensor-level all-gather / reduce-scatter functions the
 installed torch offers, and whether the backend accepts ``ReduceOp.AVG`` for
@@ -16,8 +23,10 @@ reduce-scatter. Nothing else in the library looks at the backend's name.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as _dt
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -69,18 +78,46 @@ def _probe(group: dist.ProcessGroup, device: torch.device) -> _Capabilities:
     )
 
 
-class PendingCollective:
-    """A launched collective; :meth:`wait` may be awaited any number of times.
+class _Launcher:
+    """One daemon thread that calls queued functions in order (a daemon, so a launch
+    stuck on a dead peer never keeps the process from exiting)."""
 
-    Collectives are launched synchronously, in program order, so every rank
-    issues them in the same order whatever the event loop schedules; only the
-    waiting is asynchronous.
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits for the launch
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return future
+
+
+class PendingCollective:
+    """A collective handed to the launcher; :meth:`wait` may be awaited any number of times.
+
+    Collectives are queued in program order and launched in that order by the
+    group's launcher thread, so every rank issues them in the same order
+    whatever the event loop schedules; the launch and the waiting are both off
+    the event loop.
     """
 
-    def __init__(self, *, op: str, work: Any, nbytes: int, comm: Collectives) -> None:
+    def __init__(
+        self, *, op: str, launched: concurrent.futures.Future[Any], nbytes: int, comm: Collectives
+    ) -> None:
         self.op = op
         self.nbytes = nbytes
-        self._work = work
+        self._launched: concurrent.futures.Future[Any] | None = launched  # -> the backend's Work
         self._comm = comm
         self._after: list[Callable[[], object]] = []
         self._started = time.perf_counter()
@@ -91,7 +128,12 @@ class PendingCollective:
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (without waiting)."""
-        return self._finished or bool(self._work is not None and self._work.is_completed())
+        launched = self._launched
+        if self._finished or launched is None:
+            return self._finished
+        if not launched.done() or launched.exception() is not None:
+            return False
+        return bool(launched.result().is_completed())
 
     def then(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the event loop right after the collective completes."""
@@ -119,27 +161,26 @@ class PendingCollective:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(settle, exc)
 
-            future = self._comm._work_future(self.op, self._work)
-            if future is None:
-                # This backend gives no future for this op: a thread waits. A
-                # daemon thread, not the loop's default executor: after a timeout
-                # the wait may last until the group's own timeout, and
-                # asyncio.run() joins the default executor's threads on exit,
-                # which would hang the process that reported the timeout.
-                work = self._work  # the attribute is dropped once the op completes
+            def watch(work: Any) -> None:
+                future = self._comm._work_future(self.op, work)
+                if future is None:
+                    # This backend gives no future for this op: a thread waits. A
+                    # daemon thread, not the loop's default executor: after a
+                    # timeout the wait may last until the group's own timeout, and
+                    # asyncio.run() joins the default executor's threads on exit,
+                    # which would hang the process that reported the timeout.
+                    def wait_work() -> None:
+                        try:
+                            work.wait()
+                        except Exception as exc:
+                            settle_from_thread(exc)
+                        else:
+                            settle_from_thread(None)
 
-                def wait_work() -> None:
-                    try:
-                        work.wait()
-                    except Exception as exc:
-                        settle_from_thread(exc)
-                    else:
-                        settle_from_thread(None)
-
-                threading.Thread(
-                    target=wait_work, name=f"zero3-{self.op}-wait", daemon=True
-                ).start()
-            else:
+                    threading.Thread(
+                        target=wait_work, name=f"zero3-{self.op}-wait", daemon=True
+                    ).start()
+                    return
 
                 def on_done(fut: torch.futures.Future) -> None:
                     try:
@@ -150,6 +191,17 @@ class PendingCollective:
                         settle_from_thread(None)
 
                 future.add_done_callback(on_done)
+
+            def on_launched(launched: concurrent.futures.Future[Any]) -> None:
+                # On the launcher thread (or here, when already launched).
+                exc = launched.exception()
+                if exc is not None:
+                    settle_from_thread(RuntimeError(f"failed to start: {exc}"))
+                else:
+                    watch(launched.result())
+
+            assert self._launched is not None
+            self._launched.add_done_callback(on_launched)
             self._done = done
         return self._done
 
@@ -176,12 +228,13 @@ class PendingCollective:
         if self._finished:  # another waiter finished it meanwhile
             return
         self._finished = True
+        assert self._launched is not None
         # Orders the current CUDA stream after NCCL's; a no-op on gloo.
-        self._work.wait()
+        self._launched.result().wait()
         # Drop the Work now: it holds the backend's buffers for the op (gloo
         # keeps full-size staging copies), which would otherwise live as long
         # as this object, e.g. until the end of a backward pass.
-        self._work = None
+        self._launched = None
         self.completed_at = time.perf_counter()
         self.seconds = self.completed_at - self._started
         if self._comm.observer is not None:
@@ -215,6 +268,7 @@ class Collectives:
         # (gloo's reduce-scatter does not); learned on first use.
         self._has_future: dict[str, bool] = {}
         self._caps = _probe(group, device)
+        self._launcher = _Launcher(f"zero3-launch-{self.rank}")
 
     def _work_future(self, op: str, work: Any) -> torch.futures.Future | None:
         if self._has_future.get(op, True):
@@ -228,13 +282,16 @@ class Collectives:
         return None
 
     def _start(self, op: str, launch: Callable[[], Any], nbytes: int) -> PendingCollective:
-        try:
-            work = launch()
-        except Exception as exc:
-            raise CommunicationError(
-                f"{op} of {nbytes} bytes on the {_group_label(self.group)} failed to start: {exc}"
-            ) from exc
-        return PendingCollective(op=op, work=work, nbytes=nbytes, comm=self)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        def launch_on_stream() -> Any:
+            if stream is None:
+                return launch()
+            with torch.cuda.stream(stream):
+                return launch()
+
+        launched = self._launcher.submit(launch_on_stream)
+        return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self)
 
     def start_all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> PendingCollective:
         """Launch the gather of every rank's ``shard`` into ``output`` (rank order)."""
@@ -309,7 +366,10 @@ class Collectives:
         """Synchronous broadcast, for constructors that cannot await."""
         global_src = dist.get_global_rank(self.group, src)
         try:
-            work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
+            # Through the launcher, behind any collective queued before it.
+            work = self._launcher.submit(
+                lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
+            ).result()
             if not work.wait(timeout=_dt.timedelta(seconds=self.timeout_s)):
                 raise TimeoutError(f"no completion within {self.timeout_s:g} s")
         except Exception as exc:
