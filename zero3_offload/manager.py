@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio.to_thread
 import torch
@@ -48,6 +49,25 @@ from zero3_offload.stats.performance import Zero3PerformanceStats
 __all__ = ["Zero3CpuOffloadManager"]
 
 log = get_logger(__name__)
+
+_Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
+
+
+def _flushed(method: _Method) -> _Method:
+    """Return from ``method`` only once every collective it queued has been launched.
+
+    The caller may call torch.distributed on the group itself next; see the
+    launcher in ``comm.collectives``.
+    """
+
+    @functools.wraps(method)
+    async def wrapper(manager: Zero3CpuOffloadManager, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(manager, *args, **kwargs)
+        finally:
+            await manager.engine.comm.flush()
+
+    return wrapper  # type: ignore[return-value]
 
 
 class Zero3CpuOffloadManager:
@@ -254,6 +274,7 @@ class Zero3CpuOffloadManager:
 
     # ----------------------------------------------------------------- passes
 
+    @_flushed
     async def forward_pass(self, x: torch.Tensor, layer_names: Sequence[str]) -> torch.Tensor:
         """Run ``layer_names`` in order on ``x``; keep what backward needs.
 
@@ -317,6 +338,7 @@ class Zero3CpuOffloadManager:
         self._engine.stats.record_layer(name, phase, t1 - t0)
         self._engine.timeline.record("compute", name, phase, t0, t1)
 
+    @_flushed
     async def backward_pass(
         self,
         grad_output: torch.Tensor,
@@ -450,6 +472,7 @@ class Zero3CpuOffloadManager:
             )
         return runner
 
+    @_flushed
     async def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's own forward, ``model(*args, **kwargs)``, under ZeRO-3 (module mode).
 
@@ -492,6 +515,7 @@ class Zero3CpuOffloadManager:
         e.stats.total_forward_time += time.perf_counter() - started
         return out
 
+    @_flushed
     async def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate this rank's ``loss`` through the last :meth:`forward` (module mode).
 
@@ -554,6 +578,7 @@ class Zero3CpuOffloadManager:
         e.stats.backward_passes += 1
         e.stats.total_backward_time += time.perf_counter() - started
 
+    @_flushed
     async def generate(
         self, input_ids: torch.Tensor, *, keep_gathered: bool = True, **kwargs: Any
     ) -> Any:
@@ -592,6 +617,7 @@ class Zero3CpuOffloadManager:
         out, _ = await runner.run_forward(phase, (input_ids.to(e.device),), kwargs, call="generate")
         return out
 
+    @_flushed
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
 
@@ -662,6 +688,7 @@ class Zero3CpuOffloadManager:
 
     # ----------------------------------------------------------- state, stats
 
+    @_flushed
     async def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's full fp32 value, on every rank (a collective).
 
@@ -688,6 +715,7 @@ class Zero3CpuOffloadManager:
             for pname, view in layout.unflatten(full)
         ]
 
+    @_flushed
     async def save_pretrained(
         self,
         directory: str | os.PathLike[str],
@@ -784,6 +812,7 @@ class Zero3CpuOffloadManager:
         """What the prefetcher holds now: gathers in flight, queued look-ahead, bytes."""
         return self._engine.prefetch.status()
 
+    @_flushed
     async def force_memory_optimization(self) -> int:
         """Free every gathered layer not in use now (persistent ones too) and collect garbage.
 
@@ -800,6 +829,7 @@ class Zero3CpuOffloadManager:
         log.info("memory_optimized", rank=self.rank, freed_bytes=freed)
         return freed
 
+    @_flushed
     async def adapt_performance(self) -> int:
         """Adapt the prefetch depth to measured gather and compute times (a collective).
 
@@ -824,6 +854,7 @@ class Zero3CpuOffloadManager:
         )
         return depth
 
+    @_flushed
     async def reset_state(self) -> None:
         """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""
         self._check_open()
@@ -836,6 +867,7 @@ class Zero3CpuOffloadManager:
 
     # ------------------------------------------------------------ checkpoints
 
+    @_flushed
     async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Save this rank's shards and the run's counters under ``path`` (a collective).
 
@@ -863,6 +895,7 @@ class Zero3CpuOffloadManager:
             path, calls_since_update=self._state.calls_since_update
         )
 
+    @_flushed
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Load a checkpoint saved at any world size (a collective).
 

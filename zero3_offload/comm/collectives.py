@@ -12,7 +12,10 @@ is launched (gloo's reduce-scatter of a 250 MB buffer spends about half a
 second in the launch call), so every launch is handed, in program order, to
 one *launcher thread* per group, which calls the backend in that same order on
 every rank. On CUDA the launch runs on the stream that was current where
-``start_*`` was called.
+``start_*`` was called. Code outside the library may call torch.distributed on
+the same group directly (a loss all-reduce, transformers' ``synced_gpus``), so
+before control returns to such code the queue is flushed (:meth:`Collectives.flush`):
+every collective queued so far has been launched.
 
 Backend differences are settled once per group, by capability, in
 :class:`Collectives`: which tensor-level all-gather / reduce-scatter functions the
@@ -292,6 +295,14 @@ class Collectives:
 
         launched = self._launcher.submit(launch_on_stream)
         return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self)
+
+    async def flush(self) -> None:
+        """Wait (off the loop) until every collective queued so far has been launched."""
+        await asyncio.wrap_future(self._launcher.submit(lambda: None))
+
+    def flush_blocking(self) -> None:
+        """:meth:`flush` for a thread other than the event loop's."""
+        self._launcher.submit(lambda: None).result()
 
     def start_all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> PendingCollective:
         """Launch the gather of every rank's ``shard`` into ``output`` (rank order)."""

@@ -268,6 +268,7 @@ def build_engine(
             gatherer=gatherer,
             prefetch=prefetch,
             reducer=reducer,
+            comm=comm,
             recompute=config.activation_checkpointing,
             stats=stats,
             timeline=timeline,

@@ -51,6 +51,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zero3_offload.comm.collectives import Collectives
 from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot, PendingGradient
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
@@ -111,6 +112,7 @@ class ModuleRunner:
         gatherer: gathers and releases units.
         prefetch: orders gathers under the budget.
         reducer: reduce-scatters units' gradients.
+        comm: the group's collectives (flushed before the model's code runs).
         recompute: wrap every unit's forward in (non-reentrant) activation
             checkpointing.
         stats: per-layer compute times.
@@ -126,6 +128,7 @@ class ModuleRunner:
         gatherer: ParameterGatherer,
         prefetch: PrefetchScheduler,
         reducer: GradientReducer,
+        comm: Collectives,
         recompute: bool,
         stats: Zero3PerformanceStats,
         timeline: Timeline,
@@ -135,6 +138,7 @@ class ModuleRunner:
         self._gatherer = gatherer
         self._prefetch = prefetch
         self._reducer = reducer
+        self._comm = comm
         self._stats = stats
         self._timeline = timeline
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
@@ -173,6 +177,7 @@ class ModuleRunner:
                 "run it through `await manager.forward(...)` / `await manager.backward(loss)`"
             )
         result = asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self._comm.flush_blocking()  # the model's code may call torch.distributed itself
         self._storages = self._gatherer.gathered_storages()
         return result
 
@@ -180,6 +185,7 @@ class ModuleRunner:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._storages = self._gatherer.gathered_storages()
+        await self._comm.flush()
         done = self._loop.run_in_executor(self._executor, fn)
         try:
             return await asyncio.shield(done)

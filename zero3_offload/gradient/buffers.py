@@ -15,10 +15,9 @@ class GradientBuffers:
 
     ``depth`` buffers let the reduce-scatter of ``depth - 1`` layers stay in
     flight while the next layer's gradients are written. A slot is taken from
-    :meth:`acquire` until :meth:`hold` hands it to its reduce-scatter (or
-    :meth:`free`); when every slot is taken (module mode can have several
-    units' gradients open at once) a fresh buffer outside the pool is handed
-    out under slot ``-1``.
+    :meth:`acquire` until :meth:`hold` hands it to its reduce-scatter; when
+    every slot is taken (module mode can have several units' gradients open
+    at once) a fresh buffer outside the pool is handed out under slot ``-1``.
 
     Args:
         numel: elements of each buffer (a larger request gets a fresh buffer).
@@ -66,11 +65,14 @@ class GradientBuffers:
             self._busy[slot] = collective
             self._taken[slot] = False
 
-    def free(self, slot: int) -> None:
-        """Mark ``slot`` as free (its collective completed, or it is given back unused)."""
-        if slot >= 0:
+    def free(self, slot: int, collective: PendingCollective) -> None:
+        """``collective`` (held by ``slot``) completed: the slot is no longer read.
+
+        A no-op when the slot was taken again since (its new owner waited for
+        ``collective`` already and is writing it now).
+        """
+        if slot >= 0 and self._busy[slot] is collective:
             self._busy[slot] = None
-            self._taken[slot] = False
 
     def untake_all(self) -> None:
         """Forget slots taken by a pass that failed before launching their reduce-scatter."""

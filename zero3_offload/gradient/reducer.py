@@ -169,7 +169,7 @@ class GradientReducer:
         when the collective completes.
         """
         await pending.collective.wait()
-        self._buffers.free(pending.slot)
+        self._buffers.free(pending.slot, pending.collective)
         self._timeline.record(
             "reduce-scatter",
             pending.layer,
