@@ -421,6 +421,7 @@ class Zero3CpuOffloadManager:
                         landing = e.reducer.finish(p)
                     landings.append(asyncio.ensure_future(landing))
                 e.prefetch.finish_use(order, i)
+            e.reducer.end_pass()
             waited = time.perf_counter()
             results = await asyncio.gather(*landings)
             # Waits for every layer's reduce-scatter (and early update): no single layer's.

@@ -93,12 +93,13 @@ class _Launcher:
     def _run(self) -> None:
         while True:
             fn, future = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits for the launch
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to whoever waits for the launch
+                    future.set_exception(exc)
+            # The launch's closure holds its tensors: not until the next launch.
+            del fn, future
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()

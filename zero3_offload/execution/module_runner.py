@@ -91,6 +91,7 @@ class UnitPass:
     kept: dict[int, int] = attrs.Factory(dict)  # storage pointer -> bytes saved for backward
     expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to land
     done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
+    units_left: int = 0  # backward: non-root units of the forward not done yet
     slots: dict[str, GradientSlot] = attrs.Factory(dict)  # backward: buffers taken at entry
     pending: list[PendingGradient] = attrs.Factory(list)
     landings: list[asyncio.Future[torch.Tensor]] = attrs.Factory(list)
@@ -268,6 +269,7 @@ class ModuleRunner:
         predicted = trace.order("backward") or self._predict_backward(forward_units)
         unit_pass = UnitPass(phase="backward", predicted=predicted)
         unit_pass.expected = self._count_gradients(loss)
+        unit_pass.units_left = sum(u != self._root for u in forward_units)
         self._reducer.begin_pass()
         await self._prefetch.begin_recorded_pass("backward", predicted)
         self.current = unit_pass
@@ -390,6 +392,14 @@ class ModuleRunner:
                 self._prefetch.finish_unit(unit, ())
             else:
                 self._prefetch.finish_use(order, i)
+        if unit != self._root:
+            p.units_left -= 1
+        if p.units_left == 0:
+            # No other unit is gathered in this backward (the root's gradient
+            # is the last to complete): reusable buffers, and the root's
+            # released parameters, would only add to the backward's peak.
+            self._gatherer.clear_pool()
+            self._reducer.end_pass()
 
     def _record_compute(self, unit: str, phase: str, t0: float | None) -> None:
         p = self.current

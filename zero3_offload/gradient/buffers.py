@@ -26,9 +26,9 @@ class GradientBuffers:
     """
 
     def __init__(self, *, numel: int, device: torch.device, depth: int = 2) -> None:
-        self._buffers = [
-            torch.empty(numel, dtype=torch.float32, device=device) for _ in range(depth)
-        ]
+        self._numel = numel
+        # Allocated on first use, dropped by trim() between backward passes.
+        self._buffers: list[torch.Tensor | None] = [None] * depth
         self._busy: list[PendingCollective | None] = [None] * depth  # reading each slot
         self._taken = [False] * depth  # acquired, gradients being written (not yet held)
         self._device = device
@@ -44,7 +44,7 @@ class GradientBuffers:
         free = [
             k % depth for k in range(self._next, self._next + depth) if not self._taken[k % depth]
         ]
-        if not free or numel > self._buffers[0].numel():
+        if not free or numel > self._numel:
             return self.fresh(numel)
         slot = free[0]
         self._next = (slot + 1) % depth
@@ -53,7 +53,11 @@ class GradientBuffers:
         if pending is not None:
             await pending.wait()
         self._busy[slot] = None
-        return slot, self._buffers[slot][:numel]
+        buffer = self._buffers[slot]
+        if buffer is None:
+            buffer = torch.empty(self._numel, dtype=torch.float32, device=self._device)
+            self._buffers[slot] = buffer
+        return slot, buffer[:numel]
 
     def fresh(self, numel: int) -> tuple[int, torch.Tensor]:
         """A buffer outside the pool (slot ``-1``), for a layer larger than the pool's."""
@@ -74,10 +78,18 @@ class GradientBuffers:
         if slot >= 0 and self._busy[slot] is collective:
             self._busy[slot] = None
 
+    def trim(self) -> None:
+        """Drop the buffers no layer is writing (after the last reduce-scatter of a backward):
+        they are allocated again when the next backward needs them. One still read by a
+        reduce-scatter in flight is freed when that completes."""
+        self._buffers = [
+            b if taken else None for b, taken in zip(self._buffers, self._taken, strict=True)
+        ]
+
     def untake_all(self) -> None:
         """Forget slots taken by a pass that failed before launching their reduce-scatter."""
         self._taken = [False] * len(self._taken)
 
     def nbytes(self) -> int:
         """Bytes of the buffers, counted from the tensors."""
-        return sum(tensor_bytes(b) for b in self._buffers)
+        return sum(tensor_bytes(b) for b in self._buffers if b is not None)

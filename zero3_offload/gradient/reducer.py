@@ -77,6 +77,10 @@ class GradientReducer:
         self._buffers = buffers
         self._timeline = timeline
 
+    def end_pass(self) -> None:
+        """Every reduce-scatter of a backward is launched: free the idle gradient buffers."""
+        self._buffers.trim()
+
     def begin_pass(self) -> None:
         """Start a backward pass: buffers a failed pass took and never launched are free."""
         self._buffers.untake_all()
