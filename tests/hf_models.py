@@ -41,34 +41,26 @@ MICRO_STEPS = 20  # 10 AdamW steps
 # ------------------------------------------------------------------------------- models
 
 
+TINY_DECODER = dict(  # a 2-layer decoder config (Llama, Qwen2, Mistral ...)
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
+
+
 def _llama() -> nn.Module:
     # GQA (4 query heads, 2 key/value heads) with rotary positions.
-    cfg = LlamaConfig(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
 
 
 def _qwen2() -> nn.Module:
     # q, k and v projections with bias.
-    cfg = Qwen2Config(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-    )
-    return Qwen2ForCausalLM(cfg)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY_DECODER))
 
 
 def _gpt2() -> nn.Module:

@@ -26,14 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def llama_config() -> transformers.PretrainedConfig:
-    return transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    from hf_models import TINY_DECODER
+
+    return transformers.LlamaConfig(**TINY_DECODER)
 
 
 def gpt2_config() -> transformers.PretrainedConfig:

@@ -50,15 +50,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     words = WORDS.split()
     text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000))
     (root / "data.txt").write_text(text)
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    from hf_models import TINY_DECODER
+
+    config = transformers.LlamaConfig(**{**TINY_DECODER, "vocab_size": 300})
     torch.manual_seed(1)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "pretrained")
     config.save_pretrained(root / "config_only")

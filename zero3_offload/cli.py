@@ -12,13 +12,15 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from rich.console import Console
 
 from zero3_offload.errors import UsageError
+
+T = TypeVar("T")
 
 __all__ = ["build_parser", "main"]
 
@@ -181,24 +183,35 @@ def _add_consolidate(commands: Any) -> None:
     parser.set_defaults(handler=_consolidate)
 
 
-def _consolidate(args: argparse.Namespace) -> int:
+def _with_progress(label: str, work: Callable[[Callable[[int, int], None]], T]) -> T:
+    """``work(advance)`` under a transient progress bar on stderr; library errors of the
+    checkpoint or the config become one-line usage errors."""
     from rich.progress import Progress
 
-    from zero3_offload.checkpoint.consolidate import consolidate_checkpoint
-    from zero3_offload.errors import CheckpointError
+    from zero3_offload.errors import CheckpointError, ConfigError
 
-    fmt = args.format or ("pt" if Path(args.out).suffix in (".pt", ".pth") else "safetensors")
-    console = _console(stderr=True)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("consolidating", total=None)
+    with Progress(console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task(label, total=None)
 
         def advance(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
         try:
-            out = consolidate_checkpoint(args.checkpoint, args.out, fmt=fmt, progress=advance)
-        except CheckpointError as exc:
+            return work(advance)
+        except (CheckpointError, ConfigError) as exc:
             raise UsageError(str(exc)) from exc
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from zero3_offload.checkpoint.consolidate import consolidate_checkpoint
+
+    fmt = args.format or ("pt" if Path(args.out).suffix in (".pt", ".pth") else "safetensors")
+    out = _with_progress(
+        "consolidating",
+        lambda advance: consolidate_checkpoint(
+            args.checkpoint, args.out, fmt=fmt, progress=advance
+        ),
+    )
     size = out.stat().st_size
     _console().print(f"wrote {out} ({size} bytes, {fmt})", markup=False)
     return 0
@@ -244,30 +257,22 @@ def _add_export(commands: Any) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     import torch
-    from rich.progress import Progress
 
-    from zero3_offload.errors import CheckpointError, ConfigError
     from zero3_offload.integrations.checkpoint_export import export_checkpoint
 
     if args.max_shard_mib <= 0:
         raise UsageError(f"--max-shard-mib must be > 0, got {args.max_shard_mib}")
-    with Progress(console=_console(stderr=True), transient=True) as progress:
-        task = progress.add_task("exporting", total=None)
-
-        def advance(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
-        try:
-            files = export_checkpoint(
-                args.checkpoint,
-                args.out,
-                config_dir=args.config,
-                max_shard_bytes=args.max_shard_mib * 2**20,
-                dtype=getattr(torch, args.dtype),
-                progress=advance,
-            )
-        except (CheckpointError, ConfigError) as exc:
-            raise UsageError(str(exc)) from exc
+    files = _with_progress(
+        "exporting",
+        lambda advance: export_checkpoint(
+            args.checkpoint,
+            args.out,
+            config_dir=args.config,
+            max_shard_bytes=args.max_shard_mib * 2**20,
+            dtype=getattr(torch, args.dtype),
+            progress=advance,
+        ),
+    )
     size = sum(f.stat().st_size for f in files)
     _console().print(f"wrote {args.out} ({len(files)} files, {size} bytes)", markup=False)
     return 0

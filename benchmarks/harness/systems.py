@@ -254,7 +254,7 @@ class OursModule(Ours):
         ticker.cancel()
         return loss
 
-    async def tick(self, every: float = 1e-3) -> None:
+    async def tick(self, every: float = 0.01) -> None:
         """Wake every ``every`` s; the worst lateness of a wake-up, per step, goes to info()."""
         self.ticks = [*getattr(self, "ticks", []), 0.0]
         while True:

@@ -30,19 +30,25 @@ def build(dims: dict[str, Any]) -> torch.nn.Module:
     """The GPT, or the Llama (its loss from ``labels``) of ``dims``."""
     if dims.get("model") != "llama":
         return GPT(shape(dims))
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
+    return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims["seq"]))
+
+
+def llama_config(dims: dict[str, Any], **extra: Any) -> Any:
+    """A transformers ``LlamaConfig`` of ``dims`` (untied head, no KV cache unless ``extra``
+    says otherwise)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=dims["vocab"],
         hidden_size=dims["d"],
         intermediate_size=dims["ffn"],
         num_hidden_layers=dims["n_layers"],
         num_attention_heads=dims["heads"],
         num_key_value_heads=dims["kv_heads"],
-        max_position_embeddings=dims["seq"],
-        use_cache=False,
+        **{"tie_word_embeddings": False, "use_cache": False, **extra},
     )
-    return LlamaForCausalLM(config)
 
 
 def layer_params(dims: dict[str, Any]) -> dict[str, int]:

@@ -105,6 +105,19 @@ def report(payload: dict[str, Any]) -> Report:
         r = peers.report(part, f"Model: {shape}: {cfg['params']:,} fp32 params")
         intro = "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
         notes += [f"{model}: {n}" if tables else n for n in r.notes if n not in notes]
+        ticks = [
+            rank["loop_worst_tick_ms"]
+            for run in part["runs"]
+            if run["ok"] and run["key"] == "ours_module"
+            for rank in run["ranks"]
+        ]
+        if ticks:
+            notes.append(
+                f"{model}: the event loop during a module-mode step (a task waking every 10 ms "
+                "counts how late each wake-up is; the worst per step, first step left out): "
+                f"median over steps {max(t['median_step'] for t in ticks):.1f} ms, worst "
+                f"{max(t['max'] for t in ticks):.1f} ms (the worse rank)."
+            )
         tables += [r.tables] if model == "llama" else [intro, r.tables]
     title = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
     return Report(title, "\n\n".join(tables), notes)

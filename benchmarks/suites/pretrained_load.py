@@ -19,6 +19,7 @@ from harness.launcher import launch, work_directory
 from harness.plan import plan, progress, run_plan
 from harness.report import Report, cols, markdown_table, mib
 from harness.sampler import proc_status
+from harness.workload import llama_config
 
 WORLD, SAMPLE_S, SEED = 2, 0.002, 0
 FULL = dict(d=1024, ffn=2816, n_layers=24, heads=16, kv_heads=8, vocab=32000)
@@ -43,20 +44,6 @@ def check(args: Any) -> str | None:
     return "--warmup must be >= 0" if args.warmup < 0 else None
 
 
-def llama_config(dims: dict[str, int]) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=dims["vocab"],
-        hidden_size=dims["d"],
-        intermediate_size=dims["ffn"],
-        num_hidden_layers=dims["n_layers"],
-        num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"],
-        tie_word_embeddings=False,
-    )
-
-
 def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Launcher target: build the Llama (seeded) and save it as fp32 safetensors."""
     import torch
@@ -64,7 +51,7 @@ def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
-    model = LlamaForCausalLM(llama_config(spec["dims"]))
+    model = LlamaForCausalLM(llama_config(spec["dims"], use_cache=True))
     built = time.perf_counter()
     model.save_pretrained(spec["model_dir"], max_shard_size="100GB")
     numel = sum(p.numel() for p in model.parameters())

@@ -19,10 +19,11 @@ from zero3_offload.checkpoint.format import LATEST, METADATA, shard_file
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.errors import CheckpointError
 
-__all__ = ["commit_save", "prepare_save", "write_shard"]
+__all__ = ["commit_save", "fsync_path", "prepare_save", "write_shard"]
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's, or a directory's entries', data to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -90,7 +91,7 @@ async def commit_save(
             with latest_tmp.open("rb") as fh:
                 os.fsync(fh.fileno())
             latest_tmp.replace(root / LATEST)
-            _fsync_dir(root)
+            fsync_path(root)
         except OSError as exc:
             error = exc
     if not await comm.agree(error is None):

@@ -88,6 +88,9 @@ class _Launcher:
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._queue = queue.SimpleQueue()
+        self.submitted = 0  # functions queued so far (from any thread, under the lock)
+        self.finished = 0  # functions called so far (by the launcher thread only)
+        self._lock = threading.Lock()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def _run(self) -> None:
@@ -100,11 +103,19 @@ class _Launcher:
                     future.set_exception(exc)
             # The launch's closure holds its tensors: not until the next launch.
             del fn, future
+            self.finished += 1
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._queue.put((fn, future))
+        with self._lock:
+            self.submitted += 1
+            self._queue.put((fn, future))
         return future
+
+    def idle(self) -> bool:
+        """Whether everything queued so far has been called."""
+        with self._lock:
+            return self.finished >= self.submitted
 
 
 class PendingCollective:
@@ -299,11 +310,13 @@ class Collectives:
 
     async def flush(self) -> None:
         """Wait (off the loop) until every collective queued so far has been launched."""
-        await asyncio.wrap_future(self._launcher.submit(lambda: None))
+        if not self._launcher.idle():
+            await asyncio.wrap_future(self._launcher.submit(lambda: None))
 
     def flush_blocking(self) -> None:
         """:meth:`flush` for a thread other than the event loop's."""
-        self._launcher.submit(lambda: None).result()
+        if not self._launcher.idle():
+            self._launcher.submit(lambda: None).result()
 
     def start_all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> PendingCollective:
         """Launch the gather of every rank's ``shard`` into ``output`` (rank order)."""

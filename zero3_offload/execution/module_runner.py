@@ -144,7 +144,14 @@ class ModuleRunner:
         self._timeline = timeline
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
         self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-model")
+        # A new thread's OpenMP pool ignores torch.set_num_threads of other threads:
+        # the model thread takes the count of the thread that built the manager.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="zero3-model",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._storages: dict[int, tuple[str, int]] = {}

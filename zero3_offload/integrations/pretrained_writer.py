@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from zero3_offload.checkpoint.atomic_save import fsync_path
 from zero3_offload.errors import CheckpointError, InputError
 from zero3_offload.logging import get_logger
 
@@ -50,14 +51,6 @@ def _io(action: str, path: Path) -> Iterator[None]:
         yield
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"cannot {action} {path}: {exc}") from exc
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _owned_copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -127,7 +120,7 @@ def _replace_target(tmp: Path, target: Path) -> None:
         if target.is_dir() and not target.is_symlink():
             target.rmdir()  # empty: checked before writing
         tmp.rename(target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
 
 
 def write_pretrained(
@@ -216,8 +209,8 @@ def write_pretrained(
             saved_config.save_pretrained(str(tmp))
             written += sorted(p.name for p in tmp.iterdir() if p.name not in written)
             for file in written:
-                _fsync(tmp / file)
-            _fsync(tmp)
+                fsync_path(tmp / file)
+            fsync_path(tmp)
         _replace_target(tmp, target)
         committed = True
     finally:
