@@ -65,9 +65,9 @@ def test_compute_copy_bytes_are_counted(runs: dict[str, list[dict]], method: str
         mem = result["memory"]
         shards = [shard for _, _, shard in result["layouts"].values()]
         assert mem["master_param_bytes"] == 4 * sum(shards)
-        # Two flat fp32 gradient buffers, each the size of the largest padded layer.
-        largest = max(padded for _, padded, _ in result["layouts"].values())
-        assert mem["gradient_buffer_bytes"] == 2 * 4 * largest
+        # The flat fp32 gradient buffers live during a backward only: once its last
+        # reduce-scatter is launched they are dropped (allocated again by the next).
+        assert mem["gradient_buffer_bytes"] == 0
         if method == "int8":
             expected = int8_bytes(shards, 256)
             assert mem["master_param_bytes"] / 4 < expected < mem["master_param_bytes"] / 3.5

@@ -347,6 +347,8 @@ class ModuleRunner:
         p.where[unit] = (order, i)
         if unit != self._root:
             self._root_segment(p, resume=False)
+            if p.phase == "backward":
+                self._release_root_values(p)
         await self._prefetch.acquire(order, i)
         if p.phase == "backward" and len(self._units[unit]):
             # Autograd accumulates into the flat buffer the reduce-scatter sends
@@ -407,6 +409,25 @@ class ModuleRunner:
             # released parameters, would only add to the backward's peak.
             self._gatherer.clear_pool()
             self._reducer.end_pass()
+
+    def _release_root_values(self, p: UnitPass) -> None:
+        """Free the root unit's gathered values once the backward reached the other units.
+
+        The root's backward at the top (LM head, final norm) is done by then,
+        and its gradients keep accumulating in their own buffer: the values
+        are rarely needed again (an embedding's backward needs only the ids),
+        and if they are, unpacking a saved weight gathers the root again.
+        """
+        root = self._root
+        if root is None or root not in self._prefetch.in_use or root in p.done:
+            return
+        # Autograd can accumulate into a released parameter only through a
+        # defined .grad: the in-place views of the root's gradient buffer
+        # (fp32); other dtypes keep the values until the root is done.
+        if all(param.grad is not None for param in self._units[root].parameters()):
+            self._prefetch.in_use.discard(root)
+            if not self._prefetch.keeps(root):
+                self._gatherer.release(root, keep_grads=True, pool=False)
 
     def _record_compute(self, unit: str, phase: str, t0: float | None) -> None:
         p = self.current

@@ -101,10 +101,11 @@ class ParameterGatherer:
                 torch.utils.swap_tensors(param, nn.Parameter(empty, param.requires_grad))
         self._unbind(name)
 
-    def _unbind(self, name: str) -> None:
+    def _unbind(self, name: str, *, keep_grads: bool = False) -> None:
         for param in self._layers[name].parameters():
             param.data = torch.empty(0, dtype=self._store.compute_dtype, device=self.device)
-            param.grad = None
+            if not keep_grads:
+                param.grad = None
 
     def _bind(self, name: str, flat: torch.Tensor) -> None:
         params = dict(self._layers[name].named_parameters())
@@ -248,11 +249,20 @@ class ParameterGatherer:
         self._timeline.record("wait", name, self.phase, start, time.perf_counter())
         return module
 
-    def release(self, name: str) -> None:
-        """Free ``name``'s full parameters (no-op if not gathered)."""
+    def release(self, name: str, *, keep_grads: bool = False, pool: bool = True) -> None:
+        """Free ``name``'s full parameters (no-op if not gathered).
+
+        Args:
+            name: the layer.
+            keep_grads: leave the parameters' ``.grad`` (gradients still being
+                accumulated while the values are not needed).
+            pool: keep the buffer for the next gather of its size (within the
+                pool's limit); False frees it at once.
+        """
         flat = self._gathered.pop(name, None)
         if flat is not None:
-            self._unbind(name)
-            self._give(flat)
+            self._unbind(name, keep_grads=keep_grads)
+            if pool:
+                self._give(flat)
             now = time.perf_counter()
             self._timeline.record("release", name, self.phase, now, now, nbytes=tensor_bytes(flat))

@@ -126,6 +126,10 @@ class PrefetchScheduler:
     def _fits(self, name: str) -> bool:
         return self._gatherer.reserved_bytes() + self._sizes[name] <= self.budget
 
+    def keeps(self, name: str) -> bool:
+        """Whether ``name`` stays gathered between uses (persistent, and persistence on)."""
+        return self._keeps(name)
+
     def _keeps(self, name: str) -> bool:
         return self.persistence_enabled and name in self.persistent
 
