@@ -426,15 +426,20 @@ async def probe_errors(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
+async def one_step(ctx: RankContext, manager: Zero3CpuOffloadManager) -> None:
+    """One optimizer step of the Llama (``ACC`` micro-steps) on this rank's slices."""
+    for i in range(ACC):
+        x = local(batch(i, "llama"), ctx)
+        result = await manager.forward(**call_kwargs("llama", x))
+        await manager.backward(result.loss)
+        await manager.optimizer_step(LR)
+
+
 async def probe_eval(ctx: RankContext) -> dict[str, Any]:
     """After one optimizer step: logits of a no_grad forward, and the parameters they used."""
     model = build("llama")
     async with Zero3CpuOffloadManager(make_config({}), ctx.group, model) as manager:
-        for i in range(ACC):
-            x = local(batch(i, "llama"), ctx)
-            result = await manager.forward(**call_kwargs("llama", x))
-            await manager.backward(result.loss)
-            await manager.optimizer_step(LR)
+        await one_step(ctx, manager)
         x = local(batch(7, "llama"), ctx)
         with torch.no_grad():
             evaluated = await manager.forward(input_ids=x, use_cache=False)
@@ -467,11 +472,7 @@ async def probe_generate(ctx: RankContext) -> dict[str, Any]:
     kept gathered between decoding steps and without."""
     model = build("llama")
     async with Zero3CpuOffloadManager(make_config({}), ctx.group, model) as manager:
-        for i in range(ACC):
-            x = local(batch(i, "llama"), ctx)
-            result = await manager.forward(**call_kwargs("llama", x))
-            await manager.backward(result.loss)
-            await manager.optimizer_step(LR)
+        await one_step(ctx, manager)
         before = await manager.full_state_dict()
         tokens = {}
         for keep in (True, False):
