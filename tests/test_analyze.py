@@ -269,3 +269,43 @@ def test_user_errors_exit_2_in_one_line(tmp_path, capsys) -> None:
     empty.write_text('{"event": "manager_ready", "rank": 0}\n')
     assert main(["analyze", str(empty)]) == 2
     assert "no work or step event" in capsys.readouterr().err
+
+
+async def logged_module_run(ctx: RankContext, log_dir: str) -> dict[str, Any]:
+    """A transformers Llama in module mode, STEPS steps with JSON logging on."""
+    from hf_models import batch, build, local
+
+    zero3_offload.logging.configure(json_path=Path(log_dir) / f"rank{ctx.rank}.jsonl")
+    async with Zero3CpuOffloadManager(Zero3CpuOffloadConfig(), ctx.group, build("llama")) as m:
+        for step in range(STEPS):
+            x = local(batch(step, "llama"), ctx)
+            out = await m.forward(input_ids=x, labels=x)
+            await m.backward(out.loss)
+            await m.optimizer_step(LR)
+        return {"names": m.layer_names, "trained": _figures(m.get_performance_stats())}
+
+
+def test_module_mode_logs_rebuild_the_ranks_own_stats(tmp_path, capsys) -> None:
+    # The root unit runs around the decoder layers: its compute is logged as the
+    # segments between them, so per-unit figures add up without double counting.
+    pytest.importorskip("transformers")
+    results = asyncio.run(run_ranks(logged_module_run, 2, str(tmp_path)))
+    logs = [str(tmp_path / f"rank{r}.jsonl") for r in range(2)]
+    report, _ = _analyze_json(capsys, *logs)
+    for rank_report, result in zip(report["ranks"], results, strict=True):
+        trained = result["trained"]
+        rows = {row["layer"]: row for row in rank_report["layers"]}
+        assert set(rows) == set(result["names"]) == {"<root>", "model.layers.0", "model.layers.1"}
+        for name, row in rows.items():
+            timing = trained["layer_timings"][name]
+            assert row["forward_count"] == timing["forward_executions"]
+            assert row["backward_count"] == timing["backward_executions"]
+            assert row["forward_total_s"] == pytest.approx(timing["total_forward_time"], rel=REL)
+            assert row["backward_total_s"] == pytest.approx(timing["total_backward_time"], rel=REL)
+        for unit in ("model.layers.0", "model.layers.1"):
+            assert rows[unit]["forward_count"] == rows[unit]["backward_count"] == STEPS
+        assert rows["<root>"]["forward_count"] >= 2 * STEPS  # before and after the layers
+        summary = rank_report["summary"]
+        assert summary["compute_s"] == pytest.approx(trained["total_compute_time"], rel=REL)
+        assert summary["compute_s"] < summary["total_step_s"]  # no interval counted twice
+        assert summary["steps"] == summary["updates"] == STEPS

@@ -90,7 +90,6 @@ class UnitPass:
     on_track: bool = True  # observed is a prefix of predicted so far
     where: dict[str, tuple[tuple[str, ...], int]] = attrs.Factory(dict)  # unit -> (order, i)
     started: dict[str, float] = attrs.Factory(dict)  # unit -> perf_counter at entry
-    root_seconds: float = 0.0  # the root's own compute: its time outside the other units
     kept: dict[int, int] = attrs.Factory(dict)  # storage pointer -> bytes saved for backward
     expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to land
     done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
@@ -442,8 +441,6 @@ class ModuleRunner:
             # The root runs around the other units: its compute is the time
             # outside them, recorded as the segments between them.
             self._root_segment(p, resume=False)
-            self._stats.record_layer(unit, phase, p.root_seconds)
-            p.root_seconds = 0.0
             return
         if t0 is not None:
             t1 = time.perf_counter()
@@ -463,7 +460,7 @@ class ModuleRunner:
         t0 = p.started.pop(root, None)
         if t0 is not None:
             t1 = time.perf_counter()
-            p.root_seconds += t1 - t0
+            self._stats.record_layer(root, p.phase, t1 - t0)
             self._timeline.record("compute", root, p.phase, t0, t1)
 
     # ------------------------------------------------------ hooks (model thread)
