@@ -31,6 +31,7 @@ any state changes; ranks agree (all-reduce) before committing.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,6 +59,10 @@ FORMAT = "zero3_offload-checkpoint"
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
+# Bounds a hostile metadata file cannot go past: far above any real run.
+_MAX_METADATA_BYTES = 64 * 2**20
+_MAX_WORLD = 1 << 16
+_MAX_ELEMENTS = 1 << 48
 
 
 def shard_file(rank: int, world_size: int) -> str:
@@ -94,7 +99,12 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        target = path / latest.read_text().strip()
+        name = latest.read_text(errors="replace")[:256].strip()
+        target = path / name
+        if not name or name in (".", "..") or "/" in name or "\\" in name or target.is_symlink():
+            raise CheckpointError(
+                f"{latest} names {name!r}: not a checkpoint directory inside {path}; refusing"
+            )
         if (target / METADATA).is_file():
             return target
         raise CheckpointError(f"{latest} names {target.name}, which has no {METADATA}")
@@ -109,13 +119,18 @@ def read_metadata(directory: Path) -> dict[str, Any]:
     """
     file = directory / METADATA
     try:
+        if file.is_symlink():
+            raise ValueError("a symlink; refusing to follow it")
+        if file.stat().st_size > _MAX_METADATA_BYTES:
+            raise ValueError(f"larger than {_MAX_METADATA_BYTES} bytes")
         meta = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file}: unreadable checkpoint metadata ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{file}: not a {FORMAT} metadata file")
     if meta.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{file}: format version {meta.get('version')} is not supported")
+    _check_schema(meta, file)
     expected = {METADATA} | {shard_file(r, meta["world_size"]) for r in range(meta["world_size"])}
     for entry in directory.iterdir():
         if entry.name not in expected:
@@ -123,10 +138,51 @@ def read_metadata(directory: Path) -> dict[str, Any]:
                 f"{entry}: unexpected file in checkpoint directory {directory}; only "
                 f"{METADATA} and rank-*.safetensors are read (never pickles), so refusing to load"
             )
+        if entry.is_symlink():
+            raise CheckpointError(f"{entry}: a symlink in checkpoint directory; refusing")
     for name in sorted(expected - {METADATA}):
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory / name}: missing shard file")
     return meta
+
+
+def _check_schema(meta: dict[str, Any], file: Path) -> None:
+    """Refuse metadata whose fields have the wrong types or impossible sizes, before
+    anything is allocated from them (a hostile file could ask for terabytes)."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: {what}; refusing to load")
+
+    def count(value: object, limit: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
+
+    if not count(meta.get("world_size"), _MAX_WORLD) or meta["world_size"] < 1:
+        raise bad(f"world_size {meta.get('world_size')!r} is not an int in [1, {_MAX_WORLD}]")
+    layers, optimizer = meta.get("layers"), meta.get("optimizer")
+    if not isinstance(layers, list) or not isinstance(optimizer, dict):
+        raise bad("layers must be a list and optimizer an object")
+    if not isinstance(optimizer.get("kind"), str):
+        raise bad("optimizer.kind must be a string")
+    scalars = meta.get("scalar_state", [])
+    if not isinstance(scalars, list) or not all(isinstance(k, str) for k in scalars):
+        raise bad("scalar_state must be a list of strings")
+    for layer in layers:
+        if not isinstance(layer, dict) or not isinstance(layer.get("name"), str):
+            raise bad(f"layer entry {str(layer)[:80]} has no name")
+        numel, params = layer.get("numel"), layer.get("params")
+        if not count(numel, _MAX_ELEMENTS) or not isinstance(params, list):
+            raise bad(f"layer {layer['name']!r}: numel {numel!r} or params out of range")
+        for param in params:
+            shape = param.get("shape") if isinstance(param, dict) else None
+            if (
+                not isinstance(shape, list)
+                or not isinstance(param.get("name"), str)
+                or not all(count(d, _MAX_ELEMENTS) for d in shape)
+                or not count(param.get("offset"), numel)
+                or param.get("numel") != math.prod(shape)
+                or param["offset"] + param["numel"] > numel
+            ):
+                raise bad(f"layer {layer['name']!r}: parameter entry {str(param)[:120]} is invalid")
 
 
 def open_for_reading(file: Path) -> Any:
