@@ -32,6 +32,17 @@ awaitable on the loop while the model's code waits. The hooks:
 A parameter used by several units belongs to the root unit (see
 ``engine.model_units``), so tied weights have one gradient, accumulated by
 autograd from both uses before the hook sees it.
+
+Gradients accumulate in place into the flat buffer the reduce-scatter sends
+(taken when a unit enters its backward; the root takes a buffer of its own for
+the whole pass, since its gradients arrive at both ends). Once the backward
+reaches the other units the root's gathered values are freed (fp32: its
+gradient views keep accumulating; a saved weight unpacked later gathers it
+again), and once no other unit remains the gather pool and the idle gradient
+buffers are freed, so the end of the backward, its peak, holds nothing idle.
+Before each hook returns to the model's code, every collective queued so far
+has been launched (see the launcher in ``comm.collectives``): the model may
+call torch.distributed itself (transformers' ``synced_gpus`` does).
 """
 
 from __future__ import annotations
