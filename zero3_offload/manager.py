@@ -51,6 +51,7 @@ __all__ = ["Zero3CpuOffloadManager"]
 log = get_logger(__name__)
 
 _Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
+T = TypeVar("T")
 
 
 def _flushed(method: _Method) -> _Method:
@@ -505,9 +506,7 @@ class Zero3CpuOffloadManager:
         if training and state.window_started is None:
             state.window_started = started
         e.gatherer.phase = "forward"
-        args, kwargs = tree_map(
-            lambda t: t.to(e.device) if isinstance(t, torch.Tensor) else t, (args, kwargs)
-        )
+        args, kwargs = _to_device((args, kwargs), e.device)
         phase = "forward" if training else "inference"
         out, unit_pass = await runner.run_forward(phase, args, kwargs)
         state.unit_forward = unit_pass if training else None
@@ -561,6 +560,7 @@ class Zero3CpuOffloadManager:
         e.gatherer.phase = "backward"
         scaled = loss * self.loss_scale if self.loss_scale is not None else loss
         state.unit_forward = None  # one backward per forward, whatever happens
+        unit_pass = None
         try:
             unit_pass = await runner.run_backward(scaled, forward)
             waited = time.perf_counter()
@@ -568,7 +568,9 @@ class Zero3CpuOffloadManager:
             e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
             await e.grads.commit(zip((p.layer for p in unit_pass.pending), results, strict=True))
         except BaseException:
-            failed = runner.current
+            # In flight: the runner's pass if backward itself failed, else the
+            # finished pass whose landings or commit failed.
+            failed = runner.current or unit_pass
             runner.current = None
             runner.clear_grads()
             if failed is not None:
@@ -612,7 +614,7 @@ class Zero3CpuOffloadManager:
             raise InputError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if self.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
-        kwargs = tree_map(lambda t: t.to(e.device) if isinstance(t, torch.Tensor) else t, kwargs)
+        kwargs = _to_device(kwargs, e.device)
         e.gatherer.phase = "forward"
         phase = "generate" if keep_gathered else "inference"
         out, _ = await runner.run_forward(phase, (input_ids.to(e.device),), kwargs, call="generate")
@@ -945,6 +947,11 @@ class Zero3CpuOffloadManager:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def _to_device(tree: T, device: torch.device) -> T:
+    """``tree`` (arguments, nested) with every tensor moved to ``device``."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -29,24 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import torch
 from torch import nn
 
 from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
-from zero3_offload.execution.forward_record import RngState, SavedStep
+from zero3_offload.execution.forward_record import BufferSlot, RngState, SavedStep
 from zero3_offload.stats.tensor_bytes import storage_bytes
 
 __all__ = ["LayerRunner"]
-
-
-@attrs.frozen
-class _ParamSlot:
-    """A saved tensor's place in its layer's gathered flat buffer."""
-
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int  # elements from the buffer's start
 
 
 class LayerRunner:
@@ -146,12 +136,12 @@ class LayerRunner:
             )
             if in_flat:
                 assert where is not None
-                return _ParamSlot(t.size(), t.stride(), t.storage_offset() - where[2])
+                return BufferSlot.of(name, t, where[2])
             kept.update(storage_bytes(t))
             return t
 
         def unpack(saved: object) -> torch.Tensor:
-            if not isinstance(saved, _ParamSlot):
+            if not isinstance(saved, BufferSlot):
                 assert isinstance(saved, torch.Tensor)
                 return saved
             try:
@@ -160,7 +150,7 @@ class LayerRunner:
                 raise StateError(
                     f"layer {name!r}'s backward needs its parameters but they are not gathered"
                 ) from None
-            return now.as_strided(saved.size, saved.stride, now.storage_offset() + saved.offset)
+            return saved.view(now)
 
         return pack, unpack, kept
 

@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_flatten
 
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
+from zero3_offload.execution.forward_record import BufferSlot
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot, PendingGradient
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
@@ -79,16 +80,6 @@ __all__ = ["ModuleRunner", "UnitPass"]
 _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
 
 T = TypeVar("T")
-
-
-@attrs.frozen
-class _UnitSlot:
-    """A saved tensor's place in a unit's gathered flat buffer."""
-
-    unit: str
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int  # elements from the buffer's start
 
 
 @attrs.define
@@ -241,7 +232,7 @@ class ModuleRunner:
         trace = self._prefetch.trace
         predicted = trace.order(phase)
         unit_pass = UnitPass(phase=phase, predicted=predicted)
-        await self._prefetch.begin_recorded_pass(phase, predicted)
+        await self._prefetch.begin_recorded_pass(predicted)
         self.current = unit_pass
         grad = phase == "forward"
         method = self.model if call == "forward" else getattr(self.model, call)
@@ -291,7 +282,7 @@ class ModuleRunner:
         unit_pass.expected = self._count_gradients(loss)
         unit_pass.units_left = sum(u != self._root for u in forward_units)
         self._reducer.begin_pass()
-        await self._prefetch.begin_recorded_pass("backward", predicted)
+        await self._prefetch.begin_recorded_pass(predicted)
         self.current = unit_pass
         if self._root is not None and self._root in forward_units:
             await self._enter(self._root)
@@ -311,10 +302,8 @@ class ModuleRunner:
             raise LayerExecutionError(f"the model raised in backward: {exc}") from exc
         # Units whose gradients were not counted complete now, in forward order
         # (the root last): the same collectives in the same order on every rank.
-        rest = [u for u in forward_units if u != self._root and u not in unit_pass.done]
-        if self._root is not None and self._root in forward_units:
-            rest.append(self._root)
-        for unit in rest:
+        last = [self._root] if self._root in forward_units else []
+        for unit in [*(u for u in forward_units if u != self._root), *last]:
             if unit not in unit_pass.done:
                 await self._unit_done(unit)
         self.current = None
@@ -382,7 +371,7 @@ class ModuleRunner:
         order, i = p.where[unit]
         self._record_compute(unit, p.phase, p.started.pop(unit, None))
         if p.phase == "generate":
-            self._prefetch.in_use.discard(unit)  # stays gathered while the budget allows
+            self._prefetch.finish_unit(unit, (unit,))  # stays gathered while the budget allows
             return
         next_order: tuple[str, ...] = ()
         last = p.phase == "forward" and p.on_track and i == len(order) - 1
@@ -442,9 +431,7 @@ class ModuleRunner:
         # defined .grad: the in-place views of the root's gradient buffer
         # (fp32); other dtypes keep the values until the root is done.
         if all(param.grad is not None for param in self._units[root].parameters()):
-            self._prefetch.in_use.discard(root)
-            if not self._prefetch.keeps(root):
-                self._gatherer.release(root, keep_grads=True, pool=False)
+            self._prefetch.finish_unit(root, (), keep_grads=True, pool=False)
 
     def _record_compute(self, unit: str, phase: str, t0: float | None) -> None:
         p = self.current
@@ -521,20 +508,19 @@ class ModuleRunner:
             found = self._storages.get(t.untyped_storage().data_ptr())
             if found is not None:
                 unit, base = found
-                return _UnitSlot(unit, t.size(), t.stride(), t.storage_offset() - base)
+                return BufferSlot.of(unit, t, base)
             p = self.current
             if p is not None:
                 p.kept.update(storage_bytes(t))
         return t
 
     def _unpack(self, saved: object) -> torch.Tensor:
-        if not isinstance(saved, _UnitSlot):
+        if not isinstance(saved, BufferSlot):
             assert isinstance(saved, torch.Tensor)
             return saved
-        if not self._gatherer.is_gathered(saved.unit):
-            self._call(self._enter(saved.unit))
-        flat = self._gatherer.gathered_flat(saved.unit)
-        return flat.as_strided(saved.size, saved.stride, flat.storage_offset() + saved.offset)
+        if not self._gatherer.is_gathered(saved.layer):
+            self._call(self._enter(saved.layer))
+        return saved.view(self._gatherer.gathered_flat(saved.layer))
 
     def clear_grads(self) -> None:
         """Drop every parameter's ``.grad`` left by a backward that failed part way."""

@@ -92,10 +92,6 @@ def _materialize(name: str, module: nn.Module | UnitParams, init_fn: InitFn) -> 
             init_fn(name, module)
 
 
-def _never_called(path: str, module: nn.Module) -> None:
-    raise AssertionError("a shard source replaces initialisation")
-
-
 def reset_own_parameters(path: str, module: nn.Module) -> None:
     """Module mode's default initialiser: ``module.reset_parameters()`` (its own parameters).
 
@@ -109,6 +105,23 @@ def reset_own_parameters(path: str, module: nn.Module) -> None:
             "pass init_fn=... to initialise it after meta construction"
         )
     reset()
+
+
+def _refuse_uninitialisable(layers: Mapping[str, nn.Module | UnitParams], init_fn: InitFn) -> None:
+    """Raise before anything is materialised when a default initialiser cannot
+    initialise a meta layer, so such a model is left as it was."""
+    if init_fn is reset_parameters_in_order:
+        for name, module in layers.items():
+            if any(t.is_meta for t in module.parameters()):
+                assert isinstance(module, nn.Module)
+                _check_resettable(name, module)
+    elif init_fn is reset_own_parameters:
+        for module in layers.values():
+            for path, owner in module.owners() if isinstance(module, UnitParams) else ():
+                if any(t.is_meta for t in owner.parameters(recurse=False)) and not callable(
+                    getattr(owner, "reset_parameters", None)
+                ):
+                    reset_own_parameters(path, owner)  # raises, naming the module
 
 
 def shard_initial_values(
@@ -147,22 +160,8 @@ def shard_initial_values(
                 "the model with only its parameters on meta (zero3_offload.integrations."
                 "meta_model.parameters_on_meta()) or eagerly"
             )
-    if source is not None:
-        init_fn = _never_called
-    if init_fn is reset_parameters_in_order:
-        # Refuse before materialising anything, so a model that cannot be
-        # initialised is left as it was.
-        for name, module in layers.items():
-            if any(t.is_meta for t in module.parameters()):
-                assert isinstance(module, nn.Module)
-                _check_resettable(name, module)
-    elif init_fn is reset_own_parameters:
-        for module in layers.values():
-            for path, owner in module.owners() if isinstance(module, UnitParams) else ():
-                if any(t.is_meta for t in owner.parameters(recurse=False)) and not callable(
-                    getattr(owner, "reset_parameters", None)
-                ):
-                    reset_own_parameters(path, owner)  # raises, naming the module
+    if source is None:  # with a source nothing is initialised here
+        _refuse_uninitialisable(layers, init_fn)
     for name, module in layers.items():
         layout = layouts[name]
         if source is not None:

@@ -126,10 +126,6 @@ class PrefetchScheduler:
     def _fits(self, name: str) -> bool:
         return self._gatherer.reserved_bytes() + self._sizes[name] <= self.budget
 
-    def keeps(self, name: str) -> bool:
-        """Whether ``name`` stays gathered between uses (persistent, and persistence on)."""
-        return self._keeps(name)
-
     def _keeps(self, name: str) -> bool:
         return self.persistence_enabled and name in self.persistent
 
@@ -211,7 +207,7 @@ class PrefetchScheduler:
         self._note_order(phase, order)
         await self._drop_stale(order)
 
-    async def begin_recorded_pass(self, phase: str, predicted: Sequence[str]) -> None:
+    async def begin_recorded_pass(self, predicted: Sequence[str]) -> None:
         """Start a pass whose order is only known as it runs (module mode).
 
         Prefetches made for another start than ``predicted`` are dropped; the
@@ -261,11 +257,21 @@ class PrefetchScheduler:
         if last and next_order:
             self._launch_window(next_order, 0)
 
-    def finish_unit(self, name: str, upcoming: Sequence[str]) -> None:
-        """After ``name``'s use ended: release it unless it persists or is in ``upcoming``."""
+    def finish_unit(
+        self,
+        name: str,
+        upcoming: Sequence[str],
+        *,
+        keep_grads: bool = False,
+        pool: bool = True,
+    ) -> None:
+        """After ``name``'s use ended: release it unless it persists or is in ``upcoming``.
+
+        ``keep_grads`` and ``pool`` are passed to :meth:`ParameterGatherer.release`.
+        """
         self.in_use.discard(name)
         if not (self._keeps(name) or name in upcoming):
-            self._gatherer.release(name)
+            self._gatherer.release(name, keep_grads=keep_grads, pool=pool)
 
     def next_after_forward(self, order: Sequence[str]) -> tuple[str, ...]:
         """The order predicted to follow a forward over ``order`` (its backward, or none)."""
