@@ -319,3 +319,46 @@ def test_world_size_must_match_torchrun(capsys, monkeypatch) -> None:
         monkeypatch.setenv(key, value)
     code, _, err = run_cli(capsys, "--world-size", "4", "--print-config")
     assert code == 2 and "--world-size=4 is invalid under torchrun" in err
+
+
+def rank_pids(run: Path, world_size: int) -> dict[int, int]:
+    """Each rank's pid, from the ``manager_ready`` event of its JSON log."""
+    pids = {}
+    for rank in range(world_size):
+        for line in (run / "logs" / f"rank{rank}.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "manager_ready":
+                pids[rank] = event["pid"]
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(
+    tmp_path: Path, fault: signal.Signals
+) -> None:
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "zero3_offload", "train", "--world-size", "2",
+               "--steps", "100000", "--save-every", "1", "--out", str(run),
+               "--heartbeat-timeout-s", "2", *SMALL]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            pid = rank_pids(run, 2)[1]
+            os.kill(pid, fault)
+            break
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"rank 1 (pid {pid} " in lines[0]
+    assert ("the process is stopped" if fault == signal.SIGSTOP else "has exited") in lines[0]
+    assert "this rank (0) was waiting for" in lines[0]
+    committed = int(latest(run).removeprefix("step-"))
+    assert committed >= 2  # step 3 may have been in its save when the fault came
+    resumed = ok(train("--world-size", "2", "--steps", str(committed + 2), "--out", str(run),
+                       "--resume", *SMALL))  # fmt: skip
+    assert set(steps(resumed)) == {committed + 1, committed + 2}

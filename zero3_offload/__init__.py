@@ -25,6 +25,7 @@ from zero3_offload.errors import (
     LayerExecutionError,
     LayerNotFoundError,
     MemoryBudgetError,
+    RankDivergenceError,
     StateError,
     Zero3Error,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "MemoryBudgetError",
     "OptimizerConfig",
     "PrefetchQueueStatus",
+    "RankDivergenceError",
     "StateError",
     "Zero3CpuOffloadConfig",
     "Zero3CpuOffloadManager",

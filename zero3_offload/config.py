@@ -487,6 +487,14 @@ class Zero3CpuOffloadConfig:
     present is checked when the manager is built, not here."""
     collective_timeout_s: float = float_field(300.0, "> 0", lambda v: v > 0)
     """Seconds a collective may take before it fails with ``CommunicationError``."""
+    heartbeat_timeout_s: float = float_field(5.0, "> 0", lambda v: v > 0)
+    """Seconds of silence after which a rank counts as stopped or dead: every other rank
+    raises ``CommunicationError`` naming it, whatever ``collective_timeout_s`` allows a
+    collective. Ranks beat through the rendezvous store, never the training group."""
+    divergence_check: bool = bool_field(True)
+    """Before each collective, check that every rank is about to run the same one (same
+    call, layer, size, micro-step); a difference raises ``RankDivergenceError`` on every
+    rank instead of a crash or a hang. Costs one small all-gather per collective."""
     compression_block_size: int = int_field(256, 1, "elements")
     """Elements per absmax scale for ``INT8`` compression."""
     cpu_worker_threads: int = int_field(2, 1, "threads")

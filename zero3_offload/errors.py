@@ -14,6 +14,7 @@ __all__ = [
     "LayerExecutionError",
     "LayerNotFoundError",
     "MemoryBudgetError",
+    "RankDivergenceError",
     "StateError",
     "UsageError",
     "Zero3Error",
@@ -37,7 +38,13 @@ class LayerNotFoundError(Zero3Error, KeyError):
 
 
 class CommunicationError(Zero3Error, RuntimeError):
-    """A collective failed or did not complete in time."""
+    """A collective failed or did not complete in time, or a rank stopped answering
+    (the message names it and what this rank was waiting for)."""
+
+
+class RankDivergenceError(CommunicationError):
+    """The ranks were about to run different collectives (different layers, passes or
+    micro-steps); the message names the ranks and what each was about to run."""
 
 
 class CheckpointError(Zero3Error, RuntimeError):

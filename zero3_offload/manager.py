@@ -58,15 +58,22 @@ def _flushed(method: _Method) -> _Method:
     """Return from ``method`` only once every collective it queued has been launched.
 
     The caller may call torch.distributed on the group itself next; see the
-    launcher in ``comm.collectives``.
+    launcher in ``comm.collectives``. While ``method`` runs, the group's
+    collectives carry a description of the call, which the ranks compare
+    before each collective (see [Note: divergence check]).
     """
 
     @functools.wraps(method)
     async def wrapper(manager: Zero3CpuOffloadManager, *args: Any, **kwargs: Any) -> Any:
+        comm = manager.engine.comm
+        outer, comm.context = comm.context, manager._describe_call(method.__name__, args, kwargs)
         try:
             return await method(manager, *args, **kwargs)
         finally:
-            await manager.engine.comm.flush()
+            try:
+                await comm.flush()
+            finally:
+                comm.context = outer
 
     return wrapper  # type: ignore[return-value]
 
@@ -126,6 +133,7 @@ class Zero3CpuOffloadManager:
             "manager_ready",
             rank=engine.mapping.rank,
             world_size=engine.mapping.world_size,
+            pid=os.getpid(),
             layers=len(engine.layers),
             parameters=total_numel(engine.layouts),
             owned_parameters=owned_numel(engine.layouts),
@@ -261,6 +269,28 @@ class Zero3CpuOffloadManager:
     def last_grad_norm(self) -> float | None:
         """Global gradient norm before clipping at the last update (clipping on only)."""
         return self._engine.steps.last_grad_norm
+
+    def _describe_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """``name`` and the arguments that must agree on every rank (tensors' values and
+        shapes need not: each rank has its own batch), with the step and micro-step."""
+
+        def show(value: Any) -> str:
+            if isinstance(value, torch.Tensor):
+                return "tensor"
+            if isinstance(value, (list, tuple)):
+                return "[" + ", ".join(show(v) for v in value) + "]"
+            if isinstance(value, os.PathLike):
+                return repr(os.fspath(value))
+            if value is None or isinstance(value, (str, int, float, bool, torch.dtype)):
+                return repr(value)
+            return type(value).__name__
+
+        shown = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+        grad = "" if torch.is_grad_enabled() else " under no_grad"
+        return (
+            f"{name}({', '.join(shown)}){grad} at step {self._engine.timeline.step}, "
+            f"micro-step {self._state.calls_since_update}"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -712,7 +742,9 @@ class Zero3CpuOffloadManager:
         if not layout.padded_numel:
             return []
         full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
-        await e.comm.all_gather(full, e.params.master(name).to(e.device))
+        await e.comm.all_gather(
+            full, e.params.master(name).to(e.device), what=f"the values of {name!r}"
+        )
         return [
             (param_key(name, pname), view.detach().to("cpu", copy=True))
             for pname, view in layout.unflatten(full)
@@ -781,7 +813,7 @@ class Zero3CpuOffloadManager:
         # Every rank takes part in every gather, also after rank 0 failed.
         for name in names[len(done) :]:
             await self._full_layer(name)
-        if not await e.comm.agree(error is None):
+        if not await e.comm.agree(error is None, what="save_pretrained's outcome"):
             raise CheckpointError(
                 f"save_pretrained to {os.fspath(directory)} failed on rank 0"
                 + (f": {error}" if error is not None else "")
@@ -846,7 +878,7 @@ class Zero3CpuOffloadManager:
         e = self._engine
         gather_s, compute_s = layer_seconds(e.timeline.events())
         agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=e.device)
-        await e.comm.all_reduce_max(agreed)
+        await e.comm.all_reduce_max(agreed, what="the layer timings")
         depth = e.prefetch.adapt_prefetch_strategy(float(agreed[0]), float(agreed[1]))
         log.info(
             "prefetch_adapted",
@@ -936,6 +968,7 @@ class Zero3CpuOffloadManager:
             self._engine.model_runner.close()
         self._state.reset()
         self._closed = True
+        self._engine.comm.close()
 
     async def __aenter__(self) -> Zero3CpuOffloadManager:
         return self

@@ -27,7 +27,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import anyio
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zero3_offload.comm import destroy_process_group, init_process_group
+from zero3_offload.comm.heartbeat import process_state
 from zero3_offload.errors import Zero3Error
 from zero3_offload.memory.allocator import set_mmap_threshold
 
@@ -103,7 +104,9 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
-def _supervise(procs: list[Any], results: Any, world_size: int, timeout_s: float) -> list[Any]:
+def _supervise(
+    procs: list[Any], results: Any, world_size: int, timeout_s: float, may_die: frozenset[int]
+) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
 
@@ -129,7 +132,9 @@ def _supervise(procs: list[Any], results: Any, world_size: int, timeout_s: float
             except queue.Empty:
                 pass
             for rank in exited:
-                if rank not in out:
+                if rank not in out and rank in may_die:
+                    out[rank] = None
+                elif rank not in out:
                     raise RankFailedError(
                         f"rank {rank} exited with code {procs[rank].exitcode} without a "
                         "result (crashed or was killed)"
@@ -148,6 +153,7 @@ async def run_ranks(
     threads_per_rank: int = 1,
     backend: str = "gloo",
     mmap_threshold: int | None = None,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run ``await fn(RankContext, *args)`` on ``world_size`` gloo ranks.
 
@@ -160,6 +166,8 @@ async def run_ranks(
         backend: ``"gloo"``, or ``"nccl"`` for ranks that each own a GPU.
         mmap_threshold: if set, each rank calls
             :func:`~zero3_offload.memory.allocator.set_mmap_threshold` with it.
+        may_die: ranks whose process may end without a result (fault tests kill
+            them on purpose): their result is None, and the others run on.
 
     Returns:
         Each rank's return value, in rank order.
@@ -171,7 +179,14 @@ async def run_ranks(
     while True:
         try:
             return await _run_once(
-                fn, world_size, args, timeout_s, threads_per_rank, backend, mmap_threshold
+                fn,
+                world_size,
+                args,
+                timeout_s,
+                threads_per_rank,
+                backend,
+                mmap_threshold,
+                frozenset(may_die),
             )
         except RankFailedError as exc:
             # free_port() releases the port before rank 0 binds it, so another
@@ -195,6 +210,7 @@ async def _run_once(
     threads_per_rank: int,
     backend: str,
     mmap_threshold: int | None,
+    may_die: frozenset[int],
 ) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
@@ -222,14 +238,18 @@ async def _run_once(
         for p in procs:
             p.start()
         return await anyio.to_thread.run_sync(
-            _supervise, procs, results, world_size, timeout_s, abandon_on_cancel=True
+            _supervise, procs, results, world_size, timeout_s, may_die, abandon_on_cancel=True
         )
     finally:
         # A failed start leaves later processes unstarted: skip them (pid is None).
         started = [p for p in procs if p.pid is not None]
         for p in started:
             if p.is_alive():
-                p.terminate()
+                # A stopped process (SIGSTOP) cannot clean up: it is killed.
+                if process_state(p.pid) == "stopped":
+                    p.kill()
+                else:
+                    p.terminate()
         for p in started:
             # SIGTERM lets a rank run its finally blocks; one that has not
             # exited after this long is stuck and gets SIGKILL.

@@ -17,6 +17,15 @@ the same group directly (a loss all-reduce, transformers' ``synced_gpus``), so
 before control returns to such code the queue is flushed (:meth:`Collectives.flush`):
 every collective queued so far has been launched.
 
+Liveness and agreement (issue-level guarantees of the group): with a
+:class:`~zero3_offload.comm.heartbeat.Heartbeat` (``heartbeat_timeout_s``),
+every wait also watches the other ranks, and a rank that stops answering is
+named within that time, whatever ``timeout_s`` allows a collective (see
+[Note: heartbeat]); with ``verify``, every rank checks before each launch that
+all ranks are about to run the same collective (see [Note: divergence check]).
+After a collective fails, times out or finds a silent rank, the group's
+sequence of collectives is broken: every later collective raises at once.
+
 Backend differences are settled once per group, by capability, in
 :class:`Collectives`: which tensor-level all-gather / reduce-scatter functions the
 installed torch offers, and whether the backend accepts ``ReduceOp.AVG`` for
@@ -28,20 +37,25 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import datetime as _dt
+import os
 import queue
+import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from zero3_offload.errors import CommunicationError
+from zero3_offload.comm.divergence import DivergenceCheck
+from zero3_offload.comm.heartbeat import Heartbeat, default_store
+from zero3_offload.errors import CommunicationError, Zero3Error
 
 __all__ = ["Collectives", "PendingCollective"]
+
+_POLL_S = 0.2  # how often a wait looks at the heartbeat
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -81,35 +95,65 @@ def _probe(group: dist.ProcessGroup, device: torch.device) -> _Capabilities:
     )
 
 
+_Entry = tuple[Callable[[], Any], "str | None", concurrent.futures.Future[Any]]
+
+
 class _Launcher:
     """One daemon thread that calls queued functions in order (a daemon, so a launch
-    stuck on a dead peer never keeps the process from exiting)."""
+    stuck on a dead peer never keeps the process from exiting).
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
-        self._queue = queue.SimpleQueue()
+    A function queued with a ``description`` is a collective: with a
+    ``check``, it starts only once every rank is about to start the same one;
+    after a failed check, no later collective starts.
+    """
+
+    def __init__(self, name: str, check: DivergenceCheck | None) -> None:
+        self._queue: queue.SimpleQueue[_Entry] = queue.SimpleQueue()
         self.submitted = 0  # functions queued so far (from any thread, under the lock)
         self.finished = 0  # functions called so far (by the launcher thread only)
+        self.check = check
+        self.diverged: Zero3Error | None = None
+        self._current: str | None = None  # the description being checked or launched
         self._lock = threading.Lock()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
+    def _call(self, fn: Callable[[], Any], description: str | None) -> Any:
+        if description is not None and self.check is not None:
+            if self.diverged is not None:
+                raise self.diverged
+            try:
+                self.check.verify(description)
+            except Zero3Error as exc:
+                self.diverged = exc
+                raise
+        return fn()
+
+    def launching(self) -> str:
+        """What the launcher thread is launching now, in words (for errors)."""
+        current = self._current
+        return f"the start of {current}" if current else "the start of the queued collectives"
+
     def _run(self) -> None:
         while True:
-            fn, future = self._queue.get()
+            fn, description, future = self._queue.get()
+            self._current = description
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn())
+                    future.set_result(self._call(fn, description))
                 except BaseException as exc:  # handed to whoever waits for the launch
                     future.set_exception(exc)
             # The launch's closure holds its tensors: not until the next launch.
             del fn, future
+            self._current = None
             self.finished += 1
 
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    def submit(
+        self, fn: Callable[[], Any], description: str | None = None
+    ) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self.submitted += 1
-            self._queue.put((fn, future))
+            self._queue.put((fn, description, future))
         return future
 
     def idle(self) -> bool:
@@ -128,10 +172,17 @@ class PendingCollective:
     """
 
     def __init__(
-        self, *, op: str, launched: concurrent.futures.Future[Any], nbytes: int, comm: Collectives
+        self,
+        *,
+        op: str,
+        launched: concurrent.futures.Future[Any],
+        nbytes: int,
+        comm: Collectives,
+        what: str = "",
     ) -> None:
         self.op = op
         self.nbytes = nbytes
+        self.what = what
         self._launched: concurrent.futures.Future[Any] | None = launched  # -> the backend's Work
         self._comm = comm
         self._after: list[Callable[[], object]] = []
@@ -210,7 +261,9 @@ class PendingCollective:
             def on_launched(launched: concurrent.futures.Future[Any]) -> None:
                 # On the launcher thread (or here, when already launched).
                 exc = launched.exception()
-                if exc is not None:
+                if isinstance(exc, Zero3Error):  # e.g. the ranks diverged: as it is
+                    settle_from_thread(exc)
+                elif exc is not None:
                     settle_from_thread(RuntimeError(f"failed to start: {exc}"))
                 else:
                     watch(launched.result())
@@ -224,22 +277,15 @@ class PendingCollective:
         """Wait for completion without blocking the event loop.
 
         Raises:
-            CommunicationError: on failure, or when ``timeout_s`` passes first.
+            CommunicationError: on failure, when ``timeout_s`` passes first, or when
+                the heartbeat finds a rank silent (the message names it).
+            RankDivergenceError: when the ranks were about to run different collectives.
         """
         if self._finished:
             return
-        label = f"{self.op} of {self.nbytes} bytes on the {_group_label(self._comm.group)}"
-        try:
-            await asyncio.wait_for(asyncio.shield(self._completion()), self._comm.timeout_s)
-        except TimeoutError as exc:
-            raise CommunicationError(
-                f"{label} did not complete within {self._comm.timeout_s:g} s: "
-                "a rank may have stopped or skipped this call"
-            ) from exc
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise CommunicationError(f"{label} failed: {exc}") from exc
+        what = f" ({self.what})" if self.what else ""
+        label = f"{self.op} of {self.nbytes} bytes{what} on the {_group_label(self._comm.group)}"
+        await self._comm._watch(self._completion(), label)
         if self._finished:  # another waiter finished it meanwhile
             return
         self._finished = True
@@ -262,28 +308,195 @@ class PendingCollective:
 class Collectives:
     """Awaitable collectives over one process group.
 
+    Construction is a collective: every rank of ``group`` builds this object
+    together (it runs a probe, and agrees on the heartbeat's keys).
+
     Args:
-        group: the process group (every rank of it must build this object, since
-            construction runs a small probe collective).
+        group: the process group.
         device: device of the tensors passed to the collectives.
         timeout_s: how long to wait for one collective before raising.
+        heartbeat_timeout_s: with a value, a :class:`Heartbeat` watches the other
+            ranks, and a wait raises naming a rank silent this long (see
+            [Note: heartbeat]); None: only ``timeout_s`` bounds a wait.
+        verify: check before each collective that every rank is about to run
+            the same one (see [Note: divergence check]).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, *, device: torch.device, timeout_s: float = 300.0
+        self,
+        group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        timeout_s: float = 300.0,
+        heartbeat_timeout_s: float | None = None,
+        verify: bool = False,
     ) -> None:
         self.group = group
         self.rank = group.rank()
         self.world_size = group.size()
         self.device = device
         self.timeout_s = timeout_s
+        # What the caller is doing, in words that must agree on every rank (the
+        # public call, its arguments, the step): part of every verified collective.
+        self.context = "setup"
         # Called as observer(op, seconds, nbytes) when a collective completes.
         self.observer: Callable[[str, float, int], None] | None = None
         # op -> whether the backend's Work objects for it offer get_future()
         # (gloo's reduce-scatter does not); learned on first use.
         self._has_future: dict[str, bool] = {}
+        self._broken: Zero3Error | None = None  # the failure that ended the sequence
         self._caps = _probe(group, device)
-        self._launcher = _Launcher(f"zero3-launch-{self.rank}")
+        check = None
+        if verify and self.world_size > 1:
+            check = DivergenceCheck(group, all_gather=self._caps.all_gather, timeout_s=timeout_s)
+        self._launcher = _Launcher(f"zero3-launch-{self.rank}", check)
+        self.heartbeat: Heartbeat | None = None
+        if heartbeat_timeout_s is not None and self.world_size > 1:
+            self.heartbeat = self._start_heartbeat(heartbeat_timeout_s)
+
+    def _start_heartbeat(self, timeout_s: float) -> Heartbeat | None:
+        store = default_store()
+        if store is None:
+            return None
+        key = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
+        self.broadcast_blocking(key.to(self.device), src=0, what="the heartbeat's key", out=key)
+        global_ranks = dist.get_process_group_ranks(self.group)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        host = None if agent_store or 0 not in global_ranks else global_ranks.index(0)
+        beat = Heartbeat(
+            store,
+            rank=self.rank,
+            world_size=self.world_size,
+            key=f"zero3/heartbeat/{int(key.item()):016x}",
+            timeout_s=timeout_s,
+            store_host_rank=host,
+        )
+        # Every rank has published its pid once this collective completes.
+        self.broadcast_blocking(torch.zeros(1, device=self.device), what="heartbeat start")
+        beat.start()
+        return beat
+
+    def close(self) -> None:
+        """Stop the heartbeat and the divergence check (after the last collective)."""
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        check = self._launcher.check
+        if check is not None and self._broken is None:
+            # Behind every queued launch, so no collective is left unchecked.
+            # (After a failure the launcher may be stuck with a silent peer: the
+            # side group is then left to the process's exit.)
+            self._launcher.submit(check.close).result(timeout=self.timeout_s)
+
+    @property
+    def collectives_checked(self) -> int:
+        """Collectives verified by the divergence check so far (0 without one)."""
+        check = self._launcher.check
+        return 0 if check is None else check.checked
+
+    def _fail(self, exc: Zero3Error) -> Zero3Error:
+        if self._broken is None:
+            self._broken = exc
+        return exc
+
+    def _usable(self) -> None:
+        if self._broken is not None:
+            raise CommunicationError(
+                f"no collective can run on the {_group_label(self.group)} after an earlier "
+                f"failure: {self._broken}"
+            )
+
+    async def _watch(self, future: Awaitable[Any], label: str) -> Any:
+        """Await ``future`` while watching the timeout and the heartbeat.
+
+        Raises:
+            CommunicationError: on failure (naming a silent or exited rank when
+                the heartbeat finds one), on timeout, or when a rank goes silent.
+        """
+        task = asyncio.ensure_future(future)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        beat = self.heartbeat
+        while not task.done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._fail(
+                    CommunicationError(
+                        f"{label} did not complete within {self.timeout_s:g} s: "
+                        "a rank may have stopped or skipped this call"
+                    )
+                )
+            step = remaining if beat is None else min(_POLL_S, remaining)
+            await asyncio.wait({task}, timeout=step)
+            if task.done() or beat is None or beat.silent() is None:
+                continue
+            # Confirm once more, a beat interval later: the collective may have
+            # completed as its last peer closed, or this process was paused.
+            await asyncio.wait({task}, timeout=beat.interval_s)
+            silent = beat.silent()
+            if not task.done() and silent is not None:
+                raise self._fail(CommunicationError(self._silence(silent, label)))
+        try:
+            return task.result()
+        except Zero3Error as exc:
+            raise self._fail(exc) from None
+        except Exception as exc:
+            # A backend error on a peer's death says little about who died: ask
+            # the heartbeat, which names an exited peer on this host at once and
+            # a remote one once its silence exceeds the heartbeat's timeout.
+            silent = await self._blame()
+            if silent is not None:
+                raise self._fail(CommunicationError(self._silence(silent, label))) from exc
+            raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
+
+    async def _blame(self) -> str | None:
+        beat = self.heartbeat
+        if beat is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + beat.timeout_s + 2 * beat.interval_s
+        while True:
+            silent = beat.silent()
+            if silent is not None or loop.time() > deadline:
+                return silent
+            await asyncio.sleep(_POLL_S)  # the heartbeat's next round
+
+    def _silence(self, silent: str, label: str) -> str:
+        # The oldest collective not launched yet is where the ranks parted (the
+        # launcher holds it until every rank reaches it); else the one awaited.
+        if not self._launcher.idle():
+            label = self._launcher.launching()
+        else:
+            label = f"{label} during {self.context}"
+        return (
+            f"{silent}; this rank ({self.rank}) was waiting for {label}. "
+            "The run cannot continue: restart the ranks and resume from the last checkpoint"
+        )
+
+    def _wait_blocking(self, future: concurrent.futures.Future[Any], label: str) -> Any:
+        """:meth:`_watch` for a thread other than the event loop's."""
+        deadline = time.monotonic() + self.timeout_s
+        beat = self.heartbeat
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(
+                    CommunicationError(f"{label} did not complete within {self.timeout_s:g} s")
+                )
+            try:
+                return future.result(timeout=remaining if beat is None else min(_POLL_S, remaining))
+            except concurrent.futures.TimeoutError:
+                pass
+            except Zero3Error as exc:
+                raise self._fail(exc) from None
+            except Exception as exc:
+                raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
+            if beat is not None and beat.silent() is not None:
+                try:
+                    return future.result(timeout=beat.interval_s)
+                except concurrent.futures.TimeoutError:
+                    silent = beat.silent()
+                    if silent is not None:
+                        raise self._fail(CommunicationError(self._silence(silent, label))) from None
 
     def _work_future(self, op: str, work: Any) -> torch.futures.Future | None:
         if self._has_future.get(op, True):
@@ -296,7 +509,10 @@ class Collectives:
                 return future
         return None
 
-    def _start(self, op: str, launch: Callable[[], Any], nbytes: int) -> PendingCollective:
+    def _start(
+        self, op: str, launch: Callable[[], Any], nbytes: int, what: str
+    ) -> PendingCollective:
+        self._usable()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
         def launch_on_stream() -> Any:
@@ -305,29 +521,41 @@ class Collectives:
             with torch.cuda.stream(stream):
                 return launch()
 
-        launched = self._launcher.submit(launch_on_stream)
-        return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self)
+        description = f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
+        launched = self._launcher.submit(launch_on_stream, description)
+        return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self, what=what)
 
     async def flush(self) -> None:
-        """Wait (off the loop) until every collective queued so far has been launched."""
-        if not self._launcher.idle():
-            await asyncio.wrap_future(self._launcher.submit(lambda: None))
+        """Wait (off the loop) until every collective queued so far has been launched.
+
+        Returns at once after a failure: nothing queued will be launched then.
+        """
+        if self._broken is None and not self._launcher.idle():
+            launched = asyncio.wrap_future(self._launcher.submit(lambda: None))
+            await self._watch(launched, self._launcher.launching())
 
     def flush_blocking(self) -> None:
         """:meth:`flush` for a thread other than the event loop's."""
-        if not self._launcher.idle():
-            self._launcher.submit(lambda: None).result()
+        if self._broken is None and not self._launcher.idle():
+            launched = self._launcher.submit(lambda: None)
+            self._wait_blocking(launched, self._launcher.launching())
 
-    def start_all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> PendingCollective:
-        """Launch the gather of every rank's ``shard`` into ``output`` (rank order)."""
+    def start_all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, *, what: str = ""
+    ) -> PendingCollective:
+        """Launch the gather of every rank's ``shard`` into ``output`` (rank order).
+
+        ``what`` names the use (e.g. the layer) in errors and in the divergence check.
+        """
         return self._start(
             "all_gather",
             lambda: self._caps.all_gather(output, shard, group=self.group, async_op=True),
             output.numel() * output.element_size(),
+            what,
         )
 
     def start_reduce_scatter_mean(
-        self, output: torch.Tensor, full: torch.Tensor
+        self, output: torch.Tensor, full: torch.Tensor, *, what: str = ""
     ) -> PendingCollective:
         """Launch the average of ``full`` over ranks, keeping this rank's slice in ``output``."""
         avg = self._caps.reduce_scatter_avg
@@ -336,69 +564,110 @@ class Collectives:
             "reduce_scatter",
             lambda: self._caps.reduce_scatter(output, full, op=op, group=self.group, async_op=True),
             full.numel() * full.element_size(),
+            what,
         )
         if not avg:
             pending.then(lambda: output.div_(self.world_size))
         return pending
 
-    def start_all_reduce_sum(self, tensor: torch.Tensor) -> PendingCollective:
+    def start_all_reduce_sum(self, tensor: torch.Tensor, *, what: str = "") -> PendingCollective:
         """Launch an in-place sum of ``tensor`` over ranks."""
-        return self._start_all_reduce(tensor, dist.ReduceOp.SUM)
+        return self._start_all_reduce(tensor, dist.ReduceOp.SUM, what)
 
-    def _start_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> PendingCollective:
+    def _start_all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp, what: str
+    ) -> PendingCollective:
         return self._start(
             "all_reduce",
             lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
             tensor.numel() * tensor.element_size(),
+            what,
         )
 
-    def start_broadcast(self, tensor: torch.Tensor, *, src: int = 0) -> PendingCollective:
+    def start_broadcast(
+        self, tensor: torch.Tensor, *, src: int = 0, what: str = ""
+    ) -> PendingCollective:
         """Launch an in-place copy of ``tensor`` from group rank ``src`` to every rank."""
         global_src = dist.get_global_rank(self.group, src)
         return self._start(
             "broadcast",
             lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
             tensor.numel() * tensor.element_size(),
+            what,
         )
 
-    async def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+    async def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, *, what: str = ""
+    ) -> None:
         """Gather every rank's ``shard`` into ``output`` and wait for it."""
-        await self.start_all_gather(output, shard).wait()
+        await self.start_all_gather(output, shard, what=what).wait()
 
-    async def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor) -> None:
+    async def reduce_scatter_mean(
+        self, output: torch.Tensor, full: torch.Tensor, *, what: str = ""
+    ) -> None:
         """Average ``full`` over ranks into this rank's slice ``output`` and wait for it."""
-        await self.start_reduce_scatter_mean(output, full).wait()
+        await self.start_reduce_scatter_mean(output, full, what=what).wait()
 
-    async def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    async def all_reduce_sum(self, tensor: torch.Tensor, *, what: str = "") -> None:
         """Sum ``tensor`` over ranks in place and wait for it."""
-        await self.start_all_reduce_sum(tensor).wait()
+        await self.start_all_reduce_sum(tensor, what=what).wait()
 
-    async def all_reduce_max(self, tensor: torch.Tensor) -> None:
+    async def all_reduce_max(self, tensor: torch.Tensor, *, what: str = "") -> None:
         """Elementwise maximum of ``tensor`` over ranks, in place; waits for it."""
-        await self._start_all_reduce(tensor, dist.ReduceOp.MAX).wait()
+        await self._start_all_reduce(tensor, dist.ReduceOp.MAX, what).wait()
 
-    async def agree(self, ok: bool) -> bool:
+    async def agree(self, ok: bool, *, what: str = "") -> bool:
         """True when every rank passed ``ok`` (a collective: an all-reduce of failure counts)."""
         failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        await self.all_reduce_sum(failures)
+        await self.all_reduce_sum(failures, what=what or "an agreement")
         return failures.item() == 0
 
-    async def broadcast(self, tensor: torch.Tensor, *, src: int = 0) -> None:
+    async def broadcast(self, tensor: torch.Tensor, *, src: int = 0, what: str = "") -> None:
         """Broadcast ``tensor`` from group rank ``src`` and wait for it."""
-        await self.start_broadcast(tensor, src=src).wait()
+        await self.start_broadcast(tensor, src=src, what=what).wait()
 
-    def broadcast_blocking(self, tensor: torch.Tensor, *, src: int = 0) -> None:
-        """Synchronous broadcast, for constructors that cannot await."""
+    def broadcast_blocking(
+        self,
+        tensor: torch.Tensor,
+        *,
+        src: int = 0,
+        what: str = "",
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """Synchronous broadcast, for constructors that cannot await.
+
+        ``out``, when given, receives a copy of the result (e.g. on the CPU).
+        """
+        self._usable()
         global_src = dist.get_global_rank(self.group, src)
-        try:
-            # Through the launcher, behind any collective queued before it.
-            work = self._launcher.submit(
-                lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
-            ).result()
-            if not work.wait(timeout=_dt.timedelta(seconds=self.timeout_s)):
-                raise TimeoutError(f"no completion within {self.timeout_s:g} s")
-        except Exception as exc:
-            raise CommunicationError(
-                f"broadcast of {tensor.numel() * tensor.element_size()} bytes on the "
-                f"{_group_label(self.group)} failed: {exc}"
-            ) from exc
+        nbytes = tensor.numel() * tensor.element_size()
+        label = f"broadcast of {nbytes} bytes on the {_group_label(self.group)}"
+        description = (
+            f"broadcast of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
+        )
+        # Through the launcher, behind any collective queued before it.
+        launched = self._launcher.submit(
+            lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
+            description,
+        )
+        work = self._wait_blocking(launched, label)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        future = self._work_future("broadcast", work)
+        if future is None:  # a backend without futures for broadcast: wait here
+            work.wait()
+            done.set_result(None)
+        else:
+
+            def on_done(fut: torch.futures.Future) -> None:
+                try:
+                    fut.value()
+                except Exception as exc:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(None)
+
+            future.add_done_callback(on_done)
+        self._wait_blocking(done, label)
+        work.wait()  # orders the current CUDA stream after NCCL's; a no-op on gloo
+        if out is not None:
+            out.copy_(tensor)

@@ -137,169 +137,179 @@ def build_engine(
 
     stats = Zero3PerformanceStats()
     timeline = Timeline(rank=mapping.rank)
-    comm = Collectives(process_group, device=device, timeout_s=config.collective_timeout_s)
+    comm = Collectives(
+        process_group,
+        device=device,
+        timeout_s=config.collective_timeout_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        verify=config.divergence_check,
+    )
     comm.observer = stats.record_communication
-    streams = CopyStreams(device)
-    workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
+    try:
+        streams = CopyStreams(device)
+        workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
 
-    codec = ShardCodec(
-        config.cpu_compression, config.compute_dtype, block_size=config.compression_block_size
-    )
-    params = ParameterStore(
-        codec=codec,
-        master_device=cpu if config.offload_optimizer_states else device,
-        copy_device=cpu if config.offload_params else device,
-        pin=pin,
-    )
-    gatherer = ParameterGatherer(
-        layers=layers,
-        layouts=layouts,
-        store=params,
-        comm=comm,
-        device=device,
-        streams=streams,
-        timeline=timeline,
-    )
-    runner = LayerRunner(
-        device,
-        config.compute_dtype,
-        recompute=config.activation_checkpointing,
-        gathered_flat=gatherer.gathered_flat,
-    )
-    cpu_need = cpu_memory_need(
-        config, [lay.shard_numel for lay in layouts.values() if lay.numel], device
-    )
-    check_cpu_budget(cpu_need, config.cpu_memory_budget)
-    # Enough reusable buffers for what is gathered at once: the layer in use,
-    # the look-ahead, and one being released; never more than the budget.
-    largest_bytes = max((gatherer.nbytes(n) for n in layers), default=0)
-    gatherer.pool_limit = min(
-        config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
-    )
-    prefetch = PrefetchScheduler(
-        gatherer=gatherer,
-        layers=list(layers),
-        numels={name: lay.numel for name, lay in layouts.items()},
-        budget=config.gpu_param_memory_budget,
-        depth=config.prefetch_buffer_size if config.async_prefetch else 0,
-        bucket=config.prefetch_bucket_size,
-        persistence_threshold=config.param_persistence_threshold,
-        rank=mapping.rank,
-        resident=ROOT_UNIT if ROOT_UNIT in layers else None,
-    )
-    shard_initial_values(
-        layers=layers,
-        layouts=layouts,
-        store=params,
-        gatherer=gatherer,
-        comm=comm,
-        device=device,
-        init_fn=init_fn,
-        model=model if module_mode else None,
-        source=shard_source,
-    )
-
-    # Module mode's root unit holds a buffer of its own through the whole
-    # backward (its gradients arrive at both ends), so the pool is sized for
-    # the other units.
-    pooled = [lay.padded_numel for name, lay in layouts.items() if name != ROOT_UNIT]
-    largest = max(pooled or [lay.padded_numel for lay in layouts.values()], default=0)
-    gradient_buffers = GradientBuffers(numel=largest, device=device, depth=_GRADIENT_BUFFERS)
-    reducer = GradientReducer(
-        layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
-    )
-    grads = GradientStore(
-        device=cpu if config.offload_grads else device,
-        streams=streams,
-        workers=workers,
-        timeline=timeline,
-        pin=pin,
-    )
-    optimizer = ShardOptimizers(
-        config.optimizer,
-        [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
-        device=params.master_device,
-    )
-    steps = StepRunner(
-        config=config,
-        params=params,
-        grads=grads,
-        optimizer=optimizer,
-        workers=workers,
-        comm=comm,
-    )
-    accounting = MemoryAccounting(
-        params=params,
-        gatherer=gatherer,
-        grads=grads,
-        optimizer=optimizer,
-        gradient_buffers=gradient_buffers,
-        total_parameters=total_numel(layouts),
-        owned_parameters=owned_numel(layouts),
-    )
-    pressure = PressurePolicy(
-        accounting=accounting,
-        gatherer=gatherer,
-        strategy=config.auto_memory_management,
-        max_gpu_bytes=config.max_gpu_memory_mb * _MIB,
-        max_cpu_bytes=config.max_cpu_memory_mb * _MIB,
-        gpu_param_budget=config.gpu_param_memory_budget,
-    )
-    checkpointer = ShardCheckpointer(
-        config=config,
-        layouts=layouts,
-        params=params,
-        grads=grads,
-        optimizer=optimizer,
-        steps=steps,
-        comm=comm,
-        workers=workers,
-        stats=stats,
-        timeline=timeline,
-        model_config=_model_config(model) if module_mode else None,
-    )
-    model_runner = None
-    if module_mode:
-        assert isinstance(model, nn.Module)
-        model_runner = ModuleRunner(
-            model=model,
-            units=unit_params,
-            unit_modules=unit_modules,
-            gatherer=gatherer,
-            prefetch=prefetch,
-            reducer=reducer,
+        codec = ShardCodec(
+            config.cpu_compression, config.compute_dtype, block_size=config.compression_block_size
+        )
+        params = ParameterStore(
+            codec=codec,
+            master_device=cpu if config.offload_optimizer_states else device,
+            copy_device=cpu if config.offload_params else device,
+            pin=pin,
+        )
+        gatherer = ParameterGatherer(
+            layers=layers,
+            layouts=layouts,
+            store=params,
             comm=comm,
-            recompute=config.activation_checkpointing,
-            stats=stats,
+            device=device,
+            streams=streams,
             timeline=timeline,
         )
-    return Engine(
-        config=config,
-        device=device,
-        mapping=mapping,
-        layers=layers,
-        layouts=layouts,
-        cpu_need=cpu_need,
-        stats=stats,
-        timeline=timeline,
-        step_log=StepLog(timeline, stats),
-        comm=comm,
-        streams=streams,
-        workers=workers,
-        params=params,
-        gatherer=gatherer,
-        runner=runner,
-        prefetch=prefetch,
-        reducer=reducer,
-        gradient_buffers=gradient_buffers,
-        grads=grads,
-        optimizer=optimizer,
-        steps=steps,
-        accounting=accounting,
-        pressure=pressure,
-        checkpointer=checkpointer,
-        model_runner=model_runner,
-    )
+        runner = LayerRunner(
+            device,
+            config.compute_dtype,
+            recompute=config.activation_checkpointing,
+            gathered_flat=gatherer.gathered_flat,
+        )
+        cpu_need = cpu_memory_need(
+            config, [lay.shard_numel for lay in layouts.values() if lay.numel], device
+        )
+        check_cpu_budget(cpu_need, config.cpu_memory_budget)
+        # Enough reusable buffers for what is gathered at once: the layer in use,
+        # the look-ahead, and one being released; never more than the budget.
+        largest_bytes = max((gatherer.nbytes(n) for n in layers), default=0)
+        gatherer.pool_limit = min(
+            config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
+        )
+        prefetch = PrefetchScheduler(
+            gatherer=gatherer,
+            layers=list(layers),
+            numels={name: lay.numel for name, lay in layouts.items()},
+            budget=config.gpu_param_memory_budget,
+            depth=config.prefetch_buffer_size if config.async_prefetch else 0,
+            bucket=config.prefetch_bucket_size,
+            persistence_threshold=config.param_persistence_threshold,
+            rank=mapping.rank,
+            resident=ROOT_UNIT if ROOT_UNIT in layers else None,
+        )
+        shard_initial_values(
+            layers=layers,
+            layouts=layouts,
+            store=params,
+            gatherer=gatherer,
+            comm=comm,
+            device=device,
+            init_fn=init_fn,
+            model=model if module_mode else None,
+            source=shard_source,
+        )
+
+        # Module mode's root unit holds a buffer of its own through the whole
+        # backward (its gradients arrive at both ends), so the pool is sized for
+        # the other units.
+        pooled = [lay.padded_numel for name, lay in layouts.items() if name != ROOT_UNIT]
+        largest = max(pooled or [lay.padded_numel for lay in layouts.values()], default=0)
+        gradient_buffers = GradientBuffers(numel=largest, device=device, depth=_GRADIENT_BUFFERS)
+        reducer = GradientReducer(
+            layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
+        )
+        grads = GradientStore(
+            device=cpu if config.offload_grads else device,
+            streams=streams,
+            workers=workers,
+            timeline=timeline,
+            pin=pin,
+        )
+        optimizer = ShardOptimizers(
+            config.optimizer,
+            [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
+            device=params.master_device,
+        )
+        steps = StepRunner(
+            config=config,
+            params=params,
+            grads=grads,
+            optimizer=optimizer,
+            workers=workers,
+            comm=comm,
+        )
+        accounting = MemoryAccounting(
+            params=params,
+            gatherer=gatherer,
+            grads=grads,
+            optimizer=optimizer,
+            gradient_buffers=gradient_buffers,
+            total_parameters=total_numel(layouts),
+            owned_parameters=owned_numel(layouts),
+        )
+        pressure = PressurePolicy(
+            accounting=accounting,
+            gatherer=gatherer,
+            strategy=config.auto_memory_management,
+            max_gpu_bytes=config.max_gpu_memory_mb * _MIB,
+            max_cpu_bytes=config.max_cpu_memory_mb * _MIB,
+            gpu_param_budget=config.gpu_param_memory_budget,
+        )
+        checkpointer = ShardCheckpointer(
+            config=config,
+            layouts=layouts,
+            params=params,
+            grads=grads,
+            optimizer=optimizer,
+            steps=steps,
+            comm=comm,
+            workers=workers,
+            stats=stats,
+            timeline=timeline,
+            model_config=_model_config(model) if module_mode else None,
+        )
+        model_runner = None
+        if module_mode:
+            assert isinstance(model, nn.Module)
+            model_runner = ModuleRunner(
+                model=model,
+                units=unit_params,
+                unit_modules=unit_modules,
+                gatherer=gatherer,
+                prefetch=prefetch,
+                reducer=reducer,
+                comm=comm,
+                recompute=config.activation_checkpointing,
+                stats=stats,
+                timeline=timeline,
+            )
+        return Engine(
+            config=config,
+            device=device,
+            mapping=mapping,
+            layers=layers,
+            layouts=layouts,
+            cpu_need=cpu_need,
+            stats=stats,
+            timeline=timeline,
+            step_log=StepLog(timeline, stats),
+            comm=comm,
+            streams=streams,
+            workers=workers,
+            params=params,
+            gatherer=gatherer,
+            runner=runner,
+            prefetch=prefetch,
+            reducer=reducer,
+            gradient_buffers=gradient_buffers,
+            grads=grads,
+            optimizer=optimizer,
+            steps=steps,
+            accounting=accounting,
+            pressure=pressure,
+            checkpointer=checkpointer,
+            model_runner=model_runner,
+        )
+    except BaseException:
+        comm.close()  # the heartbeat and the side group of the check
+        raise
 
 
 def _model_config(model: object) -> dict[str, Any] | None:

@@ -158,7 +158,9 @@ class GradientReducer:
         pending = PendingGradient(
             layer=layer,
             shard=shard,
-            collective=self._comm.start_reduce_scatter_mean(shard, flat),
+            collective=self._comm.start_reduce_scatter_mean(
+                shard, flat, what=f"the gradients of {layer!r}"
+            ),
             slot=prepared.index,
             started=time.perf_counter(),
             nbytes=tensor_bytes(flat),

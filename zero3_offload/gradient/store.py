@@ -121,7 +121,7 @@ class GradientStore:
         local = torch.zeros(1, dtype=torch.float64, device=comm.device)
         for g in self._grads.values():
             local += g.double().square().sum().to(comm.device)
-        await comm.all_reduce_sum(local)
+        await comm.all_reduce_sum(local, what="the gradient norm")
         return float(local.sqrt().item())
 
     async def clip_(self, max_norm: float, comm: Collectives) -> float:

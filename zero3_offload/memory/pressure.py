@@ -112,7 +112,7 @@ class PressurePolicy:
         trend = self._trend()
         local = min(1.0, 0.8 * dev + 0.2 * cpu + 0.1 * trend)
         agreed = torch.tensor([local], dtype=torch.float32, device=comm.device)
-        await comm.all_reduce_max(agreed)
+        await comm.all_reduce_max(agreed, what="the memory pressure")
         pressure = float(agreed.item())
         self.history = [*self.history[-(_HISTORY - 1) :], pressure]
         self.last_pressure = pressure

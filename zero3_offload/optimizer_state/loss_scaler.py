@@ -38,7 +38,7 @@ class LossScaler:
             if not torch.isfinite(g).all():
                 flag.fill_(1.0)
                 break
-        await comm.all_reduce_sum(flag)
+        await comm.all_reduce_sum(flag, what="the inf/nan check")
         return bool(flag.item() > 0)
 
     def update(self, found_inf: bool) -> None:

@@ -199,7 +199,7 @@ class ParameterGatherer:
                 else:
                     shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
                     self._store.codec.decode_(staged, shard)
-                pending = self._comm.start_all_gather(flat, shard)
+                pending = self._comm.start_all_gather(flat, shard, what=f"the gather of {name!r}")
         waiter = asyncio.ensure_future(pending.wait()) if pending is not None else None
         handle = GatherHandle(
             layer=name, flat=flat, pending=pending, started=started, waiter=waiter

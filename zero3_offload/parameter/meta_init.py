@@ -170,7 +170,7 @@ def shard_initial_values(
             continue
         _materialize(name, module, init_fn)
         flat = layout.flatten(module, dtype=torch.float32).to(device)
-        comm.broadcast_blocking(flat, src=0)
+        comm.broadcast_blocking(flat, src=0, what=f"the initial values of {name!r}")
         store.put_master(name, flat[layout.shard_start : layout.shard_end].clone())
         if model is None:
             _broadcast_buffers(module, comm, device)
@@ -185,7 +185,7 @@ def shard_initial_values(
 
 
 def _broadcast_buffers(module: nn.Module, comm: Collectives, device: torch.device) -> None:
-    for buf in module.buffers():
+    for name, buf in module.named_buffers():
         staged = buf.detach().to(device)
-        comm.broadcast_blocking(staged, src=0)
+        comm.broadcast_blocking(staged, src=0, what=f"the buffer {name!r}")
         buf.data = staged

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zero3_offload.errors import UsageError
+from zero3_offload.errors import CommunicationError, UsageError
 from zero3_offload.testing import RankFailedError
 from zero3_offload.train.launch import launch
 from zero3_offload.train.loop import TrainError
@@ -155,7 +155,7 @@ def _train(args: argparse.Namespace) -> int:
         return launch(resolved)
     except (OptionError, TrainError) as exc:
         raise UsageError(str(exc)) from None
-    except RankFailedError as exc:
+    except (RankFailedError, CommunicationError) as exc:  # a rank failed, stopped or diverged
         print(f"zero3-offload train: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

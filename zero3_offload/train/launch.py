@@ -32,6 +32,7 @@ from zero3_offload.comm import (
     init_process_group,
     init_process_group_from_env,
 )
+from zero3_offload.errors import CommunicationError, RankDivergenceError
 from zero3_offload.memory.allocator import set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
 from zero3_offload.train import hf
@@ -71,6 +72,19 @@ def _user_error(failure: RankFailedError) -> str | None:
     for line in reversed(str(failure).splitlines()):
         if line.startswith(prefix):
             return line[len(prefix) :]
+    return None
+
+
+def _communication_error(failure: RankFailedError) -> str | None:
+    """``rank R: message`` when a rank failed with a CommunicationError (a rank stopped,
+    died or diverged: the message names it), else None."""
+    lines = str(failure).splitlines()
+    names = (CommunicationError, RankDivergenceError)
+    prefixes = [f"{c.__module__}.{c.__qualname__}: " for c in names]
+    for line in reversed(lines):
+        for prefix in prefixes:
+            if line.startswith(prefix):
+                return f"{lines[0].removesuffix(' failed:')}: {line[len(prefix) :]}"
     return None
 
 
@@ -126,6 +140,9 @@ def _local_ranks(settings: RunSettings, world_size: int, threads: int) -> RankRe
                     raise TrainError(message) from None
                 if signals.requested:
                     raise KeyboardInterrupt from None
+                message = _communication_error(exc)
+                if message is not None:
+                    raise RankFailedError(message) from None
                 raise
     return results[0]
 
@@ -140,7 +157,9 @@ def launch(resolved: Resolved) -> int:
             fit ``--seq-len``, or transformers is missing), or an ``--export``
             directory that is not empty.
         TrainError: a user's mistake found by a rank.
-        RankFailedError: a rank crashed (its traceback is in the message).
+        RankFailedError: a rank crashed (its traceback is in the message), or
+            found another rank silent, dead or diverged (then the message is
+            that one line, naming the rank).
         KeyboardInterrupt: interrupted before training started.
     """
     opts = resolved.train

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from zero3_offload import logging as zlogging
-from zero3_offload.comm.collectives import Collectives
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import (
     CheckpointError,
@@ -143,9 +142,7 @@ class _Trainer:
         self.tokenizer = tokenizer  # --model's tokenizer; None: bytes are the tokens
         self.hf = run.train.model is not None  # module mode: the model computes the loss
         self.names = list(manager.layer_names)
-        self.comm = Collectives(
-            ctx.group, device=manager.device, timeout_s=run.zero3.collective_timeout_s
-        )
+        self.comm = manager.engine.comm  # its heartbeat and divergence check cover the loss too
         opts = self.opts
         try:
             self.corpus = ByteCorpus.load(
@@ -186,7 +183,7 @@ class _Trainer:
 
     async def mean(self, *values: float) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
-        await self.comm.all_reduce_sum(t)
+        await self.comm.all_reduce_sum(t, what="the reported losses")
         return [v / self.ctx.world_size for v in t.tolist()]
 
     async def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -1,0 +1,256 @@
+"""Liveness of the other ranks, whatever a collective's legitimate duration.
+
+[Note: heartbeat]
+A collective's own timeout (``collective_timeout_s``) must allow for the
+longest legitimate collective (a huge layer on a slow network), so it cannot
+tell quickly that a rank has stopped answering. A :class:`Heartbeat` does,
+through a side channel that never touches the training group: every rank's
+*beat thread* adds 1 to its own counter in the rendezvous store every
+``timeout_s / 5`` and reads every other rank's counter in the same round trip.
+A rank is *silent* when its counter has not moved during this rank's rounds
+of the last ``timeout_s``. Staleness is measured on this rank's own completed
+rounds, so a pause of this process (a stop, a swap) never blames the others.
+A rank that is computing, or waiting inside a long collective, keeps beating:
+the beat thread does not need the event loop, the GIL is released by torch's
+kernels and by the collectives, and nothing else runs on that thread.
+
+The store is reached over a connection of its own, opened from the address
+of the default group's store, so a blocked call of torch's own client never
+delays a beat. When the store itself stops answering for ``timeout_s`` (it
+lives in rank 0's process under a ``tcp://`` rendezvous), its host is the
+silent one.
+
+Every rank publishes its host and pid at the start. For a peer on the same
+host (the same pid namespace), :meth:`Heartbeat.silent` also looks at the
+process itself: a peer whose process is gone is reported at once, and a
+stopped one (state ``T``, e.g. SIGSTOP) is named as such.
+
+Waits consult :meth:`Heartbeat.silent` while they wait, and confirm a finding
+once more after one more beat interval before they raise (see
+``Collectives``): a collective whose last peer closed or exited just after it
+completed, or this process resuming from a pause of its own, is then not
+mistaken for silence. The heartbeat never raises by itself.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import socket
+import threading
+import time
+
+import attrs
+import torch.distributed as dist
+
+from zero3_offload.logging import get_logger
+
+__all__ = ["Heartbeat", "default_store", "process_state"]
+
+log = get_logger(__name__)
+
+_CLOSED = -(1 << 60)  # added to a counter by close(): a deliberate end, not silence
+_ROUNDS_PER_TIMEOUT = 5
+
+
+def default_store() -> dist.Store | None:
+    """The default group's store, or None when torch does not expose it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _own_client(store: dist.Store, timeout_s: float) -> dist.Store:
+    """A new connection to the TCP store behind ``store``; ``store`` itself otherwise."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return store  # a file or hash store: no connection to block on
+    return dist.TCPStore(
+        inner.host,
+        inner.port,
+        is_master=False,
+        timeout=_dt.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _pid_space() -> str:
+    """Hostname and pid namespace: pids are comparable within one such space."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}#{namespace}"
+
+
+def process_state(pid: int) -> str | None:
+    """'gone', 'stopped' (SIGSTOP, a debugger) or None (running, or unknown here)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return None
+    if state in ("Z", "X"):
+        return "gone"
+    return "stopped" if state in ("T", "t") else None
+
+
+@attrs.define
+class _Peer:
+    rank: int
+    pid: int | None = None
+    same_host: bool = False
+    host: str = "?"
+    value: int | None = None
+    changed_at: float = 0.0  # time.monotonic() of this rank's round that saw it move
+    closed: bool = False
+
+
+class Heartbeat:
+    """Beats for this rank and watches the others (see [Note: heartbeat]).
+
+    Args:
+        store: the rendezvous store (e.g. :func:`default_store`).
+        rank: this rank in the group.
+        world_size: ranks in the group.
+        key: prefix of this heartbeat's keys, the same on every rank and unique
+            per run (the caller agrees on it with a broadcast).
+        timeout_s: silence after which a rank is reported.
+        store_host_rank: the rank whose process serves the store (0 under a
+            ``tcp://`` rendezvous), or None when it is served elsewhere.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        key: str,
+        timeout_s: float,
+        store_host_rank: int | None = 0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.interval_s = timeout_s / _ROUNDS_PER_TIMEOUT
+        self.store_host_rank = store_host_rank
+        self._key = key
+        self._store = _own_client(store, timeout_s)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peers = {r: _Peer(r) for r in range(world_size) if r != rank}
+        self._last_round = time.monotonic()
+        self._store_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._store.add(self._counter(rank), 1)
+        self._store.set(f"{key}/who/{rank}", f"{_pid_space()} {os.getpid()} {socket.gethostname()}")
+
+    def _counter(self, rank: int) -> str:
+        return f"{self._key}/beat/{rank}"
+
+    def start(self) -> None:
+        """Learn the peers' pids (each rank published its own in the constructor:
+        call this after a collective that follows every rank's construction),
+        then start beating."""
+        space = _pid_space()
+        for peer in self._peers.values():
+            try:
+                who = self._store.get(f"{self._key}/who/{peer.rank}").decode()
+                peer_space, pid, host = who.split(" ", 2)
+            except (RuntimeError, ValueError, UnicodeDecodeError):
+                continue  # naming the pid is a convenience: the counters decide
+            peer.pid, peer.host, peer.same_host = int(pid), host, peer_space == space
+        now = time.monotonic()
+        for peer in self._peers.values():
+            peer.changed_at = now
+        self._last_round = now
+        self._thread = threading.Thread(
+            target=self._run, name=f"zero3-heartbeat-{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _round(self) -> None:
+        self._store.add(self._counter(self.rank), 1)
+        keys = [self._counter(p) for p in self._peers]
+        values = [int(v) for v in self._store.multi_get(keys)] if keys else []
+        now = time.monotonic()
+        with self._lock:
+            for peer, value in zip(self._peers.values(), values, strict=True):
+                if value != peer.value:
+                    peer.value, peer.changed_at = value, now
+                peer.closed = value < 0
+            self._last_round = now
+            self._store_error = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._round()
+            except Exception as exc:
+                # The store's host is gone or stopped: a TCP store client does not
+                # recover its connection, so beating ends here and silent() reports
+                # the store once its silence exceeds the timeout.
+                with self._lock:
+                    self._store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                return
+            self._stop.wait(self.interval_s)
+
+    def _describe(self, peer: _Peer, what: str) -> str:
+        where = f"pid {peer.pid} on {peer.host}" if peer.pid is not None else "its process"
+        return f"rank {peer.rank} ({where}) {what}"
+
+    def silent(self) -> str | None:
+        """A sentence naming the ranks that stopped answering, or None while all answer."""
+        now = time.monotonic()
+        with self._lock:
+            peers = [attrs.evolve(p) for p in self._peers.values()]
+            last_round, store_error = self._last_round, self._store_error
+        found: list[str] = []
+        for peer in peers:
+            state = process_state(peer.pid) if peer.same_host and peer.pid else None
+            if state == "gone":
+                found.append(self._describe(peer, "has exited"))
+            elif peer.closed:
+                found.append(self._describe(peer, "has closed its manager"))
+            elif last_round - peer.changed_at > self.timeout_s:
+                quiet = last_round - peer.changed_at
+                detail = " (the process is stopped)" if state == "stopped" else ""
+                found.append(self._describe(peer, f"sent no heartbeat for {quiet:.1f} s{detail}"))
+        if not found and now - last_round > self.timeout_s:
+            host = (
+                self._peers.get(self.store_host_rank) if self.store_host_rank is not None else None
+            )
+            cause = f" ({store_error})" if store_error else ""
+            if host is not None:
+                state = process_state(host.pid) if host.same_host and host.pid else None
+                detail = "has exited" if state == "gone" else "stopped answering"
+                found.append(
+                    self._describe(host, detail)
+                    + f": the rendezvous store it serves has not answered for "
+                    f"{now - last_round:.1f} s{cause}"
+                )
+            else:
+                found.append(
+                    f"the rendezvous store has not answered for {now - last_round:.1f} s{cause}"
+                )
+        return "; ".join(found) if found else None
+
+    def close(self) -> None:
+        """Stop beating and tell the others this rank ended on purpose."""
+        if self._thread is None or self._stop.is_set():
+            self._stop.set()
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + self.timeout_s)
+        if self._store_error is not None:
+            return  # nobody can be told
+        try:
+            self._store.add(self._counter(self.rank), _CLOSED)
+        except Exception as exc:  # the store is gone with its host: nobody is left to tell
+            log.debug("heartbeat_close_unreported", rank=self.rank, error=str(exc))
