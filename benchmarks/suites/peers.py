@@ -49,6 +49,7 @@ SWEEP = {  # candidates for ours' fastest configuration
     "lr_bwd_depth1": ours("lr in backward, prefetch_buffer_size=1", **TUNED),
     "lr_bwd_persist": ours("lr in backward, small layers persistent", **LR_BWD, **PERSIST),
     "no_prefetch": ours("async_prefetch=False", async_prefetch=False),
+    "unchecked": ours("divergence_check=False", divergence_check=False),
 }
 
 OPTIONS = {

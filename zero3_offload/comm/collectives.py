@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from zero3_offload.comm.divergence import DivergenceCheck
 from zero3_offload.comm.heartbeat import Heartbeat, default_store
-from zero3_offload.errors import CommunicationError, Zero3Error
+from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3Error
 
 __all__ = ["Collectives", "PendingCollective"]
 
@@ -114,6 +114,7 @@ class _Launcher:
         self.check = check
         self.diverged: Zero3Error | None = None
         self._current: str | None = None  # the description being checked or launched
+        self.failed_at: str | None = None  # the description whose check failed first
         self._lock = threading.Lock()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
@@ -124,13 +125,17 @@ class _Launcher:
             try:
                 self.check.verify(description)
             except Zero3Error as exc:
-                self.diverged = exc
+                self.diverged, self.failed_at = exc, description
                 raise
+            except Exception as exc:  # the side group failed: a peer died or timed out
+                self.failed_at = description
+                self.diverged = CommunicationError(f"the check before {description} failed: {exc}")
+                raise self.diverged from exc
         return fn()
 
     def launching(self) -> str:
         """What the launcher thread is launching now, in words (for errors)."""
-        current = self._current
+        current = self.failed_at or self._current
         return f"the start of {current}" if current else "the start of the queued collectives"
 
     def _run(self) -> None:
@@ -437,7 +442,7 @@ class Collectives:
                 raise self._fail(CommunicationError(self._silence(silent, label)))
         try:
             return task.result()
-        except Zero3Error as exc:
+        except RankDivergenceError as exc:
             raise self._fail(exc) from None
         except Exception as exc:
             # A backend error on a peer's death says little about who died: ask
@@ -446,6 +451,8 @@ class Collectives:
             silent = await self._blame()
             if silent is not None:
                 raise self._fail(CommunicationError(self._silence(silent, label))) from exc
+            if isinstance(exc, Zero3Error):
+                raise self._fail(exc) from None
             raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
 
     async def _blame(self) -> str | None:
@@ -460,10 +467,22 @@ class Collectives:
                 return silent
             await asyncio.sleep(_POLL_S)  # the heartbeat's next round
 
+    def _blame_blocking(self) -> str | None:
+        """:meth:`_blame` for a thread other than the event loop's."""
+        beat = self.heartbeat
+        if beat is None:
+            return None
+        deadline = time.monotonic() + beat.timeout_s + 2 * beat.interval_s
+        while True:
+            silent = beat.silent()
+            if silent is not None or time.monotonic() > deadline:
+                return silent
+            time.sleep(_POLL_S)  # the heartbeat's next round
+
     def _silence(self, silent: str, label: str) -> str:
         # The oldest collective not launched yet is where the ranks parted (the
         # launcher holds it until every rank reaches it); else the one awaited.
-        if not self._launcher.idle():
+        if self._launcher.failed_at is not None or not self._launcher.idle():
             label = self._launcher.launching()
         else:
             label = f"{label} during {self.context}"
@@ -486,9 +505,14 @@ class Collectives:
                 return future.result(timeout=remaining if beat is None else min(_POLL_S, remaining))
             except concurrent.futures.TimeoutError:
                 pass
-            except Zero3Error as exc:
+            except RankDivergenceError as exc:
                 raise self._fail(exc) from None
             except Exception as exc:
+                silent = self._blame_blocking()
+                if silent is not None:
+                    raise self._fail(CommunicationError(self._silence(silent, label))) from exc
+                if isinstance(exc, Zero3Error):
+                    raise self._fail(exc) from None
                 raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
             if beat is not None and beat.silent() is not None:
                 try:

@@ -1,0 +1,203 @@
+"""The fault table: every injected fault, whether and how fast it was noticed, and what was lost.
+
+python benchmarks/faults.py                 # default settings (heartbeat_timeout_s 5): ~10 minutes
+python benchmarks/faults.py --quick         # a subset, heartbeat 1 s: ~2 minutes
+python benchmarks/faults.py --only stop     # rows whose fault name contains "stop"
+
+Each row runs real rank processes (gloo on 127.0.0.1) through the library's public calls:
+
+* kill -9 / SIGSTOP of rank 0 or rank 1 in a forward, a backward, an optimizer step
+  (the gradient-norm all-reduce of clipping) and a checkpoint save: the time from the
+  fault to the surviving rank's CommunicationError, its message, and whether the last
+  committed checkpoint loads and a resumed run ends bitwise equal to an uninterrupted one;
+* ranks whose calls diverge (different layers, grad mode, call, a skipped micro-step,
+  same-sized layers): RankDivergenceError on every rank, the processes alive;
+* kill -9 of a rank at each step of a checkpoint save, and a full disk (ENOSPC) at each
+  write of a save: the previous checkpoint loads and training resumes bitwise;
+* hostile checkpoint directories: refused with CheckpointError before anything is allocated.
+
+The table goes to stdout and to benchmarks/results/faults.md (and .json); the README
+links it. A row fails when a fault goes unnoticed, a process crashes, a run hangs (a
+rank run that hits its limit) or data is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the rank functions of the fault tests
+
+import torch  # noqa: E402
+from rank_faults import KINDS, PHASES, FaultSpec, faulty_run, read_record, resumed_run  # noqa: E402
+from test_divergence import CASES, diverge  # noqa: E402
+
+from zero3_offload.testing import RankFailedError, run_ranks  # noqa: E402
+
+RESULTS = HERE / "results"
+RUN_LIMIT_S = 300.0  # a rank run still going after this long counts as a hang
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[list[Any] | None, str | None]:
+    """``run_ranks`` of ``fn``: (results, None), or (None, why it failed)."""
+    try:
+        return asyncio.run(run_ranks(fn, 2, *args, timeout_s=RUN_LIMIT_S, **kw)), None
+    except RankFailedError as exc:
+        text = str(exc)
+        return None, "hang" if "did not finish within" in text else text.splitlines()[0]
+
+
+def rank_fault_rows(heartbeat_s: float, only: str, reference: dict) -> list[dict[str, Any]]:
+    rows = []
+    for kind in KINDS:
+        for rank in (0, 1):
+            for phase in PHASES:
+                name = f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank {rank} in {phase}"
+                if only.lower() not in name.lower():
+                    continue
+                with tempfile.TemporaryDirectory(prefix="zero3-fault-") as out:
+                    spec = FaultSpec(
+                        out=out, kind=kind, rank=rank, phase=phase, heartbeat_s=heartbeat_s
+                    )
+                    results, failure = _run(faulty_run, spec, may_die={rank})
+                    fault = read_record(out, "fault")
+                    survivor = None if results is None else results[1 - rank]
+                    row: dict[str, Any] = {"fault": name, "crashed": 0, "hang": 0}
+                    if failure is not None:
+                        row.update(crashed=int(failure != "hang"), hang=int(failure == "hang"))
+                    detected = bool(survivor and survivor.get("error") and fault)
+                    row["detected"] = detected
+                    if detected:
+                        row["seconds"] = survivor["detected_at"] - fault["at"]
+                        row["message"] = f"{survivor['error']}: {survivor['message']}"
+                    else:
+                        row["message"] = failure or "no error raised"
+                    resumed, why = _run(resumed_run, spec)
+                    intact = resumed is not None and _bitwise(
+                        resumed[0]["state"], reference["state"]
+                    )
+                    row["lost"] = "none" if intact else f"resume failed: {why or 'not bitwise'}"
+                    rows.append(row)
+                    progress(row)
+    return rows
+
+
+def divergence_rows(only: str) -> list[dict[str, Any]]:
+    rows = []
+    for case in CASES:
+        name = f"ranks diverge: {case.replace('_', ' ')}"
+        if only.lower() not in name.lower():
+            continue
+        with tempfile.TemporaryDirectory(prefix="zero3-diverge-") as tmp:
+            started = time.perf_counter()
+            results, failure = _run(diverge, case, tmp)
+            took = time.perf_counter() - started
+        row: dict[str, Any] = {"fault": name, "crashed": int(failure is not None), "hang": 0}
+        if failure == "hang":
+            row.update(crashed=0, hang=1)
+        errors = [r.get("error") for r in results or []]
+        row["detected"] = bool(errors) and all(e == "RankDivergenceError" for e in errors)
+        row["seconds"] = None  # detected before anything launched; the run took `took`
+        row["run_s"] = took
+        row["message"] = f"RankDivergenceError: {results[0]['message']}" if results else failure
+        row["lost"] = "none (nothing launched; processes alive)" if row["detected"] else "?"
+        rows.append(row)
+        progress(row)
+    return rows
+
+
+def progress(row: dict[str, Any]) -> None:
+    seconds = row.get("seconds")
+    took = f"{seconds:.2f} s" if isinstance(seconds, float) else "-"
+    print(f"[faults] {row['fault']}: detected={row['detected']} {took} lost={row['lost']}",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    rows, cfg = payload["rows"], payload["config"]
+    lines = [
+        "# Fault table",
+        "",
+        f"`python benchmarks/faults.py{' --quick' if cfg['quick'] else ''}`: "
+        f"heartbeat_timeout_s {cfg['heartbeat_timeout_s']:g}, collective_timeout_s 300, "
+        f"2 gloo ranks on 127.0.0.1; {payload['machine']}; took {payload['wall_s']:.0f} s.",
+        "",
+        "| fault | detected | seconds to detection | message (first 300 characters) | data lost |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        seconds = r.get("seconds")
+        shown = f"{seconds:.2f}" if isinstance(seconds, float) else "before launch"
+        message = (r.get("message") or "").replace("|", "\\|")
+        message = message.replace("they were about to run different collectives; ", "")
+        message = message if len(message) <= 300 else message[:297] + "..."
+        lines.append(
+            f"| {r['fault']} | {'yes' if r['detected'] else 'NO'} | {shown} | {message} | "
+            f"{r['lost']} |"
+        )
+    s = payload["summary"]
+    lines += [
+        "",
+        f"Faults: {s['faults']}; detected: {s['detected']}; slowest detection: "
+        f"{s['slowest_s']:.2f} s; crashed processes: {s['crashed']}; hangs: {s['hangs']}; "
+        f"rows with data lost: {s['lost']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="heartbeat 1 s and a subset")
+    parser.add_argument("--only", default="", help="rows whose fault name contains this")
+    parser.add_argument("--heartbeat-timeout-s", type=float, help="(5; quick 1)")
+    parser.add_argument("--out", type=Path, help="results JSON (default results/faults.json)")
+    args = parser.parse_args(argv)
+    heartbeat = args.heartbeat_timeout_s or (1.0 if args.quick else 5.0)
+    only = args.only or ("stop rank 1" if args.quick else "")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="zero3-reference-") as out:
+        reference, why = _run(faulty_run, FaultSpec(out=out, heartbeat_s=heartbeat))
+    if reference is None:
+        print(f"the reference run failed: {why}", file=sys.stderr)
+        return 1
+    rows = rank_fault_rows(heartbeat, only, reference[0])
+    rows += divergence_rows(args.only)
+    timed = [r["seconds"] for r in rows if isinstance(r.get("seconds"), float)]
+    summary = {
+        "faults": len(rows),
+        "detected": sum(r["detected"] for r in rows),
+        "slowest_s": max(timed, default=0.0),
+        "crashed": sum(r["crashed"] for r in rows),
+        "hangs": sum(r["hang"] for r in rows),
+        "lost": sum(not r["lost"].startswith("none") for r in rows),
+    }
+    payload = {
+        "config": {"heartbeat_timeout_s": heartbeat, "quick": args.quick, "only": args.only},
+        "machine": f"{torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "rows": rows,
+        "summary": summary,
+        "wall_s": time.perf_counter() - started,
+    }
+    out = args.out or RESULTS / ("faults-quick.json" if args.quick else "faults.json")
+    out.write_text(json.dumps(payload, indent=1))
+    md = markdown(payload)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    ok = summary["detected"] == summary["faults"] and not (summary["crashed"] + summary["hangs"])
+    return 0 if ok and not summary["lost"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
