@@ -135,3 +135,31 @@ def test_agreeing_ranks_check_every_collective_and_train_the_same() -> None:
     assert off[0]["checked"] == off[1]["checked"] == 0
     for name, value in on[0]["state"].items():
         assert torch.equal(value, off[0]["state"][name]), name
+
+
+async def diverge_module_mode(ctx: RankContext) -> dict[str, Any]:
+    """A transformers model in module mode: rank 1 leaves out the labels."""
+    from hf_models import batch, build, call_kwargs, local
+
+    manager = Zero3CpuOffloadManager(config(), ctx.group, build("llama"))
+    x = local(batch(0, "llama"), ctx)
+    kwargs = call_kwargs("llama", x)
+    if ctx.rank == 1:
+        del kwargs["labels"]
+    try:
+        await manager.forward(**kwargs)
+        outcome: dict[str, Any] = {"error": None}
+    except Zero3Error as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    await manager.close()
+    return outcome
+
+
+def test_module_mode_ranks_with_different_arguments_raise() -> None:
+    pytest.importorskip("transformers")
+    results = asyncio.run(run_ranks(diverge_module_mode, 2, timeout_s=120))
+    for result in results:
+        assert result["error"] == RankDivergenceError.__name__, result
+    message = results[0]["message"]
+    assert "forward(input_ids=tensor, labels=tensor, use_cache=False)" in message
+    assert "forward(input_ids=tensor, use_cache=False)" in message
