@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -37,9 +38,26 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the rank functions of the fault tests
 
 import torch  # noqa: E402
+from fault_points import (  # noqa: E402
+    CONTINUE,
+    DISTINCT,
+    OTHER_RANK_POINTS,
+    RANK0_POINTS,
+    WRITE_SITES,
+    committed,
+    kill,
+    no_space,
+    replay,
+    save,
+    save_failing,
+    step,
+)
+from helpers import run_in_turn  # noqa: E402
 from rank_faults import KINDS, PHASES, FaultSpec, faulty_run, read_record, resumed_run  # noqa: E402
+from test_checkpoint_hostile import HOSTILE, _meta, load_one, save_one  # noqa: E402
 from test_divergence import CASES, diverge  # noqa: E402
 
+from zero3_offload.checkpoint.format import resolve_checkpoint  # noqa: E402
 from zero3_offload.testing import RankFailedError, run_ranks  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -118,6 +136,132 @@ def divergence_rows(only: str) -> list[dict[str, Any]]:
     return rows
 
 
+AFTER = ((step, 10), (step, 11))  # what the references and the resumed runs train last
+
+
+def save_kill_rows(only: str) -> list[dict[str, Any]]:
+    """kill -9 of a rank at each step of a save: what ``latest`` resolves to, and a
+    resumed run against the uninterrupted run that saved that checkpoint last."""
+    points = [(0, p) for p in RANK0_POINTS] + [(1, p) for p in OTHER_RANK_POINTS]
+    points = [(r, p) for r, p in points if only.lower() in f"kill -9 rank {r} at {p}".lower()]
+    if not points:
+        return []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zero3-savekill-") as tmp:
+        refs = {
+            "A": (*DISTINCT[:3], *AFTER),  # the save of B never committed
+            "B": (*DISTINCT, (save,), *AFTER),
+        }
+        ref_runs = asyncio.run(
+            run_in_turn(2, *((replay, f"{tmp}/ref-{k}", h) for k, h in refs.items()))
+        )
+        reference = dict(zip(refs, ref_runs, strict=True))
+        for rank, point in points:
+            root, marker = Path(tmp) / f"{rank}-{point.replace(':', '-')}", Path(tmp) / "marker"
+            history = (*DISTINCT, (kill, rank, point, str(marker)), (save,))
+            _, failure = _run(replay, str(root), history)
+            died = failure is not None and marker.is_file() and marker.read_text() == point
+            name = resolve_checkpoint(root).name
+            resumed, why = _run(replay, str(root), CONTINUE)
+            want = reference["B" if committed(point, same_name=False) else "A"]
+            intact = (
+                resumed is not None
+                and [r["losses"][-2:] for r in resumed] == [r["losses"][-2:] for r in want]
+                and _bitwise(resumed[0]["state"], want[0]["state"])
+            )
+            row = {
+                "fault": f"kill -9 rank {rank} at {point} of a save",
+                "detected": died,
+                "seconds": None,
+                "message": f"latest resolves to {name}",
+                "crashed": 0,
+                "hang": int(failure == "hang"),
+                "lost": "none" if intact else f"resume failed: {why or 'not bitwise'}",
+            }
+            rows.append(row)
+            progress(row)
+    return rows
+
+
+def full_disk_rows(only: str) -> list[dict[str, Any]]:
+    """ENOSPC at each write of a save, in one run that then trains on and saves."""
+    failing = [(1, "shard"), *((0, site) for site in WRITE_SITES)]
+    failing = [(r, s) for r, s in failing if only.lower() in f"enospc rank {r} {s}".lower()]
+    if not failing:
+        return []
+    with tempfile.TemporaryDirectory(prefix="zero3-enospc-") as tmp:
+        history = (
+            *DISTINCT,
+            *(a for rank, site in failing for a in ((no_space, rank, site), (save_failing,))),
+            (step, 3),
+            (save,),
+        )
+        runs, failure = _run(replay, f"{tmp}/ckpt", history)
+        reference, _ = _run(replay, f"{tmp}/ref", (*DISTINCT, (step, 3), (save,), *AFTER))
+        resumed, why = _run(replay, f"{tmp}/ckpt", CONTINUE)
+    intact = (
+        resumed is not None
+        and reference is not None
+        and _bitwise(resumed[0]["state"], reference[0]["state"])
+    )
+    rows = []
+    for i, (rank, site) in enumerate(failing):
+        errors = runs[rank]["errors"] if runs else []
+        row = {
+            "fault": f"ENOSPC on rank {rank} writing the {site} of a save",
+            "detected": len(errors) > i,
+            "seconds": None,
+            "message": f"CheckpointError: {errors[i]}" if len(errors) > i else failure,
+            "crashed": int(failure is not None and failure != "hang"),
+            "hang": int(failure == "hang"),
+            "lost": "none (trained on, saved, resumed bitwise)" if intact else f"{why}",
+        }
+        rows.append(row)
+        progress(row)
+    return rows
+
+
+def hostile_rows(only: str) -> list[dict[str, Any]]:
+    """Hostile checkpoint directories, each loaded by 2 ranks: refused before allocating."""
+    cases = {f"hostile checkpoint: {k}": v for k, v in HOSTILE.items()}
+    cases = {k: v for k, v in cases.items() if only.lower() in k.lower()}
+    if not cases:
+        return []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zero3-hostile-") as tmp:
+        saved = Path(asyncio.run(run_ranks(save_one, 2, f"{tmp}/ok"))[0])
+        paths = []
+        for i, change in enumerate(cases.values()):
+            bad = Path(tmp) / f"bad{i}"
+            shutil.copytree(saved, bad)
+            _meta(bad, change)
+            paths.append(str(bad))
+        truncated = Path(tmp) / "truncated"
+        shutil.copytree(saved, truncated)
+        shard = next(p for p in truncated.iterdir() if p.name.startswith("rank-00001"))
+        shard.write_bytes(shard.read_bytes()[:-64])  # the header promises 64 more bytes
+        cases["hostile checkpoint: tensor bytes shorter than their header"] = None
+        paths.append(str(truncated))
+        started = time.perf_counter()
+        results = asyncio.run(run_in_turn(2, *((load_one, p) for p in paths)))
+        took = time.perf_counter() - started
+    for name, per_rank in zip(cases, results, strict=True):
+        refused = all(r.startswith("CheckpointError") for r in per_rank)
+        row = {
+            "fault": name,
+            "detected": refused,
+            "seconds": None,
+            "message": next((r for r in per_rank if "another rank" not in r), per_rank[0]),
+            "crashed": 0,
+            "hang": 0,
+            "lost": "none (refused; the manager unchanged)" if refused else "LOADED",
+            "run_s": took / len(paths),
+        }
+        rows.append(row)
+        progress(row)
+    return rows
+
+
 def progress(row: dict[str, Any]) -> None:
     seconds = row.get("seconds")
     took = f"{seconds:.2f} s" if isinstance(seconds, float) else "-"
@@ -139,7 +283,7 @@ def markdown(payload: dict[str, Any]) -> str:
     ]
     for r in rows:
         seconds = r.get("seconds")
-        shown = f"{seconds:.2f}" if isinstance(seconds, float) else "before launch"
+        shown = f"{seconds:.2f}" if isinstance(seconds, float) else "-"
         message = (r.get("message") or "").replace("|", "\\|")
         message = message.replace("they were about to run different collectives; ", "")
         message = message if len(message) <= 300 else message[:297] + "..."
@@ -174,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = rank_fault_rows(heartbeat, only, reference[0])
     rows += divergence_rows(args.only)
+    if not args.quick:
+        rows += save_kill_rows(args.only)
+    rows += full_disk_rows(args.only)
+    rows += hostile_rows(args.only)
     timed = [r["seconds"] for r in rows if isinstance(r.get("seconds"), float)]
     summary = {
         "faults": len(rows),

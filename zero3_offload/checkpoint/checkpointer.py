@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from zero3_offload.checkpoint.atomic_save import commit_save, prepare_save, write_shard
+from zero3_offload.checkpoint import atomic_save
 from zero3_offload.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -107,28 +107,28 @@ class ShardCheckpointer:
             The committed checkpoint directory.
 
         Raises:
-            CheckpointError: when writing or committing failed on any rank; the
-                previous checkpoint stays loadable.
+            CheckpointError: when writing (e.g. a full disk) or committing failed
+                on any rank, naming the file; the previous checkpoint stays
+                loadable, temporary files are removed and training can go on.
         """
         root = Path(root)
         name = checkpoint_name(self.stats.optimizer_steps, calls_since_update)
         tensors, scalar_state = self._tensors()
         meta = self._metadata(scalar_state, calls_since_update)
-        tmp = await prepare_save(root, name, self.comm)
+        # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
+        tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size
         error: Exception | None = None
         try:
             await self.workers.run(
-                "checkpoint-write", "", "step", lambda: write_shard(tmp, tensors, rank, world)
+                "checkpoint-write",
+                "",
+                "step",
+                lambda: atomic_save.write_shard(tmp, tensors, rank, world),
             )
-        except Exception as exc:  # reported to every rank below, then re-raised
+        except Exception as exc:  # reported to every rank by commit_save, which raises
             error = exc
-        try:
-            final = await commit_save(root, tmp, name, meta, self.comm, error is None)
-        except CheckpointError as exc:
-            if error is not None:
-                raise CheckpointError(f"{exc}; this rank's write failed: {error}") from error
-            raise
+        final = await atomic_save.commit_save(root, tmp, name, meta, self.comm, error)
         log.info("checkpoint_saved", rank=rank, path=str(final), tensors=len(tensors))
         return final
 
@@ -166,7 +166,7 @@ class ShardCheckpointer:
                 )
         except CheckpointError as exc:
             error = exc
-        if not await self.comm.agree(error is None):
+        if not await self.comm.agree(error is None, what="every rank's checkpoint read"):
             if error is not None:
                 raise error
             raise CheckpointError(f"loading {directory} failed on another rank; nothing changed")

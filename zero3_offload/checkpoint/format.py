@@ -16,10 +16,19 @@ metadata with pickle, and loading must never unpickle; safetensors files hold
 only tensors and a JSON header, and can be read slice by slice, which is what
 resharding and streaming consolidation need.
 
-Save is atomic: every rank writes its file into ``.tmp-<name>``; only when all
-ranks report success (an all-reduce) does rank 0 write the metadata, rename the
-directory into place and replace ``latest`` (write, fsync, ``os.replace``). A
-crash before that leaves the previous checkpoint and ``latest`` untouched.
+Save is atomic and crash-safe (the steps are ``SAVE_STEPS`` in
+``checkpoint.atomic_save``): every rank writes its file into ``.tmp-<name>``
+(``.part``, fsync, rename); only when all ranks report success (an all-reduce)
+does rank 0 fsync that directory, write ``metadata.json`` last (``.part``,
+fsync, rename, fsync), write ``.latest.tmp``, rename the directory into place
+(a same-named one goes to ``.old-<name>`` first) and rename ``.latest.tmp``
+over ``latest`` (fsync of the root after each rename). A directory without
+``metadata.json`` is never loadable. A kill at any moment leaves ``latest``
+naming a complete checkpoint: while the directory it names is missing (a kill
+between the two renames of a same-named save) ``resolve_checkpoint`` falls back
+to ``.old-<name>``. A failed write (e.g. a full disk) raises ``CheckpointError``
+on every rank and undoes the save. The next successful save deletes
+``.tmp-*``, ``.old-*`` and ``.latest.tmp`` left behind.
 
 Load at any world size: a layer's flat padded buffer is the concatenation of
 the saved shards, so each rank reads exactly the slice ``[r*S', (r+1)*S')`` it
@@ -40,6 +49,7 @@ from typing import Any
 from safetensors import safe_open
 
 from zero3_offload.errors import CheckpointError
+from zero3_offload.logging import get_logger
 from zero3_offload.parameter.flat_layout import LayerLayout
 
 __all__ = [
@@ -63,6 +73,8 @@ LATEST = "latest"
 _MAX_METADATA_BYTES = 64 * 2**20
 _MAX_WORLD = 1 << 16
 _MAX_ELEMENTS = 1 << 48
+
+log = get_logger(__name__)
 
 
 def shard_file(rank: int, world_size: int) -> str:
@@ -91,6 +103,9 @@ def layout_metadata(layouts: Mapping[str, LayerLayout]) -> list[dict[str, Any]]:
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory for ``path``: itself, or the one its ``latest`` names.
 
+    When the directory ``latest`` names is missing, its ``.old-<name>`` (kept by
+    a same-named save killed before it moved the new directory in) is returned.
+
     Raises:
         CheckpointError: when there is no checkpoint there.
     """
@@ -107,6 +122,11 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             )
         if (target / METADATA).is_file():
             return target
+        old = path / f".old-{name}"
+        if not target.exists() and not old.is_symlink() and (old / METADATA).is_file():
+            # A same-named save was killed between its two renames (see atomic_save).
+            log.warning("checkpoint_fallback", latest=name, loading=str(old))
+            return old
         raise CheckpointError(f"{latest} names {target.name}, which has no {METADATA}")
     raise CheckpointError(f"no checkpoint at {path}: expected {METADATA} or a {LATEST} file")
 
