@@ -22,6 +22,13 @@ __all__ = ["configure", "get_logger"]
 # The stdlib logging levels, which structlog's filtering loggers use.
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
+# One writer at a time, across configure() calls too: worker threads log, and every JSON line
+# must stay whole.
+_WRITE_LOCK = threading.Lock()
+# The files the last configure() opened: a later call closes them (its events go elsewhere), so
+# configuring again never leaks a file descriptor.
+_OPENED: list[TextIO] = []
+
 
 def _drop(*_args: Any, **_kwargs: Any) -> None:
     return None
@@ -53,6 +60,9 @@ def configure(
 ) -> None:
     """Configure structlog for an application (never called by the library).
 
+    Calling it again replaces the configuration and closes the file the
+    previous call opened.
+
     Args:
         json_path: append events as JSON lines to this file (one per rank is usual).
         level: lowest level emitted: ``debug``, ``info``, ``warning`` or ``error``.
@@ -62,18 +72,20 @@ def configure(
     if numeric is None:
         raise ConfigError(f"level={level!r} is invalid: use debug, info, warning or error")
     sinks: list[Any] = []
+    opened = []
     if json_path is not None:
-        sinks.append(("json", Path(json_path).open("a", encoding="utf-8")))  # noqa: SIM115
+        opened.append(Path(json_path).open("a", encoding="utf-8"))  # noqa: SIM115
+        sinks.append(("json", opened[-1]))
     if console is not None:
         sinks.append(("console", console))
     renderer = structlog.dev.ConsoleRenderer(colors=False)
-    # Worker threads log too: one writer at a time keeps every JSON line whole.
-    lock = threading.Lock()
 
     def emit(_logger: Any, _method: str, event: dict[str, Any]) -> str:
-        with lock:
+        with _WRITE_LOCK:
             for kind, stream in sinks:
                 if kind == "json":
+                    if stream.closed:  # a logger bound before configure() was called again
+                        continue
                     stream.write(json.dumps(event, default=str) + "\n")
                 else:
                     stream.write(renderer(_logger, _method, dict(event)) + "\n")
@@ -89,3 +101,7 @@ def configure(
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         cache_logger_on_first_use=False,
     )
+    with _WRITE_LOCK:  # not while an event of the previous configuration is being written
+        for stream in _OPENED:
+            stream.close()
+        _OPENED[:] = opened

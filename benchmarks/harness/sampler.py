@@ -1,9 +1,11 @@
 """The one memory/time sampler: ``/proc/<pid>/status`` memory figures, their peaks per phase from a
-sampling thread, marks (memory, CPU and wall time at a named point) and per-step phase clocks.
+sampling thread, marks (memory, CPU and wall time at a named point) and per-step phase clocks;
+a process's thread and open-file counts.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -19,6 +21,17 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
     except OSError:
         return {}
     return {parts[0].rstrip(":"): int(parts[1]) * 1024 for parts in lines}
+
+
+def proc_counts(pid: int | str = "self") -> dict[str, int]:
+    """``threads`` (``Threads`` of ``/proc/<pid>/status``) and ``fds`` (entries of
+    ``/proc/<pid>/fd``) of a process, read from outside it; empty once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+        return {"threads": threads, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    except (OSError, StopIteration):
+        return {}
 
 
 class Sampler:

@@ -2,7 +2,7 @@
 
 Every collective is launched with ``async_op=True``; its completion is delivered
 to the event loop through the work's future (or, for ops whose backend work
-gives none, such as gloo's reduce-scatter, by a waiter thread), so the loop
+gives none, such as gloo's reduce-scatter, by the group's waiter thread), so the loop
 keeps running other tasks (prefetches, CPU work) while the collective is in
 flight. A collective that does not complete within the timeout raises
 :class:`CommunicationError` naming the op and the group.
@@ -167,6 +167,38 @@ class _Launcher:
             return self.finished >= self.submitted
 
 
+class _Waiter:
+    """One daemon thread per group that waits, in launch order, for the works whose
+    backend gives no future (gloo's reduce-scatter), and reports each completion.
+
+    A daemon thread, not the loop's default executor: after a timeout a wait may
+    last until the group's own timeout, and ``asyncio.run()`` joins the default
+    executor's threads on exit, which would hang the process that reported the
+    timeout. One thread for the group, not one per collective, so a long run's
+    thread count stays flat; collectives complete in launch order on a group, so
+    waiting in that order delays no report by much.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]]]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, work: Any, settle: Callable[[BaseException | None], None]) -> None:
+        self._queue.put((work, settle))
+
+    def _run(self) -> None:
+        while True:
+            work, settle = self._queue.get()
+            try:
+                work.wait()
+            except Exception as exc:  # handed to whoever awaits the collective
+                settle(exc)
+            else:
+                settle(None)
+            del work, settle  # the work holds the op's buffers
+
+
 class PendingCollective:
     """A collective handed to the launcher; :meth:`wait` may be awaited any number of times.
 
@@ -235,22 +267,9 @@ class PendingCollective:
             def watch(work: Any) -> None:
                 future = self._comm._work_future(self.op, work)
                 if future is None:
-                    # This backend gives no future for this op: a thread waits. A
-                    # daemon thread, not the loop's default executor: after a
-                    # timeout the wait may last until the group's own timeout, and
-                    # asyncio.run() joins the default executor's threads on exit,
-                    # which would hang the process that reported the timeout.
-                    def wait_work() -> None:
-                        try:
-                            work.wait()
-                        except Exception as exc:
-                            settle_from_thread(exc)
-                        else:
-                            settle_from_thread(None)
-
-                    threading.Thread(
-                        target=wait_work, name=f"zero3-{self.op}-wait", daemon=True
-                    ).start()
+                    # This backend gives no future for this op: the group's waiter
+                    # thread waits for it (see _Waiter).
+                    self._comm._waiter.submit(work, settle_from_thread)
                     return
 
                 def on_done(fut: torch.futures.Future) -> None:
@@ -355,6 +374,7 @@ class Collectives:
         if verify and self.world_size > 1:
             check = DivergenceCheck(group, all_gather=self._caps.all_gather, timeout_s=timeout_s)
         self._launcher = _Launcher(f"zero3-launch-{self.rank}", check)
+        self._waiter = _Waiter(f"zero3-wait-{self.rank}")
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
             self.heartbeat = self._start_heartbeat(heartbeat_timeout_s)

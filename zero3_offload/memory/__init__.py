@@ -2,7 +2,7 @@
 policy, the allocator's settings."""
 
 from zero3_offload.memory.accounting import MemoryAccounting
-from zero3_offload.memory.allocator import return_freed_memory, set_mmap_threshold
+from zero3_offload.memory.allocator import return_freed_memory, set_mmap_threshold, trim_heap
 from zero3_offload.memory.budget import CpuMemoryNeed, check_cpu_budget, cpu_memory_need
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.memory.pressure import MemoryPressure, PressurePolicy
@@ -17,4 +17,5 @@ __all__ = [
     "cpu_memory_need",
     "return_freed_memory",
     "set_mmap_threshold",
+    "trim_heap",
 ]

@@ -88,7 +88,8 @@ class Zero3PerformanceStats:
     layer_timings: dict[str, LayerTimingStats] = attrs.Factory(dict)
     communication: dict[str, CommunicationStats] = attrs.Factory(dict)
     timeline: list[TimelineEvent] = attrs.Factory(list)
-    """Recent intervals of work (filled in snapshots from :class:`Timeline`)."""
+    """The intervals of work of the last ``Timeline.steps_kept`` optimizer steps (filled in
+    snapshots from :class:`Timeline`)."""
     prefetch: dict[str, int] = attrs.Factory(dict)
     """Prefetch counters (requests, hits, partial_hits, misses, wasted, cancelled, ...)."""
     prefetch_hit_rate: float = 0.0

@@ -7,6 +7,11 @@ in-memory timeline (``get_performance_stats().timeline``) and logged as a
 logs of several ranks line up), ``seconds``, ``bytes``, the ``worker`` thread
 and the optimizer ``step`` it belongs to. ``zero3-offload analyze`` rebuilds
 the timeline from these events.
+
+Memory stays flat over a run: the timeline keeps the events of the last
+``steps_kept`` optimizer steps only (and at most ``maxlen`` events whatever the
+steps), so it is full after ``steps_kept`` steps, whatever the model's size;
+run totals per kind are running sums. The log files hold every event.
 """
 
 from __future__ import annotations
@@ -47,22 +52,43 @@ class TimelineEvent:
 
 
 class Timeline:
-    """The most recent intervals of work, appended from any thread.
+    """The intervals of work of the most recent optimizer steps, appended from any thread.
 
     Args:
         rank: this rank, carried by every logged event.
-        maxlen: how many events are kept in memory (oldest dropped first); the
-            default holds about 80 steps of a 100-layer model (a dozen events
-            per layer and step) in about 22 MB (measured with tracemalloc).
+        steps_kept: events of this many most recent steps are kept in memory
+            (the step in progress and the ones before it); older ones are
+            dropped as new events arrive. A step of the default
+            ``zero3-offload train`` job records about 70 events, so the default
+            keeps about 1,100 of them (about 0.25 MB).
+        maxlen: at most this many events are kept whatever the steps (oldest
+            dropped first), for a model of very many layers or a run that
+            never steps (inference); 100,000 events take about 22 MB
+            (measured with tracemalloc).
     """
 
-    def __init__(self, *, rank: int = 0, maxlen: int = 100_000) -> None:
+    def __init__(self, *, rank: int = 0, steps_kept: int = 16, maxlen: int = 100_000) -> None:
+        if steps_kept < 1 or maxlen < 1:
+            raise ValueError(f"steps_kept={steps_kept} and maxlen={maxlen} must be >= 1")
         self.rank = rank
         self.step = 0  # optimizer steps closed (StepLog advances it; checkpoints restore it)
+        self._steps_kept = steps_kept
         self._events: deque[TimelineEvent] = deque(maxlen=maxlen)
         # kind -> [count, seconds, bytes] over the whole run (the deque forgets)
         self._totals: dict[str, list[float]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def steps_kept(self) -> int:
+        """Steps whose events are kept in memory."""
+        return self._steps_kept
+
+    @property
+    def maxlen(self) -> int:
+        """Most events kept in memory."""
+        maxlen = self._events.maxlen
+        assert maxlen is not None  # set in __init__
+        return maxlen
 
     def record(
         self,
@@ -78,7 +104,14 @@ class Timeline:
         """Record one interval (``time.perf_counter`` seconds) and log it."""
         event = TimelineEvent(kind, layer, phase, start, end, worker, nbytes, self.step)
         with self._lock:
-            self._events.append(event)
+            events = self._events
+            events.append(event)
+            # Drop the events of steps before the last steps_kept (recorded in step order, so
+            # they are at the left), and those of steps after this one (a checkpoint of an
+            # earlier step was loaded: they belong to a run that no longer exists).
+            oldest, step = self.step - self._steps_kept + 1, self.step
+            while events and not oldest <= events[0].step <= step:
+                events.popleft()
             total = self._totals.setdefault(kind, [0, 0.0, 0])
             total[0] += 1
             total[1] += end - start
@@ -108,7 +141,8 @@ class Timeline:
             return self._totals.get(kind, [0, 0.0, 0])[1]
 
     def events(self) -> list[TimelineEvent]:
-        """A snapshot, oldest first."""
+        """A snapshot of the events kept (those of the last ``steps_kept`` steps), oldest
+        first."""
         with self._lock:
             return list(self._events)
 

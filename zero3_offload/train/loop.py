@@ -15,6 +15,11 @@ uninterrupted run would have seen.
 A stop request (SIGINT/Ctrl-C or SIGTERM on any rank, or the launcher's stop
 file) is agreed by all ranks at the end of a step, in the same all-reduce as
 the loss, so every rank stops after the same step and saves one checkpoint.
+
+Every ``_TRIM_EVERY`` steps a rank returns the free pages of its C heap to the
+OS (``trim_heap``): freed blocks below the mmap threshold otherwise stay
+resident, and RSS crept up by about 10 % over 2,000 steps of the default job
+(``python benchmarks/run.py soak``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from zero3_offload.errors import (
     Zero3Error,
 )
 from zero3_offload.manager import Zero3CpuOffloadManager
+from zero3_offload.memory.allocator import trim_heap
 from zero3_offload.parameter.flat_layout import total_numel
 from zero3_offload.testing import RankContext
 from zero3_offload.train import hf
@@ -54,6 +60,11 @@ from zero3_offload.train.sources import flagify
 __all__ = ["RankResult", "RunSettings", "TrainError", "learning_rate", "train_rank"]
 
 log = zlogging.get_logger(__name__)
+
+# Steps between two trims of the C heap (see the module docstring). A trim takes 2-3 ms, and
+# the free pages the next steps use again fault back in (about 40 MiB per rank in the default
+# job): every 50 steps that costs well under 1 % of the run.
+_TRIM_EVERY = 50
 
 
 class TrainError(Zero3Error):
@@ -285,6 +296,8 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
             )
             if opts.eval_every and done % opts.eval_every == 0 and done < opts.steps:
                 rep.line(f"step {done}: eval loss {await trainer.evaluate():.4f}")
+            if done % _TRIM_EVERY == 0:
+                trim_heap()
             if opts.save_every and done % opts.save_every == 0:
                 saved = await trainer.save()
             interrupted = stops > 0
