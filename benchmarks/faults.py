@@ -92,23 +92,20 @@ def rank_fault_rows(heartbeat_s: float, only: str, reference: dict) -> list[dict
                     results, failure = _run(faulty_run, spec, may_die={rank})
                     fault = read_record(out, "fault")
                     survivor = None if results is None else results[1 - rank]
-                    row: dict[str, Any] = {"fault": name, "crashed": 0, "hang": 0}
-                    if failure is not None:
-                        row.update(crashed=int(failure != "hang"), hang=int(failure == "hang"))
                     detected = bool(survivor and survivor.get("error") and fault)
-                    row["detected"] = detected
+                    seconds = message = None
                     if detected:
-                        row["seconds"] = survivor["detected_at"] - fault["at"]
-                        row["message"] = f"{survivor['error']}: {survivor['message']}"
-                    else:
-                        row["message"] = failure or "no error raised"
+                        seconds = survivor["detected_at"] - fault["at"]
+                        message = f"{survivor['error']}: {survivor['message']}"
                     resumed, why = _run(resumed_run, spec)
                     intact = resumed is not None and _bitwise(
                         resumed[0]["state"], reference["state"]
                     )
-                    row["lost"] = "none" if intact else f"resume failed: {why or 'not bitwise'}"
-                    rows.append(row)
-                    progress(row)
+                    lost = "none" if intact else f"resume failed: {why or 'not bitwise'}"
+                    message = message or failure or "no error raised"
+                    rows.append(
+                        _row(name, detected, message, lost, failure=failure, seconds=seconds)
+                    )
     return rows
 
 
@@ -122,18 +119,37 @@ def divergence_rows(only: str) -> list[dict[str, Any]]:
             started = time.perf_counter()
             results, failure = _run(diverge, case, tmp)
             took = time.perf_counter() - started
-        row: dict[str, Any] = {"fault": name, "crashed": int(failure is not None), "hang": 0}
-        if failure == "hang":
-            row.update(crashed=0, hang=1)
         errors = [r.get("error") for r in results or []]
-        row["detected"] = bool(errors) and all(e == "RankDivergenceError" for e in errors)
-        row["seconds"] = None  # detected before anything launched; the run took `took`
-        row["run_s"] = took
-        row["message"] = f"RankDivergenceError: {results[0]['message']}" if results else failure
-        row["lost"] = "none (nothing launched; processes alive)" if row["detected"] else "?"
-        rows.append(row)
-        progress(row)
+        detected = bool(errors) and all(e == "RankDivergenceError" for e in errors)
+        message = f"RankDivergenceError: {results[0]['message']}" if results else failure
+        lost = "none (nothing launched; processes alive)" if detected else "?"
+        # Detected before anything launched: no detection time; the whole run took `took`.
+        rows.append(_row(name, detected, message, lost, failure=failure) | {"run_s": took})
     return rows
+
+
+def _row(
+    fault: str,
+    detected: bool,
+    message: str | None,
+    lost: str,
+    *,
+    failure: str | None = None,
+    seconds: float | None = None,
+) -> dict[str, Any]:
+    """A row of the table (``failure``: how the faulty run's ``run_ranks`` failed, if it did),
+    printed as it is made."""
+    row = {
+        "fault": fault,
+        "detected": detected,
+        "seconds": seconds,
+        "message": message or "",
+        "crashed": int(failure is not None and failure != "hang"),
+        "hang": int(failure == "hang"),
+        "lost": lost,
+    }
+    progress(row)
+    return row
 
 
 AFTER = ((step, 10), (step, 11))  # what the references and the resumed runs train last
@@ -169,17 +185,11 @@ def save_kill_rows(only: str) -> list[dict[str, Any]]:
                 and [r["losses"][-2:] for r in resumed] == [r["losses"][-2:] for r in want]
                 and _bitwise(resumed[0]["state"], want[0]["state"])
             )
-            row = {
-                "fault": f"kill -9 rank {rank} at {point} of a save",
-                "detected": died,
-                "seconds": None,
-                "message": f"latest resolves to {name}",
-                "crashed": 0,
-                "hang": int(failure == "hang"),
-                "lost": "none" if intact else f"resume failed: {why or 'not bitwise'}",
-            }
-            rows.append(row)
-            progress(row)
+            lost = "none" if intact else f"resume failed: {why or 'not bitwise'}"
+            fault = f"kill -9 rank {rank} at {point} of a save"
+            # The killed rank's death is the expected failure of that run: not a crash.
+            failure = "hang" if failure == "hang" else None
+            rows.append(_row(fault, died, f"latest resolves to {name}", lost, failure=failure))
     return rows
 
 
@@ -207,17 +217,10 @@ def full_disk_rows(only: str) -> list[dict[str, Any]]:
     rows = []
     for i, (rank, site) in enumerate(failing):
         errors = runs[rank]["errors"] if runs else []
-        row = {
-            "fault": f"ENOSPC on rank {rank} writing the {site} of a save",
-            "detected": len(errors) > i,
-            "seconds": None,
-            "message": f"CheckpointError: {errors[i]}" if len(errors) > i else failure,
-            "crashed": int(failure is not None and failure != "hang"),
-            "hang": int(failure == "hang"),
-            "lost": "none (trained on, saved, resumed bitwise)" if intact else f"{why}",
-        }
-        rows.append(row)
-        progress(row)
+        message = f"CheckpointError: {errors[i]}" if len(errors) > i else failure
+        lost = "none (trained on, saved, resumed bitwise)" if intact else f"{why}"
+        fault = f"ENOSPC on rank {rank} writing the {site} of a save"
+        rows.append(_row(fault, len(errors) > i, message, lost, failure=failure))
     return rows
 
 
@@ -247,18 +250,9 @@ def hostile_rows(only: str) -> list[dict[str, Any]]:
         took = time.perf_counter() - started
     for name, per_rank in zip(cases, results, strict=True):
         refused = all(r.startswith("CheckpointError") for r in per_rank)
-        row = {
-            "fault": name,
-            "detected": refused,
-            "seconds": None,
-            "message": next((r for r in per_rank if "another rank" not in r), per_rank[0]),
-            "crashed": 0,
-            "hang": 0,
-            "lost": "none (refused; the manager unchanged)" if refused else "LOADED",
-            "run_s": took / len(paths),
-        }
-        rows.append(row)
-        progress(row)
+        message = next((r for r in per_rank if "another rank" not in r), per_rank[0])
+        lost = "none (refused; the manager unchanged)" if refused else "LOADED"
+        rows.append(_row(name, refused, message, lost) | {"run_s": took / len(paths)})
     return rows
 
 
