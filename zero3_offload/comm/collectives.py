@@ -38,9 +38,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-import queue
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,6 +49,8 @@ import torch.distributed as dist
 
 from zero3_offload.comm.divergence import DivergenceCheck
 from zero3_offload.comm.heartbeat import Heartbeat, default_store
+from zero3_offload.comm.launcher import Launcher
+from zero3_offload.comm.waiter import Waiter
 from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3Error
 
 __all__ = ["Collectives", "PendingCollective"]
@@ -93,110 +93,6 @@ def _probe(group: dist.ProcessGroup, device: torch.device) -> _Capabilities:
     return _Capabilities(
         all_gather=all_gather, reduce_scatter=reduce_scatter, reduce_scatter_avg=avg
     )
-
-
-_Entry = tuple[Callable[[], Any], "str | None", concurrent.futures.Future[Any]]
-
-
-class _Launcher:
-    """One daemon thread that calls queued functions in order (a daemon, so a launch
-    stuck on a dead peer never keeps the process from exiting).
-
-    A function queued with a ``description`` is a collective: with a
-    ``check``, it starts only once every rank is about to start the same one;
-    after a failed check, no later collective starts.
-    """
-
-    def __init__(self, name: str, check: DivergenceCheck | None) -> None:
-        self._queue: queue.SimpleQueue[_Entry] = queue.SimpleQueue()
-        self.submitted = 0  # functions queued so far (from any thread, under the lock)
-        self.finished = 0  # functions called so far (by the launcher thread only)
-        self.check = check
-        self.diverged: Zero3Error | None = None
-        self._current: str | None = None  # the description being checked or launched
-        self.failed_at: str | None = None  # the description whose check failed first
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def _call(self, fn: Callable[[], Any], description: str | None) -> Any:
-        if description is not None and self.check is not None:
-            if self.diverged is not None:
-                raise self.diverged
-            try:
-                self.check.verify(description)
-            except Zero3Error as exc:
-                self.diverged, self.failed_at = exc, description
-                raise
-            except Exception as exc:  # the side group failed: a peer died or timed out
-                self.failed_at = description
-                self.diverged = CommunicationError(f"the check before {description} failed: {exc}")
-                raise self.diverged from exc
-        return fn()
-
-    def launching(self) -> str:
-        """What the launcher thread is launching now, in words (for errors)."""
-        current = self.failed_at or self._current
-        return f"the start of {current}" if current else "the start of the queued collectives"
-
-    def _run(self) -> None:
-        while True:
-            fn, description, future = self._queue.get()
-            self._current = description
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(self._call(fn, description))
-                except BaseException as exc:  # handed to whoever waits for the launch
-                    future.set_exception(exc)
-            # The launch's closure holds its tensors: not until the next launch.
-            del fn, future
-            self._current = None
-            self.finished += 1
-
-    def submit(
-        self, fn: Callable[[], Any], description: str | None = None
-    ) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self.submitted += 1
-            self._queue.put((fn, description, future))
-        return future
-
-    def idle(self) -> bool:
-        """Whether everything queued so far has been called."""
-        with self._lock:
-            return self.finished >= self.submitted
-
-
-class _Waiter:
-    """One daemon thread per group that waits, in launch order, for the works whose
-    backend gives no future (gloo's reduce-scatter), and reports each completion.
-
-    A daemon thread, not the loop's default executor: after a timeout a wait may
-    last until the group's own timeout, and ``asyncio.run()`` joins the default
-    executor's threads on exit, which would hang the process that reported the
-    timeout. One thread for the group, not one per collective, so a long run's
-    thread count stays flat; collectives complete in launch order on a group, so
-    waiting in that order delays no report by much.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]]]
-        self._queue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, work: Any, settle: Callable[[BaseException | None], None]) -> None:
-        self._queue.put((work, settle))
-
-    def _run(self) -> None:
-        while True:
-            work, settle = self._queue.get()
-            try:
-                work.wait()
-            except Exception as exc:  # handed to whoever awaits the collective
-                settle(exc)
-            else:
-                settle(None)
-            del work, settle  # the work holds the op's buffers
 
 
 class PendingCollective:
@@ -268,7 +164,7 @@ class PendingCollective:
                 future = self._comm._work_future(self.op, work)
                 if future is None:
                     # This backend gives no future for this op: the group's waiter
-                    # thread waits for it (see _Waiter).
+                    # thread waits for it (see Waiter).
                     self._comm._waiter.submit(work, settle_from_thread)
                     return
 
@@ -373,8 +269,8 @@ class Collectives:
         check = None
         if verify and self.world_size > 1:
             check = DivergenceCheck(group, all_gather=self._caps.all_gather, timeout_s=timeout_s)
-        self._launcher = _Launcher(f"zero3-launch-{self.rank}", check)
-        self._waiter = _Waiter(f"zero3-wait-{self.rank}")
+        self._launcher = Launcher(f"zero3-launch-{self.rank}", check)
+        self._waiter = Waiter(f"zero3-wait-{self.rank}")
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
             self.heartbeat = self._start_heartbeat(heartbeat_timeout_s)
