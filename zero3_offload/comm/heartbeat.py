@@ -229,7 +229,9 @@ class Heartbeat:
             cause = f" ({store_error})" if store_error else ""
             if host is not None:
                 state = process_state(host.pid) if host.same_host and host.pid else None
-                detail = "has exited" if state == "gone" else "stopped answering"
+                detail = {"gone": "has exited", "stopped": "is stopped"}.get(
+                    state or "", "stopped answering"
+                )
                 found.append(
                     self._describe(host, detail)
                     + f": the rendezvous store it serves has not answered for "
