@@ -52,7 +52,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ("kind", "rank", "phase", "named_as"),
     [
         ("stop", 1, "forward", "sent no heartbeat"),
-        ("stop", 0, "backward", "stopped answering"),  # rank 0 also serves the store
+        ("stop", 0, "backward", "is stopped: the rendezvous store it serves"),  # rank 0 hosts it
         ("kill", 1, "step", "has exited"),
         ("kill", 0, "forward", "has exited"),
     ],
