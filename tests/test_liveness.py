@@ -19,7 +19,7 @@ from helpers import assert_bitwise
 from rank_faults import FaultSpec, faulty_run, read_record, resumed_run, throttled_run
 
 from zero3_offload.comm.heartbeat import Heartbeat
-from zero3_offload.testing import run_ranks
+from zero3_offload.testing import RankContext, run_ranks
 
 HEARTBEAT_S = 1.0
 # Far below the 300 s collective timeout; far above the heartbeat's own 1 s, so a
@@ -125,3 +125,22 @@ def test_heartbeat_config_is_validated() -> None:
     assert Zero3CpuOffloadConfig().divergence_check is True
     with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
         Zero3CpuOffloadConfig(heartbeat_timeout_s=0)
+
+
+async def managers_in_turn(ctx: RankContext, count: int) -> int:
+    """Build, use and close ``count`` managers back to back on one group."""
+    from helpers import make_model
+
+    from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
+
+    built = 0
+    model = make_model(d=8, n_blocks=1)
+    for _ in range(count):
+        manager = Zero3CpuOffloadManager(Zero3CpuOffloadConfig(), ctx.group, model)
+        await manager.close()
+        built += 1
+    return built
+
+
+def test_many_managers_built_back_to_back_each_get_a_heartbeat() -> None:
+    assert asyncio.run(run_ranks(managers_in_turn, 2, 100, timeout_s=120)) == [100, 100]

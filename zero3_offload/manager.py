@@ -398,14 +398,23 @@ class Zero3CpuOffloadManager:
             input is not floating point (e.g. token ids).
 
         Raises:
-            StateError: without a matching forward_pass.
-            InputError: when ``grad_output``'s shape differs from the output's.
+            StateError: without a matching forward_pass, or when the last
+                backward_pass already started this step's updates (call
+                optimizer_step first).
+            InputError: when ``grad_output``'s shape differs from the output's, or
+                it is complex.
             LayerExecutionError: when a layer raises.
             CommunicationError: when a collective fails.
         """
         self._check_open()
         e, state = self._engine, self._state
         self._check_chain("backward_pass")
+        if state.early_lr is not None:
+            raise StateError(
+                "the last backward_pass already updated the layers of this step (its "
+                f"learning_rate={state.early_lr!r}): call optimizer_step({state.early_lr!r}) "
+                "before the next backward_pass"
+            )
         record = check_backward_args(
             state.record, resolve_layer_names(e.layers, layer_names), grad_output
         )
@@ -953,6 +962,7 @@ class Zero3CpuOffloadManager:
         directory, loaded = await e.checkpointer.read(path)
         await e.prefetch.release_all(keep_persistent=False)  # gathered copies are stale
         self._state.reset()
+        e.steps.reset()  # layers updated early in the open window: the load replaces them
         self._state.calls_since_update = e.checkpointer.restore(loaded)
         log.info("checkpoint_loaded", rank=self.rank, path=str(directory))
         return directory

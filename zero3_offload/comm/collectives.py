@@ -284,16 +284,28 @@ class Collectives:
         global_ranks = dist.get_process_group_ranks(self.group)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         host = None if agent_store or 0 not in global_ranks else global_ranks.index(0)
-        beat = Heartbeat(
-            store,
-            rank=self.rank,
-            world_size=self.world_size,
-            key=f"zero3/heartbeat/{int(key.item()):016x}",
-            timeout_s=timeout_s,
-            store_host_rank=host,
-        )
+        beat = error = None
+        try:
+            beat = Heartbeat(
+                store,
+                rank=self.rank,
+                world_size=self.world_size,
+                key=f"zero3/heartbeat/{int(key.item()):016x}",
+                timeout_s=timeout_s,
+                store_host_rank=host,
+            )
+        except Exception as exc:  # reported on every rank below
+            error = exc
         # Every rank has published its pid once this collective completes.
-        self.broadcast_blocking(torch.zeros(1, device=self.device), what="heartbeat start")
+        if not self.agree_blocking(beat is not None, what="the heartbeat's start"):
+            if beat is not None:
+                beat.close()
+            raise CommunicationError(
+                "cannot start the heartbeat: the rendezvous store did not answer on "
+                f"{'this rank' if error is not None else 'another rank'}"
+                + (f" ({type(error).__name__}: {error})" if error is not None else "")
+            ) from error
+        assert beat is not None
         beat.start()
         return beat
 
@@ -578,22 +590,40 @@ class Collectives:
 
         ``out``, when given, receives a copy of the result (e.g. on the CPU).
         """
-        self._usable()
         global_src = dist.get_global_rank(self.group, src)
-        nbytes = tensor.numel() * tensor.element_size()
-        label = f"broadcast of {nbytes} bytes on the {_group_label(self.group)}"
-        description = (
-            f"broadcast of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
-        )
-        # Through the launcher, behind any collective queued before it.
-        launched = self._launcher.submit(
+        self._blocking(
+            "broadcast",
             lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
-            description,
+            tensor,
+            what,
         )
-        work = self._wait_blocking(launched, label)
+        if out is not None:
+            out.copy_(tensor)
+
+    def agree_blocking(self, ok: bool, *, what: str = "") -> bool:
+        """:meth:`agree` for constructors that cannot await."""
+        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self._blocking(
+            "all_reduce",
+            lambda: dist.all_reduce(failures, group=self.group, async_op=True),
+            failures,
+            what or "an agreement",
+        )
+        return failures.item() == 0
+
+    def _blocking(
+        self, op: str, launch: Callable[[], Any], tensor: torch.Tensor, what: str
+    ) -> None:
+        """Launch ``op`` through the launcher (behind any collective queued before it) and
+        wait for it on this thread, watching the timeout and the heartbeat."""
+        self._usable()
+        nbytes = tensor.numel() * tensor.element_size()
+        label = f"{op} of {nbytes} bytes on the {_group_label(self.group)}"
+        description = f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
+        work = self._wait_blocking(self._launcher.submit(launch, description), label)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        future = self._work_future("broadcast", work)
-        if future is None:  # a backend without futures for broadcast: wait here
+        future = self._work_future(op, work)
+        if future is None:  # a backend without futures for this op: wait here
             work.wait()
             done.set_result(None)
         else:
@@ -609,5 +639,3 @@ class Collectives:
             future.add_done_callback(on_done)
         self._wait_blocking(done, label)
         work.wait()  # orders the current CUDA stream after NCCL's; a no-op on gloo
-        if out is not None:
-            out.copy_(tensor)

@@ -14,9 +14,10 @@ A rank that is computing, or waiting inside a long collective, keeps beating:
 the beat thread does not need the event loop, the GIL is released by torch's
 kernels and by the collectives, and nothing else runs on that thread.
 
-The store is reached over a connection of its own, opened from the address
-of the default group's store, so a blocked call of torch's own client never
-delays a beat. When the store itself stops answering for ``timeout_s`` (it
+The store is reached over a connection of the heartbeats' own (one per process
+and store address, shared by the managers built in turn), opened from the
+address of the default group's store, so a blocked call of torch's own client
+never delays a beat. When the store itself stops answering for ``timeout_s`` (it
 lives in rank 0's process under a ``tcp://`` rendezvous), its host is the
 silent one.
 
@@ -61,20 +62,40 @@ def default_store() -> dist.Store | None:
         return None
 
 
-def _own_client(store: dist.Store, timeout_s: float) -> dist.Store:
-    """A new connection to the TCP store behind ``store``; ``store`` itself otherwise."""
+# One connection per store address and process, shared by the heartbeats built in
+# turn (a new connection per manager exhausts the store's accept queue when many
+# managers are built back to back); dropped when a beat finds it broken.
+_CLIENTS: dict[tuple[str, int], dist.Store] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _own_client(store: dist.Store, timeout_s: float) -> tuple[dist.Store, tuple[str, int] | None]:
+    """A connection of the heartbeats' own to the TCP store behind ``store`` (and its
+    address), or ``store`` itself when it is no TCP store."""
     inner = store
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
     if not isinstance(inner, dist.TCPStore):
-        return store  # a file or hash store: no connection to block on
-    return dist.TCPStore(
-        inner.host,
-        inner.port,
-        is_master=False,
-        timeout=_dt.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+        return store, None  # a file or hash store: no connection to block on
+    address = (inner.host, inner.port)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(address)
+        if client is None:
+            client = dist.TCPStore(
+                inner.host,
+                inner.port,
+                is_master=False,
+                timeout=_dt.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+            _CLIENTS[address] = client
+    return client, address
+
+
+def _drop_client(address: tuple[str, int] | None) -> None:
+    if address is not None:
+        with _CLIENTS_LOCK:
+            _CLIENTS.pop(address, None)
 
 
 def _pid_space() -> str:
@@ -141,15 +162,21 @@ class Heartbeat:
         self.interval_s = timeout_s / _ROUNDS_PER_TIMEOUT
         self.store_host_rank = store_host_rank
         self._key = key
-        self._store = _own_client(store, timeout_s)
+        self._store, self._address = _own_client(store, timeout_s)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._peers = {r: _Peer(r) for r in range(world_size) if r != rank}
         self._last_round = time.monotonic()
         self._store_error: str | None = None
         self._thread: threading.Thread | None = None
-        self._store.add(self._counter(rank), 1)
-        self._store.set(f"{key}/who/{rank}", f"{_pid_space()} {os.getpid()} {socket.gethostname()}")
+        try:
+            self._store.add(self._counter(rank), 1)
+            self._store.set(
+                f"{key}/who/{rank}", f"{_pid_space()} {os.getpid()} {socket.gethostname()}"
+            )
+        except Exception:
+            _drop_client(self._address)
+            raise
 
     def _counter(self, rank: int) -> str:
         return f"{self._key}/beat/{rank}"
@@ -198,6 +225,7 @@ class Heartbeat:
                 # the store once its silence exceeds the timeout.
                 with self._lock:
                     self._store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                _drop_client(self._address)
                 return
             self._stop.wait(self.interval_s)
 

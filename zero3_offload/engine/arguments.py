@@ -63,6 +63,12 @@ def check_backward_args(
         )
     if not isinstance(grad_output, torch.Tensor):
         raise InputError(f"grad_output must be a torch.Tensor, got {type(grad_output).__name__}")
+    if grad_output.is_complex():
+        # Plain autograd refuses it too; a cast would drop the imaginary part silently.
+        raise InputError(
+            f"grad_output has the complex dtype {grad_output.dtype}: the forward output is "
+            "real, so its gradient must be real"
+        )
     if grad_output.shape != record.output_shape:
         raise InputError(
             f"grad_output has shape {tuple(grad_output.shape)} but the forward output had "
