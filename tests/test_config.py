@@ -35,6 +35,8 @@ EXPECTED_DEFAULTS = {
     "compute_dtype": torch.float32,
     "device": "cpu",
     "collective_timeout_s": 300.0,
+    "heartbeat_timeout_s": 5.0,
+    "divergence_check": True,
     "compression_block_size": 256,
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
@@ -46,7 +48,7 @@ BOOL_FIELDS = [k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]
 INT_FIELDS = [
     k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, int) and not isinstance(v, bool)
 ]
-FLOAT_FIELDS = ["gradient_clipping", "collective_timeout_s"]
+FLOAT_FIELDS = ["gradient_clipping", "collective_timeout_s", "heartbeat_timeout_s"]
 # Smallest valid value of each int field.
 INT_MINIMUM = {
     "cpu_memory_budget": 1,
@@ -68,6 +70,8 @@ BAD_VALUES = (
     + [(f, bad) for f in FLOAT_FIELDS for bad in (True, "1.0", math.nan, math.inf, -1.0)]
     + [
         ("collective_timeout_s", 0),
+        ("heartbeat_timeout_s", 0),
+        ("heartbeat_timeout_s", -1.0),
         ("cpu_compression", "zip"),
         ("cpu_compression", 3),
         ("auto_memory_management", "reckless"),
