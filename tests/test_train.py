@@ -333,7 +333,7 @@ def rank_pids(run: Path, world_size: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(
     tmp_path: Path, fault: signal.Signals
 ) -> None:
