@@ -322,7 +322,7 @@ class Zero3CpuOffloadManager:
 
         Raises:
             LayerNotFoundError: for a name that is not a layer.
-            InputError: when ``x`` is not a tensor.
+            InputError: when ``x`` is not a tensor, or on the meta device.
             LayerExecutionError: when a layer raises; the manager's state is unchanged.
             CommunicationError: when a gather fails.
         """
@@ -402,7 +402,7 @@ class Zero3CpuOffloadManager:
                 backward_pass already started this step's updates (call
                 optimizer_step first).
             InputError: when ``grad_output``'s shape differs from the output's, or
-                it is complex.
+                it is complex or on the meta device.
             LayerExecutionError: when a layer raises.
             CommunicationError: when a collective fails.
         """

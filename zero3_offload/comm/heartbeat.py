@@ -44,6 +44,7 @@ import time
 import attrs
 import torch.distributed as dist
 
+from zero3_offload.errors import CommunicationError
 from zero3_offload.logging import get_logger
 
 __all__ = ["Heartbeat", "default_store", "process_state"]
@@ -81,13 +82,19 @@ def _own_client(store: dist.Store, timeout_s: float) -> tuple[dist.Store, tuple[
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(address)
         if client is None:
-            client = dist.TCPStore(
-                inner.host,
-                inner.port,
-                is_master=False,
-                timeout=_dt.timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
+            try:
+                client = dist.TCPStore(
+                    inner.host,
+                    inner.port,
+                    is_master=False,
+                    timeout=_dt.timedelta(seconds=timeout_s),
+                    wait_for_workers=False,
+                )
+            except RuntimeError as exc:  # DistNetworkError, a store timeout
+                raise CommunicationError(
+                    f"cannot reach the rendezvous store at {inner.host}:{inner.port} for the "
+                    f"heartbeat: {str(exc).splitlines()[0]}"
+                ) from exc
             _CLIENTS[address] = client
     return client, address
 

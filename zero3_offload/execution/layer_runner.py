@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
+from zero3_offload.errors import InputError, LayerExecutionError, StateError, Zero3Error
 from zero3_offload.execution.forward_record import BufferSlot, RngState, SavedStep
 from zero3_offload.stats.tensor_bytes import storage_bytes
 
@@ -65,7 +65,16 @@ class LayerRunner:
         self._gathered_flat = gathered_flat
 
     def to_compute(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on the device; floating tensors in the compute dtype."""
+        """``x`` on the device; floating tensors in the compute dtype.
+
+        Raises:
+            InputError: when ``x`` is on the meta device (it holds no values to copy).
+        """
+        if x.is_meta:
+            raise InputError(
+                f"got a tensor of shape {tuple(x.shape)} on the meta device, which holds no "
+                "values: pass a tensor with data (e.g. on the CPU)"
+            )
         dtype = self.compute_dtype if x.is_floating_point() else x.dtype
         return x.to(self.device, dtype)
 
