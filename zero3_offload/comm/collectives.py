@@ -257,8 +257,10 @@ class Collectives:
         self.device = device
         self.timeout_s = timeout_s
         # What the caller is doing, in words that must agree on every rank (the
-        # public call, its arguments, the step): part of every verified collective.
-        self.context = "setup"
+        # public call, its arguments, the step): part of every collective's
+        # description; each assignment starts a segment (see [Note: divergence check]).
+        self._context = "setup"
+        self._segment = 0
         # Called as observer(op, seconds, nbytes) when a collective completes.
         self.observer: Callable[[str, float, int], None] | None = None
         # op -> whether the backend's Work objects for it offer get_future()
@@ -321,8 +323,20 @@ class Collectives:
             self._launcher.submit(check.close).result(timeout=self.timeout_s)
 
     @property
-    def collectives_checked(self) -> int:
-        """Collectives verified by the divergence check so far (0 without one)."""
+    def context(self) -> str:
+        """What the caller is doing, in words that must agree on every rank (the manager
+        sets it for each public call: the call, its arguments, the step)."""
+        return self._context
+
+    @context.setter
+    def context(self, value: str) -> None:
+        # Every assignment starts a segment, whose first collective is checked.
+        self._context = value
+        self._segment += 1
+
+    @property
+    def divergence_checks(self) -> int:
+        """Records exchanged by the divergence check so far (0 without one)."""
         check = self._launcher.check
         return 0 if check is None else check.checked
 
@@ -474,7 +488,7 @@ class Collectives:
                 return launch()
 
         description = f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
-        launched = self._launcher.submit(launch_on_stream, description)
+        launched = self._launcher.submit(launch_on_stream, description, self._segment)
         return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self, what=what)
 
     async def flush(self) -> None:
@@ -620,7 +634,8 @@ class Collectives:
         nbytes = tensor.numel() * tensor.element_size()
         label = f"{op} of {nbytes} bytes on the {_group_label(self.group)}"
         description = f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
-        work = self._wait_blocking(self._launcher.submit(launch, description), label)
+        launched = self._launcher.submit(launch, description, self._segment)
+        work = self._wait_blocking(launched, label)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         future = self._work_future(op, work)
         if future is None:  # a backend without futures for this op: wait here

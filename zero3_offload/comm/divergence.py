@@ -6,23 +6,29 @@ runs layers ``[a, b, c]``, rank 1 ``[b, c]``; one rank evaluates while the
 other trains; one skips a micro-step) pair up collectives that do not belong
 together: gloo aborts the process when their sizes differ, NCCL hangs, and
 equal sizes silently mix two layers' data. A :class:`DivergenceCheck`
-prevents all three. Before the launcher thread starts a collective, it
-all-gathers a fixed-size record of it on a gloo group of its own (on the CPU,
-whatever the training backend, so it never waits behind a large collective
-or a GPU stream): a sequence number, a 16-byte digest of the description and
-the description's first bytes. The description says what the collective is
-(op, bytes, which layer it serves) and what the caller was doing (the public
-call, its arguments that must agree, the step and micro-step). Equal digests
-let the collective start; any difference raises
+prevents it. Every public call of the manager starts a *segment* and names
+it: the call, its arguments that must agree (layer names, learning rate,
+paths, keyword names; not tensors, whose values and shapes are each rank's
+own), grad mode, step and micro-step. Before the launcher thread starts the
+first collective of a segment, it all-gathers a fixed-size record on a gloo
+group of its own (on the CPU, whatever the training backend, so it never
+waits behind a large collective or a GPU stream): a sequence number, a
+16-byte digest of the text and the text's first bytes. The text is that
+collective's description (op, bytes, the layer it serves, the call) with the
+count and a digest of every collective launched since the previous check.
+Equal digests let it start; any difference raises
 :class:`~zero3_offload.errors.RankDivergenceError` on every rank, naming the
-ranks and what each was about to run, before anything is launched. The
-launcher then refuses every later collective of the group (the ranks'
-sequences no longer correspond).
+ranks and what each was about to run, before anything of the segment is
+launched. The launcher then refuses every later collective of the group
+(the ranks' sequences no longer correspond).
 
-The cost is one small all-gather round trip per collective, on the launcher
-thread: the event loop never waits for it, and a prefetched collective's
-check overlaps compute like its launch does (docs/robustness.md has the
-measured cost per step).
+So a call that differs is caught before its first collective, and a
+difference inside a call whose arguments agree (a model whose own control
+flow differs between ranks in module mode) at the next call's check, unless
+a collective of different size failed first. One exchange per call, not per
+collective: checking every collective cost about 5 % of a step on the peers
+model, this costs about one small round trip per call, on the launcher
+thread (docs/robustness.md has the measured cost).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ class DivergenceCheck:
         self._side: dist.ProcessGroup | None = _side_group(group, timeout_s)
         self._mine = torch.zeros(_RECORD, dtype=torch.uint8)
         self._all = torch.zeros(_RECORD * self.world_size, dtype=torch.uint8)
-        self.checked = 0  # collectives verified so far
+        self.checked = 0  # records exchanged so far
 
     def verify(self, description: str) -> None:
         """Raise :class:`RankDivergenceError` unless every rank passed the same description."""
@@ -99,7 +105,7 @@ class DivergenceCheck:
         parts = []
         for ranks, text, seq in groups.values():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-            parts.append(f"{who} (collective #{seq}): {text}")
+            parts.append(f"{who} (check #{seq}): {text}")
         return (
             "ranks diverged: they were about to run different collectives; "
             + "; ".join(parts)
