@@ -56,6 +56,10 @@ from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3E
 __all__ = ["Collectives", "PendingCollective"]
 
 _POLL_S = 0.2  # how often a wait looks at the heartbeat
+# How long a wait gives a collective to complete once the heartbeat reports a rank,
+# before it looks again and raises: a collective whose last peer closed right after
+# it completed settles by then, and so does this rank's beat after a pause of its own.
+_CONFIRM_S = 0.5
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -376,9 +380,9 @@ class Collectives:
             await asyncio.wait({task}, timeout=step)
             if task.done() or beat is None or beat.silent() is None:
                 continue
-            # Confirm once more, a beat interval later: the collective may have
+            # Confirm once more, a moment later: the collective may have
             # completed as its last peer closed, or this process was paused.
-            await asyncio.wait({task}, timeout=beat.interval_s)
+            await asyncio.wait({task}, timeout=_CONFIRM_S)
             silent = beat.silent()
             if not task.done() and silent is not None:
                 raise self._fail(CommunicationError(self._silence(silent, label)))
@@ -458,7 +462,7 @@ class Collectives:
                 raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
             if beat is not None and beat.silent() is not None:
                 try:
-                    return future.result(timeout=beat.interval_s)
+                    return future.result(timeout=_CONFIRM_S)
                 except concurrent.futures.TimeoutError:
                     silent = beat.silent()
                     if silent is not None:

@@ -27,7 +27,7 @@ process itself: a peer whose process is gone is reported at once, and a
 stopped one (state ``T``, e.g. SIGSTOP) is named as such.
 
 Waits consult :meth:`Heartbeat.silent` while they wait, and confirm a finding
-once more after one more beat interval before they raise (see
+once more half a second later before they raise (see
 ``Collectives``): a collective whose last peer closed or exited just after it
 completed, or this process resuming from a pause of its own, is then not
 mistaken for silence. The heartbeat never raises by itself.
