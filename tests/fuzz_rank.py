@@ -257,20 +257,12 @@ class Session:
         try:
             result = await fn(**call.args)
         except Exception as exc:  # reported to the driver, which judges it
-            return Outcome(
-                ok=False,
-                result=None,
-                error=type(exc).__name__,
-                zero3=isinstance(exc, Zero3Error),
-                message=str(exc),
-                detail=traceback.format_exc(),
-                before=before,
-                after=fingerprint(self),
-            )
+            return _failed(exc, before, fingerprint(self))
         return Outcome(True, result, None, False, "", "", before, fingerprint(self))
 
 
-def _failed_open(exc: Exception) -> Outcome:
+def _failed(exc: Exception, before: dict[str, str], after: dict[str, str]) -> Outcome:
+    """The outcome of a call (or an open) that raised ``exc``."""
     return Outcome(
         ok=False,
         result=None,
@@ -278,9 +270,13 @@ def _failed_open(exc: Exception) -> Outcome:
         zero3=isinstance(exc, Zero3Error),
         message=str(exc),
         detail=traceback.format_exc(),
-        before={},
-        after={},
+        before=before,
+        after=after,
     )
+
+
+def _failed_open(exc: Exception) -> Outcome:
+    return _failed(exc, {}, {})
 
 
 async def _open(ctx: RankContext, setup: Setup, label: str) -> tuple[Session | None, Outcome]:
