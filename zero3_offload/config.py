@@ -492,9 +492,10 @@ class Zero3CpuOffloadConfig:
     raises ``CommunicationError`` naming it, whatever ``collective_timeout_s`` allows a
     collective. Ranks beat through the rendezvous store, never the training group."""
     divergence_check: bool = bool_field(True)
-    """Before each collective, check that every rank is about to run the same one (same
-    call, layer, size, micro-step); a difference raises ``RankDivergenceError`` on every
-    rank instead of a crash or a hang. Costs one small all-gather per collective."""
+    """Before the first collective of each call, check that every rank is about to run
+    the same call (arguments, grad mode, step, micro-step) and the same collectives since
+    the last check; a difference raises ``RankDivergenceError`` on every rank instead of
+    a crash or a hang. Costs one small all-gather per call."""
     compression_block_size: int = int_field(256, 1, "elements")
     """Elements per absmax scale for ``INT8`` compression."""
     cpu_worker_threads: int = int_field(2, 1, "threads")

@@ -21,8 +21,9 @@ Liveness and agreement (issue-level guarantees of the group): with a
 :class:`~zero3_offload.comm.heartbeat.Heartbeat` (``heartbeat_timeout_s``),
 every wait also watches the other ranks, and a rank that stops answering is
 named within that time, whatever ``timeout_s`` allows a collective (see
-[Note: heartbeat]); with ``verify``, every rank checks before each launch that
-all ranks are about to run the same collective (see [Note: divergence check]).
+[Note: heartbeat]); with ``verify``, before the first collective of each call
+(each assignment of :attr:`Collectives.context`) the ranks check that they are
+all about to run the same one in the same call (see [Note: divergence check]).
 After a collective fails, times out or finds a silent rank, the group's
 sequence of collectives is broken: every later collective raises at once.
 
@@ -242,8 +243,8 @@ class Collectives:
         heartbeat_timeout_s: with a value, a :class:`Heartbeat` watches the other
             ranks, and a wait raises naming a rank silent this long (see
             [Note: heartbeat]); None: only ``timeout_s`` bounds a wait.
-        verify: check before each collective that every rank is about to run
-            the same one (see [Note: divergence check]).
+        verify: check before the first collective of each call that every rank
+            is about to run the same one (see [Note: divergence check]).
     """
 
     def __init__(

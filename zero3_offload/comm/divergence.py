@@ -1,4 +1,4 @@
-"""Verifying, before each collective, that every rank is about to run the same one.
+"""Verifying, before each call's collectives, that every rank is about to run the same ones.
 
 [Note: divergence check]
 ZeRO-3 issues a collective per layer, so ranks whose calls differ (rank 0
