@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from helpers import lm_loss, local_slice, make_batches, make_model
+from helpers import lm_loss, local_slice, make_batches, make_model, train_step
 
 from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.errors import Zero3Error
@@ -112,20 +112,6 @@ async def _pids(ctx: RankContext) -> list[int]:
     return [int(p) for p in pids]
 
 
-async def _step(
-    manager: Zero3CpuOffloadManager, ctx: RankContext, batch: tuple[torch.Tensor, torch.Tensor]
-) -> float:
-    names = list(manager.layer_names)
-    x, y = batch
-    out = await manager.forward_pass(local_slice(x, ctx), names)
-    out.requires_grad_()
-    loss = lm_loss(out, local_slice(y, ctx))
-    loss.backward()
-    await manager.backward_pass(out.grad, names)
-    await manager.optimizer_step(LR)
-    return float(loss.item())
-
-
 async def faulty_run(ctx: RankContext, spec: FaultSpec) -> dict[str, Any]:
     """Train ``spec.steps`` steps, saving after each; the faulty rank faults on the way.
 
@@ -142,7 +128,7 @@ async def faulty_run(ctx: RankContext, spec: FaultSpec) -> dict[str, Any]:
     try:
         for i in range(spec.steps):
             step[0] = i
-            losses.append(await _step(manager, ctx, batches[i]))
+            losses.append(await train_step(manager, ctx, batches[i], manager.layer_names, LR))
             await manager.save_checkpoint(Path(spec.out) / "ckpt")
     except Zero3Error as exc:
         detected = time.time()
@@ -162,7 +148,10 @@ async def resumed_run(ctx: RankContext, spec: FaultSpec) -> dict[str, Any]:
     await manager.load_checkpoint(Path(spec.out) / "ckpt")
     first = manager.steps_completed
     batches = make_batches(spec.steps, BATCH)
-    losses = [await _step(manager, ctx, batches[i]) for i in range(first, spec.steps)]
+    names = manager.layer_names
+    losses = [
+        await train_step(manager, ctx, batches[i], names, LR) for i in range(first, spec.steps)
+    ]
     full = await manager.full_state_dict()
     await manager.close()
     return {"first": first, "losses": losses, "state": full if ctx.rank == 0 else None}

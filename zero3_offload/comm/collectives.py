@@ -44,6 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import attrs
 import torch
 import torch.distributed as dist
@@ -165,24 +166,6 @@ class PendingCollective:
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(settle, exc)
 
-            def watch(work: Any) -> None:
-                future = self._comm._work_future(self.op, work)
-                if future is None:
-                    # This backend gives no future for this op: the group's waiter
-                    # thread waits for it (see Waiter).
-                    self._comm._waiter.submit(work, settle_from_thread)
-                    return
-
-                def on_done(fut: torch.futures.Future) -> None:
-                    try:
-                        fut.value()
-                    except Exception as exc:
-                        settle_from_thread(exc)
-                    else:
-                        settle_from_thread(None)
-
-                future.add_done_callback(on_done)
-
             def on_launched(launched: concurrent.futures.Future[Any]) -> None:
                 # On the launcher thread (or here, when already launched).
                 exc = launched.exception()
@@ -191,7 +174,7 @@ class PendingCollective:
                 elif exc is not None:
                     settle_from_thread(RuntimeError(f"failed to start: {exc}"))
                 else:
-                    watch(launched.result())
+                    self._comm._when_done(self.op, launched.result(), settle_from_thread)
 
             assert self._launched is not None
             self._launched.add_done_callback(on_launched)
@@ -403,19 +386,15 @@ class Collectives:
             raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
 
     async def _blame(self) -> str | None:
-        beat = self.heartbeat
-        if beat is None:
+        """:meth:`_blame_blocking` in a worker thread (it returns within the heartbeat's
+        timeout and two beats)."""
+        if self.heartbeat is None:
             return None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + beat.timeout_s + 2 * beat.interval_s
-        while True:
-            silent = beat.silent()
-            if silent is not None or loop.time() > deadline:
-                return silent
-            await asyncio.sleep(_POLL_S)  # the heartbeat's next round
+        return await anyio.to_thread.run_sync(self._blame_blocking)
 
     def _blame_blocking(self) -> str | None:
-        """:meth:`_blame` for a thread other than the event loop's."""
+        """The heartbeat's finding, waited for until the silence of a rank that stopped
+        just now would exceed the heartbeat's timeout; None if nobody is silent then."""
         beat = self.heartbeat
         if beat is None:
             return None
@@ -469,6 +448,32 @@ class Collectives:
                     if silent is not None:
                         raise self._fail(CommunicationError(self._silence(silent, label))) from None
 
+    def _when_done(
+        self, op: str, work: Any, settle: Callable[[BaseException | None], None]
+    ) -> None:
+        """Call ``settle(None)``, or ``settle(exc)`` on failure, from a backend or waiter
+        thread once ``work`` completes."""
+        future = self._work_future(op, work)
+        if future is None:
+            # This backend gives no future for this op: the group's waiter thread
+            # waits for it (see Waiter).
+            self._waiter.submit(work, settle)
+            return
+
+        def on_done(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+            except Exception as exc:
+                settle(exc)
+            else:
+                settle(None)
+
+        future.add_done_callback(on_done)
+
+    def _description(self, op: str, nbytes: int, what: str) -> str:
+        """A collective's description for the divergence check and for errors."""
+        return f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
+
     def _work_future(self, op: str, work: Any) -> torch.futures.Future | None:
         if self._has_future.get(op, True):
             try:
@@ -492,7 +497,7 @@ class Collectives:
             with torch.cuda.stream(stream):
                 return launch()
 
-        description = f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
+        description = self._description(op, nbytes, what)
         launched = self._launcher.submit(launch_on_stream, description, self._segment)
         return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self, what=what)
 
@@ -638,24 +643,17 @@ class Collectives:
         self._usable()
         nbytes = tensor.numel() * tensor.element_size()
         label = f"{op} of {nbytes} bytes on the {_group_label(self.group)}"
-        description = f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
+        description = self._description(op, nbytes, what)
         launched = self._launcher.submit(launch, description, self._segment)
         work = self._wait_blocking(launched, label)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        future = self._work_future(op, work)
-        if future is None:  # a backend without futures for this op: wait here
-            work.wait()
-            done.set_result(None)
-        else:
 
-            def on_done(fut: torch.futures.Future) -> None:
-                try:
-                    fut.value()
-                except Exception as exc:
-                    done.set_exception(exc)
-                else:
-                    done.set_result(None)
+        def settle(exc: BaseException | None) -> None:
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
 
-            future.add_done_callback(on_done)
+        self._when_done(op, work, settle)
         self._wait_blocking(done, label)
         work.wait()  # orders the current CUDA stream after NCCL's; a no-op on gloo
