@@ -24,7 +24,9 @@ import torch
 from zero3_offload.config import (
     AutoMemoryStrategy,
     CpuCompressionMethod,
+    GatherCompressionMethod,
     OptimizerConfig,
+    ReduceDtype,
     Zero3CpuOffloadConfig,
     field_docs,
 )
@@ -87,9 +89,18 @@ def _flags(prefix: str, name: str) -> str:
 
 def _type(field: attrs.Attribute[Any]) -> str:
     text = str(field.type)
-    if text in ("CpuCompressionMethod", "AutoMemoryStrategy", "OptimizerConfig"):
+    if text in _LINKED:
         return f"[`{text}`](#{text.lower()})"
     return f"`{text}`".replace("|", "\\|")
+
+
+_LINKED = (
+    "CpuCompressionMethod",
+    "GatherCompressionMethod",
+    "ReduceDtype",
+    "AutoMemoryStrategy",
+    "OptimizerConfig",
+)
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -124,9 +135,19 @@ def _stored_as(member: CpuCompressionMethod) -> str:
     return f"`{member.storage_dtype(torch.float32)}`"
 
 
+def _on_the_wire(member: GatherCompressionMethod) -> str:
+    if member is GatherCompressionMethod.NONE:
+        return "the compute dtype, decoded before the all-gather"
+    stored = member.compute_copy_format()
+    scales = ", with its fp32 scales" if stored is CpuCompressionMethod.INT8 else ""
+    return f"the compute copy as stored, {_stored_as(stored)}{scales}; decoded after"
+
+
 def render() -> str:
     """The whole page."""
     compression = [(f'`"{m.value}"`', _stored_as(m), m.description()) for m in CpuCompressionMethod]
+    gathers = [(f'`"{m.value}"`', _on_the_wire(m)) for m in GatherCompressionMethod]
+    reduces = [(f'`"{m.value}"`', f"`{m.wire_dtype()}`") for m in ReduceDtype]
     strategies = [
         (f'`"{m.value}"`', str(m.pressure_threshold()), str(m.aggressiveness()), m.description())
         for m in AutoMemoryStrategy
@@ -143,6 +164,8 @@ def render() -> str:
             CpuCompressionMethod,
             _table(("value", "stored as", "description"), compression),
         ),
+        *_section(GatherCompressionMethod, _table(("value", "on the wire"), gathers)),
+        *_section(ReduceDtype, _table(("value", "on the wire"), reduces)),
         *_section(
             AutoMemoryStrategy,
             _table(("value", "pressure threshold", "aggressiveness", "description"), strategies),

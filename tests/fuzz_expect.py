@@ -110,7 +110,7 @@ class ModelState:
     model: str
     dtype: str  # compute_dtype
     k: int  # gradient_accumulation_steps
-    early_allowed: bool  # overlap_computation, no clipping, not fp16
+    early_allowed: bool  # overlap_computation, and speculative_step or no clipping/fp16
     closed: bool = False
     pending: tuple[str, ...] | None = None  # layer names of the kept training forward
     early_lr: float | None = None  # updates of the window already ran with this lr
@@ -125,8 +125,10 @@ class ModelState:
             dtype=config["compute_dtype"],
             k=config["gradient_accumulation_steps"],
             early_allowed=config["overlap_computation"]
-            and config["gradient_clipping"] == 0
-            and config["compute_dtype"] != "float16",
+            and (
+                config.get("speculative_step", True)
+                or (config["gradient_clipping"] == 0 and config["compute_dtype"] != "float16")
+            ),
         )
 
     # ------------------------------------------------------------ expectations

@@ -349,6 +349,7 @@ async def train(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         "state": state if ctx.rank == 0 else None,
         "memory": attrs.asdict(memory),
         "layouts": layouts,
+        "performance": manager.get_performance_stats(),
     }
 
 

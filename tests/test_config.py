@@ -10,7 +10,9 @@ from zero3_offload import Zero3RankMapping
 from zero3_offload.config import (
     AutoMemoryStrategy,
     CpuCompressionMethod,
+    GatherCompressionMethod,
     OptimizerConfig,
+    ReduceDtype,
     Zero3CpuOffloadConfig,
 )
 from zero3_offload.errors import ConfigError
@@ -38,10 +40,14 @@ EXPECTED_DEFAULTS = {
     "heartbeat_timeout_s": 5.0,
     "divergence_check": True,
     "compression_block_size": 256,
+    "gather_compression": GatherCompressionMethod.NONE,
+    "reduce_dtype": ReduceDtype.FP32,
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
     "activation_checkpointing": False,
+    "speculative_step": True,
+    "keep_gathered_for_backward": True,
 }
 
 BOOL_FIELDS = [k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]
@@ -74,6 +80,8 @@ BAD_VALUES = (
         ("heartbeat_timeout_s", -1.0),
         ("cpu_compression", "zip"),
         ("cpu_compression", 3),
+        ("gather_compression", "fp16"),
+        ("reduce_dtype", "fp16"),
         ("auto_memory_management", "reckless"),
         ("compute_dtype", torch.float64),
         ("compute_dtype", torch.int8),

@@ -35,8 +35,9 @@ def unpartitioned_bytes() -> dict[str, int]:
 async def test_each_rank_holds_one_nth() -> None:
     world = 4
     full = unpartitioned_bytes()
-    # Prefetch off: then exactly one layer is gathered at a time.
-    results = await run_ranks(memory_probe, world, TrainSpec(config={"async_prefetch": False}))
+    # Prefetch and keeping for the backward off: then exactly one layer is gathered at a time.
+    config = {"async_prefetch": False, "keep_gathered_for_backward": False}
+    results = await run_ranks(memory_probe, world, TrainSpec(config=config))
     for rank, r in enumerate(results):
         padding = sum(r["padded"].values()) - full["params"] // 4
         assert 0 <= padding < world * len(r["padded"])

@@ -226,6 +226,10 @@ def test_deepspeed_config_maps_keys_and_lists_the_rest(tmp_path: Path, capsys) -
         ({"fp16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
         ({"train_batch_size": 30}, "train_batch_size=30 is not"),
         ({"gradient_clipping": -1}, "gradient_clipping: gradient_clipping=-1.0 is invalid"),
+        (
+            {"zero_optimization": {"stage": 3, "zero_quantized_weights": "yes"}},
+            "zero_optimization.zero_quantized_weights='yes' is invalid: must be true or false",
+        ),
     ],
 )
 def test_deepspeed_config_errors_name_the_key(tmp_path: Path, capsys, change, expected) -> None:
@@ -235,6 +239,39 @@ def test_deepspeed_config_errors_name_the_key(tmp_path: Path, capsys, change, ex
     assert code == 2
     assert err.startswith(f"zero3-offload train: error: {ds}: ") and expected in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_deepspeed_quantized_weights_and_gradients_map_to_the_wire_options(
+    tmp_path: Path, capsys
+) -> None:
+    ds = tmp_path / "ds.json"
+    quantized = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": {"stage": 3, **quantized}}))
+    code, out, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
+    assert code == 0, err
+    zero3 = json.loads(out)["zero3"]
+    assert (zero3["gather_compression"], zero3["reduce_dtype"]) == ("int8", "bf16")
+    assert zero3["cpu_compression"] == "none"  # int8 storage is implied, not written here
+    # qgZ has no exact counterpart: the approximation is said, once.
+    note = f"{ds}: zero_optimization.zero_quantized_gradients=true read as reduce_dtype='bf16'"
+    assert err.count(note) == 1 and "(approximate:" in err
+    assert "unsupported key zero_optimization.zero_quantized" not in err
+    off = dict.fromkeys(quantized, False)
+    ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": {"stage": 3, **off}}))
+    code, out, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
+    zero3 = json.loads(out)["zero3"]
+    assert (code, zero3["gather_compression"], zero3["reduce_dtype"]) == (0, "none", "fp32")
+    assert "read as reduce_dtype" not in err
+    # qwZ sends the stored int8 copies: another stored format is refused, naming the key.
+    ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": {"stage": 3, **quantized}}))
+    code, _, err = run_cli(
+        capsys, "--deepspeed-config", str(ds), "--print-config", "--cpu-compression", "bf16"
+    )
+    assert code == 2
+    assert (
+        f"{ds}: zero_optimization.zero_quantized_weights: gather_compression='int8' is "
+        "invalid with cpu_compression='bf16'"
+    ) in err
 
 
 def test_toml_config_is_read_and_flags_override_it(tmp_path: Path, capsys) -> None:

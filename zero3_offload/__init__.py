@@ -14,7 +14,9 @@ from zero3_offload.comm.process_group import (
 from zero3_offload.config import (
     AutoMemoryStrategy,
     CpuCompressionMethod,
+    GatherCompressionMethod,
     OptimizerConfig,
+    ReduceDtype,
     Zero3CpuOffloadConfig,
 )
 from zero3_offload.errors import (
@@ -43,6 +45,7 @@ __all__ = [
     "CommunicationError",
     "ConfigError",
     "CpuCompressionMethod",
+    "GatherCompressionMethod",
     "InputError",
     "LayerExecutionError",
     "LayerNotFoundError",
@@ -50,6 +53,7 @@ __all__ = [
     "OptimizerConfig",
     "PrefetchQueueStatus",
     "RankDivergenceError",
+    "ReduceDtype",
     "StateError",
     "Zero3CpuOffloadConfig",
     "Zero3CpuOffloadManager",

@@ -2,7 +2,9 @@
 
 Mirrors torsh's ``config.rs``: :class:`Zero3CpuOffloadConfig` with its enums
 :class:`CpuCompressionMethod` and :class:`AutoMemoryStrategy`, and the
-optimizer section :class:`OptimizerConfig`. Every invalid value raises
+optimizer section :class:`OptimizerConfig`; the wire formats of the
+collectives, :class:`GatherCompressionMethod` and :class:`ReduceDtype`, are
+this package's own. Every invalid value raises
 :class:`ConfigError` whose message names the field, the value given and what
 is allowed, so an impossible configuration can never be constructed.
 
@@ -36,7 +38,9 @@ from zero3_offload.errors import ConfigError
 __all__ = [
     "AutoMemoryStrategy",
     "CpuCompressionMethod",
+    "GatherCompressionMethod",
     "OptimizerConfig",
+    "ReduceDtype",
     "Zero3CpuOffloadConfig",
 ]
 
@@ -269,6 +273,35 @@ _COMPRESSION_DESCRIPTIONS = types.MappingProxyType(
 )
 
 
+class GatherCompressionMethod(_ChoiceEnum):
+    """Format the weight all-gather puts on the wire: a compute-copy format, sent as stored.
+
+    Each rank sends its compute copy as it is stored (``INT8``: the fp32 scales with
+    the payload) and every rank decodes the gathered buffer, rank by rank, into the
+    compute dtype, so the gathered values are those of decoding first and gathering
+    the compute dtype. ``NONE`` gathers the decoded compute dtype.
+    """
+
+    NONE = "none"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+    def compute_copy_format(self) -> CpuCompressionMethod:
+        """The compute-copy format this wire format sends (``NONE`` for ``NONE``)."""
+        return CpuCompressionMethod(self.value)
+
+
+class ReduceDtype(_ChoiceEnum):
+    """Dtype of the gradient reduce-scatter on the wire; gradient shards stay fp32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of the tensors handed to the reduce-scatter."""
+        return torch.bfloat16 if self is ReduceDtype.BF16 else torch.float32
+
+
 class AutoMemoryStrategy(_ChoiceEnum):
     """How early the pressure policy frees gathered parameters and shrinks prefetch.
 
@@ -452,9 +485,10 @@ class Zero3CpuOffloadConfig:
     False gathers each layer only when it is needed."""
     overlap_computation: bool = bool_field(True)
     """Start each layer's optimizer update in a worker thread as soon as its gradient shard
-    is final, while backward goes on (needs ``learning_rate=`` in ``backward_pass``; not with
-    gradient clipping, fp16 or a layer used twice). False runs every update in
-    ``optimizer_step``. Collectives and copies overlap compute either way."""
+    is final, while backward goes on (needs ``learning_rate=`` in ``backward_pass``; not
+    with a layer used twice; with gradient clipping or fp16 only with
+    ``speculative_step``). False runs every update in ``optimizer_step``. Collectives and
+    copies overlap compute either way."""
     pin_cpu_memory: bool = bool_field(True)
     """Allocate the CPU compute copies and the gradient staging buffers in pinned memory, for
     asynchronous copies (takes effect only when ``device`` is CUDA)."""
@@ -498,6 +532,24 @@ class Zero3CpuOffloadConfig:
     a crash or a hang. Costs one small all-gather per call."""
     compression_block_size: int = int_field(256, 1, "elements")
     """Elements per absmax scale for ``INT8`` compression."""
+    gather_compression: GatherCompressionMethod = attrs.field(
+        default=GatherCompressionMethod.NONE,
+        converter=functools.partial(GatherCompressionMethod.parse, field="gather_compression"),
+    )
+    """Format of the weight all-gather on the wire (see :class:`GatherCompressionMethod`):
+    ``"bf16"`` or ``"int8"`` sends each rank's compute copy as stored (about 1/2 or 1/4 of
+    fp32's bytes) and decodes the gathered buffer on every rank, bitwise what
+    ``cpu_compression`` of the same format gives; it implies that storage of the compute
+    copies when ``cpu_compression`` is ``"none"``, and any other ``cpu_compression`` is an
+    error. ``"none"`` gathers the compute dtype."""
+    reduce_dtype: ReduceDtype = attrs.field(
+        default=ReduceDtype.FP32,
+        converter=functools.partial(ReduceDtype.parse, field="reduce_dtype"),
+    )
+    """Dtype of the gradient reduce-scatter on the wire (see :class:`ReduceDtype`):
+    ``"bf16"`` casts each layer's flat fp32 gradient to bf16, averages it over ranks in bf16
+    (half the bytes) and widens this rank's shard to fp32 before it is accumulated; ``"fp32"``
+    reduces the fp32 gradient exactly as computed."""
     cpu_worker_threads: int = int_field(2, 1, "threads")
     """Worker threads that may run CPU work at once: optimizer math, compute-copy encoding,
     gradient accumulation and checkpoint I/O."""
@@ -510,6 +562,19 @@ class Zero3CpuOffloadConfig:
     """Keep only each layer's input between the passes and recompute the layer's forward
     in backward (about a third more compute, far fewer activations kept); False keeps
     every layer's activations for backward, as plain PyTorch does."""
+    speculative_step: bool = bool_field(True)
+    """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
+    update during backward anyway, from a saved copy of its master shard and optimizer
+    state; ``optimizer_step`` keeps the updates when clipping does not apply and no inf/nan
+    appeared, else restores the copies and redoes them clipped (or skips the step): bitwise
+    the same result. Costs the copies (about three shard sizes per layer for AdamW) and,
+    when clipping fires, a second update. False waits for the whole backward instead."""
+    keep_gathered_for_backward: bool = bool_field(True)
+    """Keep the last layers of a training forward gathered until their backward (which
+    starts there) instead of gathering them again: as many as ``gpu_param_memory_budget``
+    holds next to the prefetch window (on the CPU device at most ``prefetch_buffer_size +
+    2`` largest layers' bytes, the reused buffers); each is released after its backward.
+    False releases every layer after its forward."""
 
     def __attrs_post_init__(self) -> None:
         self._check_cross_field()
@@ -525,6 +590,21 @@ class Zero3CpuOffloadConfig:
                     f"{budget}={value} is invalid: {value / _MIB:.1f} MiB exceeds "
                     f"{limit}={limit_mb}; lower {budget} or raise {limit}"
                 )
+        wire = self.gather_compression.compute_copy_format()
+        if wire.is_lossy() and self.cpu_compression not in (CpuCompressionMethod.NONE, wire):
+            raise ConfigError(
+                f"gather_compression={wire.value!r} is invalid with cpu_compression="
+                f"{self.cpu_compression.value!r}: the all-gather sends the compute copies as "
+                f"they are stored, so cpu_compression must be 'none' (they are then stored as "
+                f"{wire.value}) or {wire.value!r}"
+            )
+
+    def compute_copy_compression(self) -> CpuCompressionMethod:
+        """The format the compute copies are stored in: ``cpu_compression``, or the
+        format of ``gather_compression`` when that is set (it implies the storage)."""
+        if self.gather_compression is GatherCompressionMethod.NONE:
+            return self.cpu_compression
+        return self.gather_compression.compute_copy_format()
 
     def validate(self) -> None:
         """Check every field and the rules between fields again.

@@ -489,7 +489,9 @@ class Zero3CpuOffloadManager:
     ) -> None:
         # Nothing may stay in flight; the caller raises the first error. The
         # forward's graphs are (partly) consumed: the next backward needs a new forward.
+        # Updates already made stand, speculative ones too (the error names them).
         self._state.record = None
+        self._engine.steps.keep_updates()
         for task in landings:
             task.cancel()
         for task in landings:
@@ -701,6 +703,7 @@ class Zero3CpuOffloadManager:
         started = time.perf_counter()
         await e.prefetch.drain()  # no gather may read a shard while it is updated
         updated = await e.steps.apply(lr)
+        e.stats.speculative_rollbacks = e.steps.rollbacks
         e.grads.clear()
         state.calls_since_update = 0
         state.early_lr = None

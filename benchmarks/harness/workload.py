@@ -23,7 +23,8 @@ DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_hea
 
 def shape(dims: dict[str, int]) -> GPTShape:
     d, seq, layers, heads = dims["d"], dims["seq"], dims["n_layers"], dims["heads"]
-    return GPTShape(vocab_size=VOCAB_SIZE, seq_len=seq, d_model=d, layers=layers, heads=heads)
+    vocab = dims.get("vocab") or VOCAB_SIZE  # ids are bytes: more rows than 256 go unused
+    return GPTShape(vocab_size=vocab, seq_len=seq, d_model=d, layers=layers, heads=heads)
 
 
 def build(dims: dict[str, Any]) -> torch.nn.Module:

@@ -32,6 +32,8 @@ TUNED = {**LR_BWD, "prefetch_buffer_size": 1}
 NO_OFFLOAD = {"offload_params": False, "offload_grads": False, "offload_optimizer_states": False}
 CPU_OFFLOAD, CKPT = {"fused": True, "cpu_offload": True}, {"activation_checkpointing": True}
 PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
+CLIP_NEVER, CLIP_ALWAYS = {"gradient_clipping": 1e6}, {"gradient_clipping": 1e-6}
+NO_SPEC = {"speculative_step": False}
 SYSTEMS = {
     "torch": System("plain torch (1 process)", "torch", 1, {"fused": True}),
     "fsdp2": System("FSDP2", "fsdp2", WORLD, {"fused": True}),
@@ -50,6 +52,15 @@ SWEEP = {  # candidates for ours' fastest configuration
     "lr_bwd_persist": ours("lr in backward, small layers persistent", **LR_BWD, **PERSIST),
     "no_prefetch": ours("async_prefetch=False", async_prefetch=False),
     "unchecked": ours("divergence_check=False", divergence_check=False),
+    "no_keep": ours("keep_gathered_for_backward=False", keep_gathered_for_backward=False),
+    # clipping with updates in backward: speculative (never / always rolled back) and waiting
+    "lr_bwd_clip": ours("lr in backward, clip 1e6 (never fires)", **LR_BWD, **CLIP_NEVER),
+    "lr_bwd_clip_wait": ours(
+        "lr in backward, clip 1e6, speculative_step=False", **LR_BWD, **CLIP_NEVER, **NO_SPEC
+    ),
+    "lr_bwd_clip_fires": ours(
+        "lr in backward, clip 1e-6 (fires every step)", **LR_BWD, **CLIP_ALWAYS
+    ),
 }
 
 OPTIONS = {
@@ -59,6 +70,7 @@ OPTIONS = {
     "--rounds": {"type": int, "help": "rounds of all systems (3; quick 2; large 1)"},
     "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
     "--blocks": {"type": int, "help": "blocks instead of the size's; the name gets -<N>blocks"},
+    "--vocab": {"type": int, "help": "the GPT's vocabulary (256: bytes); the name gets -vocab<N>"},
     "--timeout": {"type": float, "help": "seconds per run (900; quick 300; large 3600)"},
     **train.RANK_OPTIONS,
 }
@@ -82,6 +94,8 @@ def check(args: Any) -> str | None:
         return f"unknown systems {unknown}; known: {', '.join(table)}"
     if min(args.rounds, args.repeats, args.blocks or 1) < 1 or args.warmup < 0:
         return "--rounds, --repeats and --blocks must be >= 1, --warmup >= 0"
+    if args.vocab is not None and args.vocab < 256:
+        return "--vocab must be >= 256 (the token ids are bytes)"
     if args.warmup + args.repeats < LOSS_STEPS:
         return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
     return None
@@ -91,11 +105,14 @@ def run(args: Any) -> dict[str, Any] | None:
     systems = {k: (SWEEP if args.sweep_ours else SYSTEMS)[k] for k in args.system_keys}
     d, heads, blocks, seq = SIZES[args.size][0]
     dims = dict(d=d, heads=heads, n_layers=args.blocks or blocks, seq=seq, global_batch=8)
+    if args.vocab is not None:
+        dims["vocab"] = args.vocab
     threads = {k: args.threads * (WORLD if s.kind == "torch" else 1) for k, s in systems.items()}
     result = train.compare(args, systems, dims, threads=threads)
     name = "peers-sweep" if args.sweep_ours else "peers"
     name += "" if args.size == "small" else f"-{args.size}"
     name += f"-{args.blocks}blocks" if args.blocks else ""
+    name += f"-vocab{args.vocab}" if args.vocab is not None else ""
     name += "-mmap" if args.mmap_threshold is not None else ""
     result["config"].update(
         world_size=WORLD, threads_per_rank=args.threads, malloc_mmap_threshold=args.mmap_threshold
@@ -155,7 +172,8 @@ def report(payload: dict[str, Any], model: str | None = None, title: str | None 
     malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else malloc
     model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
-        f"seq {dims['seq']}, byte vocabulary 256: {cfg['params']:,} fp32 params in "
+        f"seq {dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
+        f"{cfg['params']:,} fp32 params in "
         f"{len(per_layer)} layers (largest {max(per_layer.values()):,})"
     )
     notes = [

@@ -29,8 +29,21 @@ sequence of collectives is broken: every later collective raises at once.
 
 Backend differences are settled once per group, by capability, in
 :class:`Collectives`: which tensor-level all-gather / reduce-scatter functions the
-installed torch offers, and whether the backend accepts ``ReduceOp.AVG`` for
-reduce-scatter. Nothing else in the library looks at the backend's name.
+installed torch offers, whether the backend accepts ``ReduceOp.AVG`` for
+reduce-scatter, and whether a CPU group can all-to-all. Nothing else in the
+library looks at the backend's name.
+
+[Note: reduce-scatter by exchange]
+On CPU tensors, a reduce-scatter runs as an ``all_to_all_single`` (each rank
+sends every other rank the slice that rank keeps, and receives every rank's
+copy of its own slice) followed by a local sum over the received slices and
+the division by the world size. gloo's own reduce-scatter took about twice as
+long for the same 12-17 MB layers on 2 ranks (15-21 ms against 7-9 ms) and
+held more memory; on the 27M-parameter GPT of the benchmarks the step went
+from 0.874 to 0.820 s and the peak RSS down by ~60 MiB. The receive buffers
+(one layer's size each) are reused within a backward (at most two kept) and
+freed after its last reduce-scatter is launched. The sum adds the ranks'
+slices in rank order, so the mean is the same on every rank and in every run.
 """
 
 from __future__ import annotations
@@ -62,6 +75,9 @@ _POLL_S = 0.2  # how often a wait looks at the heartbeat
 # before it looks again and raises: a collective whose last peer closed right after
 # it completed settles by then, and so does this rank's beat after a pause of its own.
 _CONFIRM_S = 0.5
+# Receive buffers kept for reduce-scatters by exchange: as many as are in flight
+# at once (a backward has two gradient buffers).
+_EXCHANGE_BUFFERS = 2
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -79,6 +95,9 @@ class _Capabilities:
     all_gather: Callable[..., Any]  # (output, input, group=, async_op=) -> Work
     reduce_scatter: Callable[..., Any]  # (output, input, op=, group=, async_op=) -> Work
     reduce_scatter_avg: bool  # backend accepts ReduceOp.AVG for reduce-scatter
+    # CPU group: reduce-scatter by all_to_all_single and a local sum (see
+    # [Note: reduce-scatter by exchange])
+    exchange: bool
 
 
 def _probe(group: dist.ProcessGroup, device: torch.device) -> _Capabilities:
@@ -96,8 +115,19 @@ def _probe(group: dist.ProcessGroup, device: torch.device) -> _Capabilities:
         # Every rank fails the same way before any data moves, so the group
         # stays consistent; SUM followed by a division is used instead.
         avg = False
+    exchange = False
+    if device.type == "cpu":
+        try:
+            dist.all_to_all_single(torch.empty(world), probe_in.cpu(), group=group)
+            exchange = True
+        except (RuntimeError, ValueError, NotImplementedError):
+            # As above: every rank fails alike; the backend's reduce-scatter is used.
+            exchange = False
     return _Capabilities(
-        all_gather=all_gather, reduce_scatter=reduce_scatter, reduce_scatter_avg=avg
+        all_gather=all_gather,
+        reduce_scatter=reduce_scatter,
+        reduce_scatter_avg=avg,
+        exchange=exchange,
     )
 
 
@@ -255,6 +285,10 @@ class Collectives:
         # (gloo's reduce-scatter does not); learned on first use.
         self._has_future: dict[str, bool] = {}
         self._broken: Zero3Error | None = None  # the failure that ended the sequence
+        # Receive buffers of reduce-scatters by exchange, kept for reuse within a backward.
+        self._exchange_pool: list[torch.Tensor] = []
+        self._exchange_kept = True
+        self._exchange_inflight = 0  # bytes of receive buffers of exchanges in flight
         self._caps = _probe(group, device)
         check = None
         if verify and self.world_size > 1:
@@ -534,6 +568,8 @@ class Collectives:
         self, output: torch.Tensor, full: torch.Tensor, *, what: str = ""
     ) -> PendingCollective:
         """Launch the average of ``full`` over ranks, keeping this rank's slice in ``output``."""
+        if self._caps.exchange and full.device.type == "cpu":
+            return self._start_exchange_mean(output, full, what)
         avg = self._caps.reduce_scatter_avg
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         pending = self._start(
@@ -545,6 +581,50 @@ class Collectives:
         if not avg:
             pending.then(lambda: output.div_(self.world_size))
         return pending
+
+    def _start_exchange_mean(
+        self, output: torch.Tensor, full: torch.Tensor, what: str
+    ) -> PendingCollective:
+        # See [Note: reduce-scatter by exchange].
+        received = self._take_exchange_buffer(full)
+        self._exchange_inflight += received.numel() * received.element_size()
+        pending = self._start(
+            "reduce_scatter",
+            lambda: dist.all_to_all_single(received, full, group=self.group, async_op=True),
+            full.numel() * full.element_size(),
+            what,
+        )
+
+        def reduce() -> None:
+            torch.sum(received.view(self.world_size, -1), dim=0, out=output)
+            output.div_(self.world_size)
+            self._exchange_inflight -= received.numel() * received.element_size()
+            if self._exchange_kept and len(self._exchange_pool) < _EXCHANGE_BUFFERS:
+                self._exchange_pool.append(received)
+
+        pending.then(reduce)
+        return pending
+
+    def _take_exchange_buffer(self, full: torch.Tensor) -> torch.Tensor:
+        pool = self._exchange_pool
+        fits = [b for b in pool if b.dtype == full.dtype and b.numel() >= full.numel()]
+        if not fits:
+            return torch.empty_like(full)
+        buffer = min(fits, key=lambda b: b.numel())
+        del pool[next(i for i, b in enumerate(pool) if b is buffer)]
+        return buffer[: full.numel()]
+
+    def keep_exchange_buffers(self, keep: bool) -> None:
+        """Keep the receive buffers of reduce-scatters by exchange for reuse (during a
+        backward), or free them (after its last reduce-scatter is launched)."""
+        self._exchange_kept = keep
+        if not keep:
+            self._exchange_pool.clear()
+
+    def exchange_buffer_bytes(self) -> int:
+        """Bytes of the receive buffers of reduce-scatters by exchange: in flight and kept."""
+        kept = sum(b.numel() * b.element_size() for b in self._exchange_pool)
+        return kept + self._exchange_inflight
 
     def start_all_reduce_sum(self, tensor: torch.Tensor, *, what: str = "") -> PendingCollective:
         """Launch an in-place sum of ``tensor`` over ranks."""

@@ -21,7 +21,7 @@ from zero3_offload.checkpoint.checkpointer import ShardCheckpointer
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.comm.worker_threads import WorkerThreads
-from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.config import GatherCompressionMethod, ReduceDtype, Zero3CpuOffloadConfig
 from zero3_offload.engine.model_layers import split_layers
 from zero3_offload.engine.model_units import UnitSpec, default_unit_classes, split_units
 from zero3_offload.errors import ConfigError
@@ -34,6 +34,7 @@ from zero3_offload.memory.accounting import MemoryAccounting
 from zero3_offload.memory.budget import CpuMemoryNeed, check_cpu_budget, cpu_memory_need
 from zero3_offload.memory.pressure import PressurePolicy
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
+from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.parameter.flat_layout import (
@@ -150,7 +151,9 @@ def build_engine(
         workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
 
         codec = ShardCodec(
-            config.cpu_compression, config.compute_dtype, block_size=config.compression_block_size
+            config.compute_copy_compression(),
+            config.compute_dtype,
+            block_size=config.compression_block_size,
         )
         params = ParameterStore(
             codec=codec,
@@ -166,6 +169,7 @@ def build_engine(
             device=device,
             streams=streams,
             timeline=timeline,
+            compressed_wire=config.gather_compression is not GatherCompressionMethod.NONE,
         )
         runner = LayerRunner(
             device,
@@ -193,6 +197,9 @@ def build_engine(
             persistence_threshold=config.param_persistence_threshold,
             rank=mapping.rank,
             resident=ROOT_UNIT if ROOT_UNIT in layers else None,
+            keep_for_backward=config.keep_gathered_for_backward,
+            # On the CPU, kept layers take the pooled buffers' place (see the note).
+            keep_limit=gatherer.pool_limit if device.type == "cpu" else None,
         )
         shard_initial_values(
             layers=layers,
@@ -211,7 +218,14 @@ def build_engine(
         # the other units.
         pooled = [lay.padded_numel for name, lay in layouts.items() if name != ROOT_UNIT]
         largest = max(pooled or [lay.padded_numel for lay in layouts.values()], default=0)
-        gradient_buffers = GradientBuffers(numel=largest, device=device, depth=_GRADIENT_BUFFERS)
+        gradient_buffers = GradientBuffers(
+            numel=largest,
+            device=device,
+            depth=_GRADIENT_BUFFERS,
+            wire_dtype=None
+            if config.reduce_dtype is ReduceDtype.FP32
+            else config.reduce_dtype.wire_dtype(),
+        )
         reducer = GradientReducer(
             layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
         )
@@ -227,6 +241,7 @@ def build_engine(
             [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
             device=params.master_device,
         )
+        backup = SpeculationBackup(optimizer)
         steps = StepRunner(
             config=config,
             params=params,
@@ -234,13 +249,16 @@ def build_engine(
             optimizer=optimizer,
             workers=workers,
             comm=comm,
+            backup=backup,
         )
         accounting = MemoryAccounting(
             params=params,
             gatherer=gatherer,
             grads=grads,
             optimizer=optimizer,
+            backup=backup,
             gradient_buffers=gradient_buffers,
+            comm=comm,
             total_parameters=total_numel(layouts),
             owned_parameters=owned_numel(layouts),
         )

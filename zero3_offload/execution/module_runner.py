@@ -232,7 +232,7 @@ class ModuleRunner:
         trace = self._prefetch.trace
         predicted = trace.order(phase)
         unit_pass = UnitPass(phase=phase, predicted=predicted)
-        await self._prefetch.begin_recorded_pass(predicted)
+        await self._prefetch.begin_recorded_pass(predicted, phase=phase)
         self.current = unit_pass
         grad = phase == "forward"
         method = self.model if call == "forward" else getattr(self.model, call)
@@ -282,7 +282,7 @@ class ModuleRunner:
         unit_pass.expected = self._count_gradients(loss)
         unit_pass.units_left = sum(u != self._root for u in forward_units)
         self._reducer.begin_pass()
-        await self._prefetch.begin_recorded_pass(predicted)
+        await self._prefetch.begin_recorded_pass(predicted, phase="backward")
         self.current = unit_pass
         if self._root is not None and self._root in forward_units:
             await self._enter(self._root)

@@ -1,10 +1,12 @@
-"""The flat fp32 gradient buffers that reduce-scatters read from, reused across layers."""
+"""The flat fp32 gradient buffers that reduce-scatters read from, reused across layers
+(with ``reduce_dtype`` bf16, each with the bf16 buffer the reduce-scatter sends)."""
 
 from __future__ import annotations
 
 import torch
 
 from zero3_offload.comm.collectives import PendingCollective
+from zero3_offload.errors import StateError
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 
 __all__ = ["GradientBuffers"]
@@ -19,16 +21,31 @@ class GradientBuffers:
     every slot is taken (module mode can have several units' gradients open
     at once) a fresh buffer outside the pool is handed out under slot ``-1``.
 
+    With a ``wire_dtype``, every slot also has a buffer of that dtype (:meth:`wire`)
+    that the flat gradient is cast into and the reduce-scatter reads instead; it is
+    busy and free with its slot.
+
     Args:
         numel: elements of each buffer (a larger request gets a fresh buffer).
         device: compute device.
         depth: number of buffers.
+        wire_dtype: dtype the gradients are reduce-scattered in (``reduce_dtype``);
+            None: the fp32 buffers themselves are reduce-scattered.
     """
 
-    def __init__(self, *, numel: int, device: torch.device, depth: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        numel: int,
+        device: torch.device,
+        depth: int = 2,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
         self._numel = numel
+        self.wire_dtype = wire_dtype
         # Allocated on first use, dropped by trim() between backward passes.
         self._buffers: list[torch.Tensor | None] = [None] * depth
+        self._wires: list[torch.Tensor | None] = [None] * depth  # wire_dtype buffers
         self._busy: list[PendingCollective | None] = [None] * depth  # reading each slot
         self._taken = [False] * depth  # acquired, gradients being written (not yet held)
         self._device = device
@@ -63,6 +80,23 @@ class GradientBuffers:
         """A buffer outside the pool (slot ``-1``), for a layer larger than the pool's."""
         return -1, torch.empty(numel, dtype=torch.float32, device=self._device)
 
+    def wire(self, slot: int, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of ``slot``'s ``wire_dtype`` buffer (a fresh buffer
+        for slot ``-1``), taken and held with the slot.
+
+        Raises:
+            StateError: without a ``wire_dtype``.
+        """
+        if self.wire_dtype is None:
+            raise StateError("these gradient buffers have no wire dtype: reduce_dtype is fp32")
+        if slot < 0:
+            return torch.empty(numel, dtype=self.wire_dtype, device=self._device)
+        buffer = self._wires[slot]
+        if buffer is None:
+            buffer = torch.empty(self._numel, dtype=self.wire_dtype, device=self._device)
+            self._wires[slot] = buffer
+        return buffer[:numel]
+
     def hold(self, slot: int, collective: PendingCollective) -> None:
         """Mark ``slot`` as read by ``collective`` until :meth:`free`."""
         if slot >= 0:
@@ -85,11 +119,14 @@ class GradientBuffers:
         self._buffers = [
             b if taken else None for b, taken in zip(self._buffers, self._taken, strict=True)
         ]
+        self._wires = [
+            b if taken else None for b, taken in zip(self._wires, self._taken, strict=True)
+        ]
 
     def untake_all(self) -> None:
         """Forget slots taken by a pass that failed before launching their reduce-scatter."""
         self._taken = [False] * len(self._taken)
 
     def nbytes(self) -> int:
-        """Bytes of the buffers, counted from the tensors."""
-        return sum(tensor_bytes(b) for b in self._buffers if b is not None)
+        """Bytes of the buffers (wire buffers included), counted from the tensors."""
+        return sum(tensor_bytes(b) for b in (*self._buffers, *self._wires) if b is not None)

@@ -8,11 +8,15 @@ buffers come from :class:`GradientBuffers`, so backward does not allocate a
 fresh full-layer buffer per layer, while the reduce-scatter of one layer still
 overlaps the compute of the next. (torsh's ``gradient_management.rs`` keeps
 every rank's whole gradient and divides by the world size without
-communicating; this is the real collective.)
+communicating; this is the real collective.) With ``reduce_dtype`` bf16 the
+flat gradient is cast into its slot's bf16 buffer, that is reduce-scattered
+(the mean taken as for fp32: ``ReduceOp.AVG`` where the backend has it, else a
+sum divided by the world size, in bf16), and the shard widened to fp32.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 
@@ -43,7 +47,7 @@ class PendingGradient:
     collective: PendingCollective
     slot: int  # the GradientBuffers slot held until completion
     started: float  # time.perf_counter() at launch
-    nbytes: int  # bytes of the full flat gradient reduced
+    nbytes: int  # bytes of the full flat gradient reduced (in the wire dtype)
 
 
 @attrs.define
@@ -78,12 +82,15 @@ class GradientReducer:
         self._timeline = timeline
 
     def end_pass(self) -> None:
-        """Every reduce-scatter of a backward is launched: free the idle gradient buffers."""
+        """Every reduce-scatter of a backward is launched: free the idle gradient buffers
+        (and the collectives' receive buffers)."""
         self._buffers.trim()
+        self._comm.keep_exchange_buffers(False)
 
     def begin_pass(self) -> None:
         """Start a backward pass: buffers a failed pass took and never launched are free."""
         self._buffers.untake_all()
+        self._comm.keep_exchange_buffers(True)
 
     async def prepare(
         self,
@@ -155,15 +162,25 @@ class GradientReducer:
             param.grad = None
         flat[layout.numel :].zero_()
         shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
+        what = f"the gradients of {layer!r}"
+        if self._buffers.wire_dtype is None:
+            sent = flat
+            collective = self._comm.start_reduce_scatter_mean(shard, flat, what=what)
+        else:
+            # reduce_dtype: the cast gradient is what the collective reads; its mean
+            # arrives in the wire dtype and is widened into the fp32 shard.
+            sent = self._buffers.wire(prepared.index, flat.numel())
+            sent.copy_(flat)
+            received = torch.empty_like(shard, dtype=sent.dtype)
+            collective = self._comm.start_reduce_scatter_mean(received, sent, what=what)
+            collective.then(functools.partial(shard.copy_, received))
         pending = PendingGradient(
             layer=layer,
             shard=shard,
-            collective=self._comm.start_reduce_scatter_mean(
-                shard, flat, what=f"the gradients of {layer!r}"
-            ),
+            collective=collective,
             slot=prepared.index,
             started=time.perf_counter(),
-            nbytes=tensor_bytes(flat),
+            nbytes=tensor_bytes(sent),
         )
         self._buffers.hold(prepared.index, pending.collective)
         return pending

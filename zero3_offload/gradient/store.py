@@ -116,28 +116,31 @@ class GradientStore:
     async def global_norm(self, comm: Collectives) -> float:
         """L2 norm of the whole model's gradient: squared shard norms summed over ranks.
 
-        Padding elements hold zero gradient, so they add nothing.
+        Padding elements hold zero gradient, so they add nothing. The shards are
+        summed in the order of their layer names, whatever order they landed in,
+        so the norm is the same in every run.
         """
         local = torch.zeros(1, dtype=torch.float64, device=comm.device)
-        for g in self._grads.values():
-            local += g.double().square().sum().to(comm.device)
+        for layer in sorted(self._grads):
+            local += self._grads[layer].double().square().sum().to(comm.device)
         await comm.all_reduce_sum(local, what="the gradient norm")
         return float(local.sqrt().item())
 
-    async def clip_(self, max_norm: float, comm: Collectives) -> float:
+    async def clip_(self, max_norm: float, comm: Collectives) -> tuple[float, bool]:
         """Scale gradients so their global norm is at most ``max_norm``.
 
         Same rule as ``torch.nn.utils.clip_grad_norm_``: multiply by
-        ``min(1, max_norm / (norm + 1e-6))``.
+        ``min(1, max_norm / (norm + 1e-6))`` (a factor of 1 changes nothing,
+        so it is not applied).
 
         Returns:
-            The global norm before clipping.
+            The global norm before clipping, and whether the gradients were scaled.
         """
         norm = await self.global_norm(comm)
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             self.scale_(coef)
-        return norm
+        return norm, coef < 1.0
 
     def drop(self, layer: str) -> None:
         """Drop ``layer``'s shard (its update is done; the window is closed for it)."""

@@ -12,10 +12,12 @@ import os
 import psutil
 import torch
 
+from zero3_offload.comm.collectives import Collectives
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.store import GradientStore
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
+from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.store import ParameterStore
 
@@ -30,7 +32,9 @@ class MemoryAccounting:
         gatherer: gathered, in-flight and pooled parameter buffers.
         grads: gradient shards.
         optimizer: optimizer state.
+        backup: pre-update copies of speculative updates.
         gradient_buffers: the flat gradient buffers reduce-scatters read from.
+        comm: the collectives (receive buffers of reduce-scatters by exchange).
         total_parameters: elements of the whole model.
         owned_parameters: elements of this rank's shards.
     """
@@ -42,7 +46,9 @@ class MemoryAccounting:
         gatherer: ParameterGatherer,
         grads: GradientStore,
         optimizer: ShardOptimizers,
+        backup: SpeculationBackup,
         gradient_buffers: GradientBuffers,
+        comm: Collectives,
         total_parameters: int,
         owned_parameters: int,
     ) -> None:
@@ -50,10 +56,15 @@ class MemoryAccounting:
         self._gatherer = gatherer
         self._grads = grads
         self._optimizer = optimizer
+        self._backup = backup
         self._gradient_buffers = gradient_buffers
+        self._comm = comm
         self._total = total_parameters
         self._owned = owned_parameters
         self._process = psutil.Process(os.getpid())
+
+    def _gradient_buffer_bytes(self) -> int:
+        return self._gradient_buffers.nbytes() + self._comm.exchange_buffer_bytes()
 
     def process_rss(self) -> int:
         """Resident set size of this process, in bytes."""
@@ -81,9 +92,10 @@ class MemoryAccounting:
             (self._params.copy_device, self._params.compute_copy_bytes()),
             (self._grads.device, self._grads.nbytes()),
             (self._optimizer.device, self._optimizer.state_bytes()),
+            (self._optimizer.device, self._backup.nbytes()),
             (device, self._gatherer.reserved_bytes()),
             (device, self._gatherer.pooled_bytes()),
-            (device, self._gradient_buffers.nbytes()),
+            (device, self._gradient_buffer_bytes()),
         ]
         cpu = sum(n for dev, n in parts if dev.type == "cpu")
         return Zero3MemoryStats(
@@ -91,11 +103,12 @@ class MemoryAccounting:
             compute_copy_bytes=self._params.compute_copy_bytes(),
             gradient_bytes=self._grads.nbytes(),
             optimizer_state_bytes=self._optimizer.state_bytes(),
+            speculation_backup_bytes=self._backup.nbytes(),
             gathered_param_bytes=self._gatherer.gathered_bytes(),
             inflight_param_bytes=self._gatherer.inflight_bytes(),
             gathered_high_water_bytes=self._gatherer.high_water_bytes,
             gather_pool_bytes=self._gatherer.pooled_bytes(),
-            gradient_buffer_bytes=self._gradient_buffers.nbytes(),
+            gradient_buffer_bytes=self._gradient_buffer_bytes(),
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
             process_rss_bytes=self.process_rss(),

@@ -58,7 +58,9 @@ def cpu_memory_need(
     master_dev = cpu if config.offload_optimizer_states else device
     copy_dev = cpu if config.offload_params else device
     codec = ShardCodec(
-        config.cpu_compression, config.compute_dtype, block_size=config.compression_block_size
+        config.compute_copy_compression(),
+        config.compute_dtype,
+        block_size=config.compression_block_size,
     )
     aliased = codec.is_identity and master_dev == copy_dev
     master = state = copies = grads = 0

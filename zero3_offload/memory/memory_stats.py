@@ -19,6 +19,9 @@ class Zero3MemoryStats:
     """Accumulated fp32 gradient shards."""
     optimizer_state_bytes: int
     """Optimizer state tensors (moments, step counters)."""
+    speculation_backup_bytes: int
+    """Pre-update copies of master shards and optimizer state that speculative updates keep
+    (``speculative_step`` with clipping or fp16; reused buffers, held between steps)."""
     gathered_param_bytes: int
     """Full layer parameter buffers gathered on the device now."""
     inflight_param_bytes: int
@@ -28,7 +31,8 @@ class Zero3MemoryStats:
     gather_pool_bytes: int
     """Released gather buffers kept for reuse (CPU device only; within the budget)."""
     gradient_buffer_bytes: int
-    """Flat fp32 buffers on the device that layers' gradients are reduce-scattered from."""
+    """Flat buffers on the device that layers' gradients are reduce-scattered from (and, on
+    the CPU, the buffers the exchange receives into)."""
     cpu_memory_used: int
     """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
     gpu_memory_used: int

@@ -12,10 +12,11 @@ samples) acts before a rising pressure crosses the threshold. The check runs in
 every updating ``optimizer_step`` and takes the maximum over ranks (one
 all-reduce) so that every rank makes the same decision (see
 [Note: deterministic prefetch]). Above the strategy's ``pressure_threshold()``,
-cached and persistent layers are released, persistence is suspended and the
-prefetch depth shrinks by the strategy's ``aggressiveness()`` (to at least 1);
-below 0.8 of the threshold both are restored (the gap keeps the policy from
-flapping around the threshold).
+cached and persistent layers are released, persistence and keeping layers
+gathered for the backward are suspended and the prefetch depth shrinks by the
+strategy's ``aggressiveness()`` (to at least 1); below 0.8 of the threshold
+they are restored (the gap keeps the policy from flapping around the
+threshold).
 """
 
 from __future__ import annotations

@@ -130,6 +130,10 @@ class ShardOptimizers:
     def layers(self) -> list[str]:
         return list(self._optimizers)
 
+    def master(self, layer: str) -> torch.Tensor:
+        """``layer``'s fp32 master shard (the tensor the optimizer updates in place)."""
+        return self._masters[layer]
+
     def load_layer_state(self, layer: str, state: dict[str, torch.Tensor]) -> None:
         """Replace ``layer``'s state with ``state`` (tensors are copied to the master's device)."""
         master = self._masters[layer]

@@ -7,17 +7,35 @@ final: when its reduce-scatter completed on the last micro-step of an
 accumulation window. The update (CPU optimizer math, then re-encoding the
 compute copy) runs in a worker thread while the event loop's thread computes
 the backward of the layers before it. ``optimizer_step`` then only waits.
-Updates cannot start early when the step needs every gradient first: global
-norm clipping (the norm covers all shards of all ranks) and fp16 loss scaling
-(an inf anywhere skips the whole step); then, and when a layer occurs twice in
-``layer_names``, every update starts in ``optimizer_step``, still one worker
-task per layer. A failure in a backward whose updates started early leaves the
-layers already updated as they are (the error says so).
+When a layer occurs twice in ``layer_names`` every update starts in
+``optimizer_step``, still one worker task per layer. A failure in a backward
+whose updates started early leaves the layers already updated as they are
+(the error says so).
+
+[Note: speculative update]
+Global-norm clipping (the norm covers every shard of every rank) and fp16
+loss scaling (an inf anywhere skips the step) need every gradient before any
+update is known to be right. With ``speculative_step`` the early updates
+start anyway, with the gradient as it lands (scaled by ``1 / (accumulation
+steps * loss scale)``, as the step would scale it): before each, the layer's
+fp32 master shard and optimizer state are copied into reused buffers
+(:class:`SpeculationBackup`), and its gradient shard is kept. ``optimizer_step``
+then validates: the inf check and the global norm run over the kept shards
+exactly as without speculation. If nothing is found and the clip coefficient
+is not below 1 (``clip_grad_norm_`` would not change the gradients), the
+speculative updates stand: they are the updates the step would have made. If
+clipping applies, every speculated layer is restored bitwise from its copy,
+the gradients are scaled by the coefficient, and the layers are updated again;
+on inf/nan they are restored and the step is skipped. Either way the result
+is bitwise the non-speculative step's. The cost is the copies (three shard
+sizes per layer for AdamW, counted in ``speculation_backup_bytes``) and, when
+clipping fires, a second update of the speculated layers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import torch
 
@@ -29,6 +47,7 @@ from zero3_offload.gradient.store import GradientStore
 from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state.loss_scaler import LossScaler
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
+from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.parameter.store import ParameterStore
 
 __all__ = ["StepRunner"]
@@ -46,6 +65,8 @@ class StepRunner:
         optimizer: per-layer optimizers.
         workers: the CPU worker threads.
         comm: collectives (global norm, inf check).
+        backup: where speculative updates save the pre-update state (see
+            [Note: speculative update]).
     """
 
     def __init__(
@@ -57,8 +78,11 @@ class StepRunner:
         optimizer: ShardOptimizers,
         workers: WorkerThreads,
         comm: Collectives,
+        backup: SpeculationBackup,
     ) -> None:
         self._k = config.gradient_accumulation_steps
+        self._speculate = config.speculative_step
+        self._backup = backup
         self._clip = config.gradient_clipping
         self._overlap = config.overlap_computation
         self._fp16 = config.compute_dtype == torch.float16
@@ -70,28 +94,48 @@ class StepRunner:
         self.loss_scaler: LossScaler | None = LossScaler() if self._fp16 else None
         self.stepped: set[str] = set()  # layers already updated in this window
         self.last_grad_norm: float | None = None  # global norm before clipping, last update
+        self.rollbacks = 0  # steps whose speculative updates were undone
 
     def can_start_early(self, names: tuple[str, ...], calls_since_update: int) -> bool:
         """Whether this backward's layers may update as soon as their gradient is final."""
         return (
             self._overlap
             and calls_since_update == self._k - 1
-            and self._clip == 0
-            and self.loss_scaler is None
+            and (self._speculate or not self._needs_validation())
             and len(set(names)) == len(names)
         )
 
-    async def update_layer(self, name: str, lr: float, grad_scale: float) -> None:
-        """Scale ``name``'s gradient, step its optimizer, re-encode its compute copy."""
+    def _needs_validation(self) -> bool:
+        # Clipping or fp16 loss scaling: an update is known right only once every
+        # gradient is in (see [Note: speculative update]).
+        return self._clip > 0 or self.loss_scaler is not None
+
+    def _grad_scale(self) -> float:
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return 1.0 / (self._k * loss_scale)
+
+    async def update_layer(
+        self, name: str, lr: float, grad_scale: float, *, save: bool = False
+    ) -> None:
+        """Scale ``name``'s gradient, step its optimizer, re-encode its compute copy.
+
+        With ``save`` the master shard and optimizer state are copied into the
+        backup first (a speculative update).
+        """
         grad = self._grads.get(name)
 
         def update() -> None:
+            if save:
+                self._backup.save(name)
             if grad_scale != 1.0:
                 grad.mul_(grad_scale)
             self._optimizer.step(name, grad, lr)
 
         self.stepped.add(name)
         await self._workers.run("cpu-optimizer", name, "step", update)
+        await self._refresh(name)
+
+    async def _refresh(self, name: str) -> None:
         await self._workers.run(
             "compress", name, "step", lambda: self._params.refresh_compute_copy(name)
         )
@@ -102,15 +146,39 @@ class StepRunner:
         """Wait for a layer's reduce-scatter, commit its shard and update it at once.
 
         The shard is dropped once the layer is updated, so a backward holds only
-        the shards in flight, not every layer's (its step no longer needs them).
+        the shards in flight, not every layer's (its step no longer needs them);
+        a speculative update keeps it for the validation.
         """
         shard = await partitioner.finish(pending)
         await self._grads.commit_layer(pending.layer, shard)
+        if self._needs_validation():
+            await self.update_layer(pending.layer, lr, self._grad_scale(), save=True)
+            return
         await self.update_layer(pending.layer, lr, 1.0 / self._k)
         self._grads.drop(pending.layer)
 
+    def keep_updates(self) -> None:
+        """Let the speculative updates made so far stand (their backward failed; the
+        error names the layers), as non-speculative early updates do."""
+        for name in self._backup.saved():
+            self._backup.discard(name)
+
+    async def _roll_back(self, names: list[str]) -> None:
+        """Restore ``names`` bitwise from their pre-update copies, compute copies included."""
+
+        async def restore(name: str) -> None:
+            restore_state = functools.partial(self._backup.restore, name)
+            await self._workers.run("cpu-optimizer", name, "rollback", restore_state)
+            await self._refresh(name)
+
+        await asyncio.gather(*(restore(name) for name in names))
+        self.rollbacks += 1
+        log.info("speculative_update_rolled_back", rank=self._comm.rank, layers=len(names))
+
     async def apply(self, lr: float) -> list[str] | None:
         """Update every layer not yet updated in this window; all layers in parallel.
+
+        Speculative updates are validated first (see [Note: speculative update]).
 
         Returns:
             The layers updated in this window (early ones included), or None
@@ -122,19 +190,23 @@ class StepRunner:
             return sorted(self.stepped)
         finally:
             self.stepped.clear()
+            self.keep_updates()
 
     async def _apply(self, lr: float) -> bool:
         remaining = [n for n in self._grads.layers() if n not in self.stepped]
-        if not remaining:
+        speculated = self._backup.saved()
+        if not remaining and not speculated:
             return True
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        if self._k > 1 or loss_scale != 1.0:
+        scale = self._grad_scale()
+        if scale != 1.0:
             for name in remaining:
-                self._grads.get(name).mul_(1.0 / (self._k * loss_scale))
+                self._grads.get(name).mul_(scale)
         if self.loss_scaler is not None:
             found_inf = await self.loss_scaler.found_inf(self._grads.shards(), self._comm)
             self.loss_scaler.update(found_inf)
             if found_inf:
+                if speculated:
+                    await self._roll_back(speculated)
                 log.warning(
                     "step_skipped",
                     rank=self._comm.rank,
@@ -143,12 +215,16 @@ class StepRunner:
                 )
                 return False
         if self._clip > 0:
-            self.last_grad_norm = await self._grads.clip_(self._clip, self._comm)
+            self.last_grad_norm, clipped = await self._grads.clip_(self._clip, self._comm)
+            if clipped and speculated:
+                await self._roll_back(speculated)
+                remaining += speculated
         await asyncio.gather(*(self.update_layer(name, lr, 1.0) for name in remaining))
         return True
 
     def reset(self) -> None:
-        """Forget the window's progress and the loss scale."""
+        """Forget the window's progress, the loss scale and the pre-update copies."""
         self.stepped.clear()
+        self._backup.clear()
         if self._fp16:
             self.loss_scaler = LossScaler()

@@ -9,11 +9,13 @@ byte count is what it costs:
 - ``INT8``: 1 byte per element plus one fp32 scale per block of
   ``block_size`` elements. Symmetric absmax quantisation per block:
   ``scale = absmax / 127``, ``q = round(x / scale)``, ``x̂ = q * scale``, so
-  ``|x - x̂| <= scale / 2 = absmax / 254`` for every element.
+  ``|x - x̂| <= scale / 2 = absmax / 254`` for every element. Scales and
+  payload share one byte buffer (scales first), so the shard is one tensor.
 
 Encoding runs on the CPU (in a worker thread) into preallocated buffers;
 decoding runs on the device after the copy, into a preallocated buffer of the
-compute dtype.
+compute dtype. With ``gather_compression`` the stored bytes themselves are
+all-gathered and decoded afterwards, rank by rank (:meth:`ShardCodec.decode_gathered_`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import attrs
 import torch
 
 from zero3_offload.config import CpuCompressionMethod
+from zero3_offload.errors import InputError
 
 __all__ = ["CompressedShard", "ShardCodec"]
 
@@ -58,10 +61,29 @@ def _quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
 
 @attrs.define
 class CompressedShard:
-    """One shard's compute copy in its storage format."""
+    """One shard's compute copy in its storage format.
+
+    An ``INT8`` shard's scales and payload are views of one byte buffer, ``packed``
+    (the scales' bytes first, so they are 4-byte aligned), so the whole shard is one
+    tensor to copy to the device and to all-gather (see :meth:`wire`).
+    """
 
     payload: torch.Tensor  # 1D [numel] in the storage dtype
     scales: torch.Tensor | None  # 1D fp32 [ceil(numel / block)], INT8 only
+    packed: torch.Tensor | None = None  # 1D uint8 that scales and payload view, INT8 only
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, numel: int, blocks: int) -> CompressedShard:
+        """An ``INT8`` shard of ``numel`` elements and ``blocks`` scales viewing ``packed``.
+
+        ``packed`` is 1D uint8 of ``4 * blocks + numel`` bytes: the scales, then the
+        payload. Where it does not start at a multiple of 4 bytes of its storage (a
+        rank's part of a gathered buffer), the scales are a copy, not a view.
+        """
+        scale_bytes = packed[: 4 * blocks]
+        if scale_bytes.storage_offset() % 4:
+            scale_bytes = scale_bytes.clone()
+        return cls(packed[4 * blocks :].view(torch.int8), scale_bytes.view(torch.float32), packed)
 
     def nbytes(self) -> int:
         """Bytes of the payload and scales, counted from the tensors."""
@@ -70,10 +92,26 @@ class CompressedShard:
             total += self.scales.numel() * self.scales.element_size()
         return total
 
+    def wire(self) -> torch.Tensor:
+        """The whole shard as one 1D uint8 tensor (a view): what a compressed gather sends.
+
+        Raises:
+            InputError: for an ``INT8`` shard built without its packed buffer.
+        """
+        if self.scales is None:
+            return self.payload.view(torch.uint8)
+        if self.packed is None:
+            raise InputError("an INT8 shard without its packed buffer cannot be sent as one tensor")
+        return self.packed
+
     def to(self, device: torch.device, *, non_blocking: bool = False) -> CompressedShard:
-        """A copy on ``device`` (the same object when already there)."""
+        """A copy on ``device`` (the same object when already there); a packed shard is
+        copied as one tensor."""
         if self.payload.device == device:
             return self
+        if self.packed is not None and self.scales is not None:
+            packed = self.packed.to(device, non_blocking=non_blocking)
+            return CompressedShard.from_packed(packed, self.payload.numel(), self.scales.numel())
         scales = None if self.scales is None else self.scales.to(device, non_blocking=non_blocking)
         return CompressedShard(self.payload.to(device, non_blocking=non_blocking), scales)
 
@@ -110,13 +148,20 @@ class ShardCodec:
 
     def empty(self, numel: int, *, device: torch.device, pin: bool = False) -> CompressedShard:
         """A preallocated compressed shard of ``numel`` elements."""
-        payload = torch.empty(numel, dtype=self.storage_dtype, device=device, pin_memory=pin)
-        scales = None
         if self.method is CpuCompressionMethod.INT8:
-            scales = torch.empty(
-                self.num_blocks(numel), dtype=torch.float32, device=device, pin_memory=pin
+            blocks = self.num_blocks(numel)
+            packed = torch.empty(
+                4 * blocks + numel, dtype=torch.uint8, device=device, pin_memory=pin
             )
-        return CompressedShard(payload, scales)
+            return CompressedShard.from_packed(packed, numel, blocks)
+        payload = torch.empty(numel, dtype=self.storage_dtype, device=device, pin_memory=pin)
+        return CompressedShard(payload, None)
+
+    def wire_nbytes(self, numel: int) -> int:
+        """Bytes :meth:`CompressedShard.wire` has for a shard of ``numel`` elements."""
+        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
+        scales = 4 * self.num_blocks(numel) if self.method is CpuCompressionMethod.INT8 else 0
+        return itemsize * numel + scales
 
     def encode_(self, master: torch.Tensor, out: CompressedShard) -> None:
         """Write ``master`` (1D fp32) into ``out`` in the storage format.
@@ -160,6 +205,23 @@ class ShardCodec:
             dest = out[full:]
             dest.copy_(src.payload[full:])
             dest.mul_(src.scales[full // block :].to(out.dtype))
+
+    def decode_gathered_(self, wire: torch.Tensor, out: torch.Tensor, *, world_size: int) -> None:
+        """Decode an all-gather of ``world_size`` ranks' :meth:`CompressedShard.wire` into ``out``.
+
+        ``wire`` is 1D uint8, rank ``r``'s shard in its ``r``-th equal part; ``out`` is the
+        1D compute-dtype buffer of ``world_size`` shards. Each rank's part is decoded as
+        :meth:`decode_` decodes that rank's shard (``INT8`` blocks restart at every
+        shard), so the result is bitwise that of decoding each shard and gathering.
+        """
+        if self.method is not CpuCompressionMethod.INT8:
+            out.copy_(wire.view(self.storage_dtype))
+            return
+        shard, part = out.numel() // world_size, wire.numel() // world_size
+        blocks = self.num_blocks(shard)
+        for r in range(world_size):
+            src = CompressedShard.from_packed(wire[r * part : (r + 1) * part], shard, blocks)
+            self.decode_(src, out[r * shard : (r + 1) * shard])
 
     def decode(self, src: CompressedShard) -> torch.Tensor:
         """The compute-dtype values of ``src`` in a new tensor."""

@@ -7,6 +7,7 @@ and [Note: copy streams] in ``comm.copy_streams`` for how the copies are ordered
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 
@@ -35,6 +36,9 @@ class GatherHandle:
     # Awaits the collective from launch on, so its completion (and time) is seen
     # when it happens, not when the layer is needed; awaited by complete().
     waiter: asyncio.Future[None] | None = None
+    # A compressed gather's 1D uint8 buffer of every rank's stored shard, decoded
+    # into flat when the all-gather completes (see [Note: compressed gather]).
+    wire: torch.Tensor | None = None
 
     def is_completed(self) -> bool:
         return self.pending is None or self.pending.is_completed()
@@ -56,6 +60,9 @@ class ParameterGatherer:
         device: compute device.
         streams: copy streams of the device.
         timeline: where gathers are recorded.
+        compressed_wire: all-gather the compute copies as stored and decode after
+            (``gather_compression``; see [Note: compressed gather]). Where the stored
+            format is the compute dtype this changes nothing.
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class ParameterGatherer:
         device: torch.device,
         streams: CopyStreams,
         timeline: Timeline,
+        compressed_wire: bool = False,
     ) -> None:
         self._layers = layers
         self._layouts = layouts
@@ -86,6 +94,8 @@ class ParameterGatherer:
         # has its own caching allocator, so nothing is pooled there.
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.pool_limit = 0  # bytes the pool may hold (build_engine sets it)
+        codec = store.codec
+        self.compressed_wire = compressed_wire and codec.storage_dtype != codec.compute_dtype
 
     def release_views(self, name: str) -> None:
         """Point ``name``'s parameters at empty tensors (used once, after sharding it).
@@ -113,8 +123,18 @@ class ParameterGatherer:
             params[pname].data = view
 
     def nbytes(self, name: str) -> int:
-        """Bytes of ``name``'s gathered buffer (padded, in the compute dtype)."""
+        """Bytes of ``name``'s buffers while its gather is in flight: the gathered buffer
+        (padded, in the compute dtype), and with a compressed wire the received shards."""
+        return self._flat_nbytes(name) + self._wire_nbytes(name)
+
+    def _flat_nbytes(self, name: str) -> int:
         return self._layouts[name].padded_numel * self._store.codec.compute_itemsize
+
+    def _wire_nbytes(self, name: str) -> int:
+        layout = self._layouts[name]
+        if not self.compressed_wire or not layout.padded_numel:
+            return 0
+        return self._comm.world_size * self._store.codec.wire_nbytes(layout.shard_numel)
 
     def gathered_flat(self, name: str) -> torch.Tensor:
         """``name``'s gathered flat buffer (KeyError when it is not gathered)."""
@@ -145,8 +165,8 @@ class ParameterGatherer:
         return sum(tensor_bytes(t) for t in self._gathered.values())
 
     def inflight_bytes(self) -> int:
-        """Bytes of buffers whose gather is in flight."""
-        return sum(tensor_bytes(h.flat) for h in self._inflight.values())
+        """Bytes of buffers whose gather is in flight (received compressed shards included)."""
+        return sum(tensor_bytes(h.flat) + tensor_bytes(h.wire) for h in self._inflight.values())
 
     def pooled_bytes(self) -> int:
         """Bytes of released buffers kept for reuse."""
@@ -177,16 +197,19 @@ class ParameterGatherer:
 
         The compute copy is copied to the device and decoded there on the h2d
         stream, and the all-gather is launched from that stream, so the compute
-        stream only waits when it needs the result (see [Note: copy streams]).
+        stream only waits when it needs the result (see [Note: copy streams]);
+        with a compressed wire the stored copy is all-gathered and decoded when
+        the collective completes (see [Note: compressed gather]).
         Collectives start here, in program order, identically on every rank.
         """
         layout = self._layouts[name]
         dtype = self._store.compute_dtype
         flat = self._take(layout.padded_numel, dtype)
-        pending = None
+        pending = wire = None
         started = time.perf_counter()
         if layout.padded_numel:
             src = self._store.compute_copy(name)
+            what = f"the gather of {name!r}"
             with self._streams.on(self._streams.h2d):
                 copy_started = self._streams.record(self._streams.h2d)
                 staged = src.to(self.device, non_blocking=True)
@@ -194,19 +217,41 @@ class ParameterGatherer:
                     self._streams.track_copy(
                         "h2d", name, self.phase, src.nbytes(), copy_started, self._streams.h2d
                     )
-                if staged.scales is None and staged.payload.dtype == dtype:
-                    shard = staged.payload
+                if self.compressed_wire:
+                    wire = self._take(self._wire_nbytes(name), torch.uint8)
+                    pending = self._comm.start_all_gather(wire, staged.wire(), what=what)
+                    pending.then(functools.partial(self._decode, wire, flat))
                 else:
-                    shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
-                    self._store.codec.decode_(staged, shard)
-                pending = self._comm.start_all_gather(flat, shard, what=f"the gather of {name!r}")
+                    if staged.scales is None and staged.payload.dtype == dtype:
+                        shard = staged.payload
+                    else:
+                        shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
+                        self._store.codec.decode_(staged, shard)
+                    pending = self._comm.start_all_gather(flat, shard, what=what)
         waiter = asyncio.ensure_future(pending.wait()) if pending is not None else None
         handle = GatherHandle(
-            layer=name, flat=flat, pending=pending, started=started, waiter=waiter
+            layer=name, flat=flat, pending=pending, started=started, waiter=waiter, wire=wire
         )
         self._inflight[name] = handle
         self.high_water_bytes = max(self.high_water_bytes, self.reserved_bytes())
         return handle
+
+    def _decode(self, wire: torch.Tensor, flat: torch.Tensor) -> None:
+        """Decode a completed compressed all-gather into the gathered buffer.
+
+        [Note: compressed gather]
+        With ``gather_compression`` the all-gather's input is the rank's compute
+        copy as stored (``CompressedShard.wire``: bf16, or int8 scales and payload
+        in one byte buffer) and its output one byte buffer of every rank's. When
+        it completes, every rank decodes each rank's part into that rank's slice
+        of the flat compute-dtype buffer, exactly as that rank's shard is decoded
+        before an uncompressed all-gather, so the gathered values are bitwise the
+        same while the wire carries the stored bytes (a half or about a quarter of
+        fp32's). Runs on the event loop right after the collective (on CUDA on the
+        current stream, which the collective's wait has ordered after it).
+        """
+        self._streams.mark_used_on_current(wire)
+        self._store.codec.decode_gathered_(wire, flat, world_size=self._comm.world_size)
 
     async def complete(self, name: str) -> nn.Module:
         """Wait for ``name``'s launched gather and bind its parameters.
@@ -221,6 +266,8 @@ class ParameterGatherer:
                 await handle.waiter
         finally:
             del self._inflight[name]
+        if handle.wire is not None:
+            self._give(handle.wire)  # decoded already (see _decode)
         self._streams.mark_used_on_current(handle.flat)
         done = handle.pending.completed_at if handle.pending is not None else None
         self._timeline.record(

@@ -89,9 +89,7 @@ class ParameterStore:
             return
         staged = self.codec.empty(shard.master.numel(), device=self.master_device)
         self.codec.encode_(shard.master, staged)
-        shard.compute.payload.copy_(staged.payload)
-        if staged.scales is not None:
-            shard.compute.scales.copy_(staged.scales)
+        shard.compute.wire().copy_(staged.wire())
 
     def layers(self) -> list[str]:
         return list(self._shards)

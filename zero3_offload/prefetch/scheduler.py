@@ -16,6 +16,24 @@ Budget: the bytes of gathered plus in-flight parameter buffers never exceed
 evicts cached layers, then persistent ones, then unused in-flight prefetches.
 Construction guarantees any single layer fits.
 
+[Note: kept for backward]
+A training forward followed by its backward would gather every layer twice.
+With ``keep_gathered_for_backward`` the scheduler keeps the tail of the
+forward gathered until the backward has run it (the backward starts there):
+at the start of a training forward it plans the longest prefix of the
+predicted backward order whose bytes, next to room for the forward's own
+working set (the ``prefetch_buffer_size + 1`` largest other layers and the
+resident unit), fit ``gpu_param_memory_budget``. On the CPU device the kept
+bytes are also at most what the gather pool may hold (``(prefetch_buffer_size
++ 2)`` largest layers): there the gathered buffers are process memory, and
+within that limit the kept layers take the place of pooled buffers instead of
+adding to the step's peak (and to page faults of fresh buffers every step).
+The plan uses only the order, the sizes, the depth, the budget and the limit,
+so every rank keeps the same layers. A kept layer is released right after its
+backward; one the budget needs back (a larger working set than planned) is
+evicted like any cached layer and gathered again, with the same results. Each gather's bytes are
+counted (``gathered_bytes`` in the prefetch metrics).
+
 Trace: the layer order of each pass kind (forward, backward) is remembered;
 the next pass's first layers are prefetched from it (the backward of the
 forward just run, the forward after an optimizer step). A pass whose order
@@ -39,7 +57,7 @@ from zero3_offload.prefetch.status import PrefetchMetrics, PrefetchQueueStatus
 from zero3_offload.prefetch.trace import PassTrace
 from zero3_offload.stats.timeline import TimelineEvent
 
-__all__ = ["PrefetchScheduler", "choose_persistent", "layer_seconds"]
+__all__ = ["PrefetchScheduler", "choose_kept", "choose_persistent", "layer_seconds"]
 
 log = get_logger(__name__)
 
@@ -60,6 +78,39 @@ def choose_persistent(
     return chosen
 
 
+def choose_kept(
+    backward: Sequence[str],
+    forward: Sequence[str],
+    sizes: Mapping[str, int],
+    *,
+    budget: int,
+    depth: int,
+    resident: str | None,
+    limit: int | None = None,
+) -> set[str]:
+    """The layers a forward keeps gathered for its backward. See [Note: kept for backward].
+
+    The longest prefix of the ``backward`` order, among the ``forward``'s layers
+    (never ``resident``), whose bytes fit ``budget`` next to the ``depth + 1``
+    largest other layers of the forward and ``resident``, and total at most
+    ``limit`` bytes (None: no limit but the budget).
+    """
+    candidates = [n for n in dict.fromkeys(backward) if n in set(forward) and n != resident]
+    held = sizes[resident] if resident is not None and resident in sizes else 0
+    kept: set[str] = set()
+    kept_bytes = 0
+    for name in candidates:
+        others = sorted((sizes[n] for n in forward if n not in kept | {name}), reverse=True)
+        room = sum(others[: depth + 1])
+        over_limit = limit is not None and kept_bytes + sizes[name] > limit
+        if over_limit or held + sizes[name] + room > budget:
+            break
+        kept.add(name)
+        held += sizes[name]
+        kept_bytes += sizes[name]
+    return kept
+
+
 class PrefetchScheduler:
     """Gathers layers before they are needed, within a byte budget.
 
@@ -76,6 +127,9 @@ class PrefetchScheduler:
         rank: this rank (for logs).
         resident: a layer held during every pass next to the others (module
             mode's root unit), or None.
+        keep_for_backward: keep a training forward's tail gathered for its
+            backward (see [Note: kept for backward]).
+        keep_limit: most bytes kept for a backward (None: the budget decides).
 
     Raises:
         MemoryBudgetError: when a single layer (next to ``resident``) is larger
@@ -94,8 +148,15 @@ class PrefetchScheduler:
         persistence_threshold: int,
         rank: int,
         resident: str | None = None,
+        keep_for_backward: bool = False,
+        keep_limit: int | None = None,
     ) -> None:
         self.rank = rank
+        self.resident = resident
+        self.keep_for_backward = keep_for_backward
+        self.keep_limit = keep_limit
+        # Layers the current training forward keeps gathered for its backward.
+        self.kept: set[str] = set()
         self._gatherer = gatherer
         self._sizes = {name: gatherer.nbytes(name) for name in layers}
         others = {n: b for n, b in self._sizes.items() if n != resident}
@@ -129,6 +190,10 @@ class PrefetchScheduler:
     def _keeps(self, name: str) -> bool:
         return self.persistence_enabled and name in self.persistent
 
+    def _launch(self, name: str) -> None:
+        self._gatherer.launch(name)
+        self.metrics.gathered_bytes += self._sizes[name]
+
     def _launch_window(self, order: Sequence[str], start: int) -> None:
         self._queued = 0
         window = order[start : start + self.depth]
@@ -142,7 +207,7 @@ class PrefetchScheduler:
             if over_bucket or not self._fits(name):
                 self._queued = len(window) - k  # waits for budget; retried at the next boundary
                 return
-            self._gatherer.launch(name)
+            self._launch(name)
             self.metrics.requests += 1
 
     async def _discard(self, names: Iterable[str], *, counter: str) -> None:
@@ -193,8 +258,8 @@ class PrefetchScheduler:
                 new=list(order),
             )
 
-    async def _drop_stale(self, order: Sequence[str]) -> None:
-        soon = set(order[: 1 + self.depth])
+    async def _drop_stale(self, order: Sequence[str], *, also: set[str] | None = None) -> None:
+        soon = set(order[: 1 + self.depth]) | (also or set())
         stale = [h.layer for h in self._gatherer.inflight() if h.layer not in soon]
         await self._discard(stale, counter="wasted")
         for name in self._gatherer.gathered_layers():
@@ -202,18 +267,44 @@ class PrefetchScheduler:
                 self._gatherer.release(name)
 
     async def begin_pass(self, phase: str, order: Sequence[str]) -> None:
-        """Check ``order`` against the trace; drop prefetches made for another order."""
+        """Check ``order`` against the trace; drop prefetches made for another order.
+
+        A training forward (``phase="forward"``) plans which of its layers stay
+        gathered for the backward; a backward keeps them until each has run.
+        """
         order = tuple(order)
         self._note_order(phase, order)
-        await self._drop_stale(order)
+        await self._start(phase, order, order)
 
-    async def begin_recorded_pass(self, predicted: Sequence[str]) -> None:
+    async def begin_recorded_pass(self, predicted: Sequence[str], *, phase: str = "") -> None:
         """Start a pass whose order is only known as it runs (module mode).
 
         Prefetches made for another start than ``predicted`` are dropped; the
-        order is recorded by :meth:`end_recorded_pass`.
+        order is recorded by :meth:`end_recorded_pass`. ``phase`` plans and
+        keeps layers for the backward as :meth:`begin_pass` does.
         """
-        await self._drop_stale(tuple(predicted))
+        predicted = tuple(predicted)
+        await self._start(phase, predicted, predicted)
+
+    async def _start(self, phase: str, order: tuple[str, ...], forward: tuple[str, ...]) -> None:
+        kept = self.kept if phase == "backward" else set()
+        await self._drop_stale(order, also=kept)
+        self.kept = set()
+        backward = self.next_after_forward(forward)
+        # Memory pressure suspends keeping with persistence (see [Note: memory pressure]).
+        keeping = self.keep_for_backward and self.persistence_enabled
+        if phase == "forward" and keeping and backward:
+            # Module mode's backward runs in autograd's order, which the trace knows.
+            traced = self.trace.order("backward")
+            self.kept = choose_kept(
+                traced if set(traced) == set(forward) else backward,
+                forward,
+                self._sizes,
+                budget=self.budget,
+                depth=self.depth,
+                resident=self.resident,
+                limit=self.keep_limit,
+            )
 
     def end_recorded_pass(self, phase: str, order: Sequence[str]) -> None:
         """Record the order a module-mode pass ran in (a change is logged and counted)."""
@@ -234,7 +325,7 @@ class PrefetchScheduler:
         else:
             self.metrics.misses += 1
             await self._make_room(name, order, i)
-            self._gatherer.launch(name)
+            self._launch(name)
         self._launch_window(order, i + 1)
         return await self._gatherer.gather(name)
 
@@ -252,7 +343,7 @@ class PrefetchScheduler:
         last = i == len(order) - 1
         if last and next_order:
             upcoming = list(next_order[: 1 + self.depth])
-        if not (self._keeps(name) or name in upcoming):
+        if not (self._keeps(name) or name in upcoming or name in self.kept):
             self._gatherer.release(name)
         if last and next_order:
             self._launch_window(next_order, 0)
@@ -294,6 +385,7 @@ class PrefetchScheduler:
         """Drain, then release every gathered layer (persistent ones too unless kept)."""
         await self.drain()
         self.in_use.clear()
+        self.kept = set()
         for name in self._gatherer.gathered_layers():
             if not (keep_persistent and self._keeps(name)):
                 self._gatherer.release(name)
@@ -331,6 +423,7 @@ class PrefetchScheduler:
             budget_bytes=self.budget,
             persistent_layers=tuple(sorted(self.persistent)),
             persistence_enabled=self.persistence_enabled,
+            kept_layers=tuple(sorted(self.kept)),
         )
 
 

@@ -18,6 +18,7 @@ class PrefetchMetrics:
     wasted: int = 0  # prefetched gathers released unused (the order changed)
     cancelled: int = 0  # prefetched gathers discarded by reset, close, an error or eviction
     trace_rebuilds: int = 0  # passes whose layer order differed from the trace
+    gathered_bytes: int = 0  # bytes of full layers gathered (buffers launched)
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name."""
@@ -46,3 +47,4 @@ class PrefetchQueueStatus:
     budget_bytes: int
     persistent_layers: tuple[str, ...] = ()  # layers kept gathered between uses
     persistence_enabled: bool = True  # False while memory pressure suspends persistence
+    kept_layers: tuple[str, ...] = ()  # kept gathered from a training forward to its backward

@@ -96,6 +96,8 @@ class Zero3PerformanceStats:
     """Fraction of layer uses whose gather started before the layer needed it."""
     gathered_high_water_bytes: int = 0
     """Most bytes of gathered plus in-flight parameter buffers at once."""
+    speculative_rollbacks: int = 0
+    """Steps whose speculative updates were undone (clipping applied, or inf/nan found)."""
 
     def record_layer(self, layer: str, phase: str, seconds: float) -> None:
         timing = self.layer_timings.setdefault(layer, LayerTimingStats())

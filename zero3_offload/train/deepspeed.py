@@ -17,6 +17,8 @@ zero_optimization.offload_{param,optimizer}.pin_memory     pin_cpu_memory
 zero_optimization.stage3_prefetch_bucket_size (elements)   prefetch_bucket_size (bytes)
 zero_optimization.stage3_max_live_parameters (elements)    gpu_param_memory_budget (bytes)
 zero_optimization.stage3_param_persistence_threshold       param_persistence_threshold
+zero_optimization.zero_quantized_weights (qwZ)             gather_compression int8
+zero_optimization.zero_quantized_gradients (qgZ)           reduce_dtype bf16 (approximate)
 fp16.enabled / bf16.enabled                                compute_dtype float16 / bfloat16
 gradient_clipping, gradient_accumulation_steps             the options of the same name
 optimizer.type (Adam, AdamW, SGD) and optimizer.params     optimizer_*, lr
@@ -26,6 +28,10 @@ steps_per_print                                            log_every
 
 DeepSpeed's ``Adam`` is AdamW unless ``adam_w_mode`` is false, and its
 offloaded optimizer keeps gradients on the CPU too; both are followed here.
+ZeRO++'s quantized weights (qwZ, int8 blocks) are ``gather_compression``
+int8 exactly in kind; its quantized gradients (qgZ: int4/int8 all-to-all) have
+no exact counterpart and are read, with a note, as the nearest lossy reduce
+here, a bf16 reduce-scatter.
 """
 
 from __future__ import annotations
@@ -194,6 +200,22 @@ def _elements(key: str, value: Any, dtype: str, out: DeepSpeedMapping) -> bool:
     return True
 
 
+def _quantized(key: str, value: Any, out: DeepSpeedMapping) -> bool:
+    if not isinstance(value, bool):
+        raise DeepSpeedError(f"{key}={_show(value)} is invalid: must be true or false")
+    if key.endswith("zero_quantized_weights"):
+        out.set("gather_compression", "int8" if value else "none", key)
+        return True
+    out.set("reduce_dtype", "bf16" if value else "fp32", key)
+    if value:
+        out.notes.append(
+            f"{key}=true read as reduce_dtype='bf16' (approximate: DeepSpeed's qgZ "
+            "quantizes gradients to int8/int4 for an all-to-all; here they are "
+            "reduce-scattered in bf16, half of fp32's bytes)"
+        )
+    return True
+
+
 def _map_leaf(key: str, value: Any, dtype: str, out: DeepSpeedMapping) -> bool:
     """Map one key; False when it has no counterpart."""
     if key in _SAME:
@@ -202,6 +224,8 @@ def _map_leaf(key: str, value: Any, dtype: str, out: DeepSpeedMapping) -> bool:
         return _offload(key, value, out)
     elif key in (_Z + "stage3_prefetch_bucket_size", _Z + "stage3_max_live_parameters"):
         return _elements(key, value, dtype, out)
+    elif key in (_Z + "zero_quantized_weights", _Z + "zero_quantized_gradients"):
+        return _quantized(key, value, out)
     elif key in _FIXED:
         expected, reason = _FIXED[key]
         if expected is not None and value != expected:
@@ -232,8 +256,8 @@ def from_deepspeed(data: Mapping[str, Any], *, world_size: int) -> DeepSpeedMapp
 
     Raises:
         DeepSpeedError: for a ZeRO stage other than 3, an optimizer other than
-            Adam/AdamW/SGD, fp16 and bf16 both enabled, or batch sizes that
-            do not agree.
+            Adam/AdamW/SGD, fp16 and bf16 both enabled, batch sizes that do not
+            agree, or a ``zero_quantized_*`` value that is not a bool.
     """
     _zero_stage(data)
     dtype = _dtype(data)
