@@ -702,7 +702,14 @@ class Zero3CpuOffloadManager:
             return False
         started = time.perf_counter()
         await e.prefetch.drain()  # no gather may read a shard while it is updated
-        updated = await e.steps.apply(lr)
+        # The next forward's first layers update first; their gathers start while
+        # the other layers update.
+        fresh: list[str] = []
+        updated = await e.steps.apply(
+            lr,
+            first=e.prefetch.forward_window(),
+            ready=lambda names: fresh.extend(e.prefetch.launch_updated(names)),
+        )
         e.stats.speculative_rollbacks = e.steps.rollbacks
         e.grads.clear()
         state.calls_since_update = 0
@@ -710,7 +717,7 @@ class Zero3CpuOffloadManager:
         if updated is not None:
             e.stats.optimizer_steps += 1
         pressure = await e.pressure.check(e.prefetch, e.comm)
-        await e.prefetch.after_update(updated or ())
+        await e.prefetch.after_update(updated or (), fresh=fresh)
         ended = time.perf_counter()
         e.stats.total_optimizer_time += ended - started
         window = state.window_started if state.window_started is not None else ended

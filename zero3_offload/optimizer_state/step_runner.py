@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -175,27 +176,45 @@ class StepRunner:
         self.rollbacks += 1
         log.info("speculative_update_rolled_back", rank=self._comm.rank, layers=len(names))
 
-    async def apply(self, lr: float) -> list[str] | None:
+    async def apply(
+        self,
+        lr: float,
+        *,
+        first: Sequence[str] = (),
+        ready: Callable[[list[str]], None] | None = None,
+    ) -> list[str] | None:
         """Update every layer not yet updated in this window; all layers in parallel.
 
         Speculative updates are validated first (see [Note: speculative update]).
+
+        Args:
+            lr: the learning rate.
+            first: layers to update first (the next forward's first layers).
+            ready: called with ``first`` once those layers hold this step's
+                values, while the others may still be updating (the caller
+                gathers them for the next forward); not called when the step
+                is skipped.
 
         Returns:
             The layers updated in this window (early ones included), or None
             when fp16 loss scaling found inf/nan on some rank (step skipped).
         """
         try:
-            if not await self._apply(lr):
+            if not await self._apply(lr, list(first), ready):
                 return None
             return sorted(self.stepped)
         finally:
             self.stepped.clear()
             self.keep_updates()
 
-    async def _apply(self, lr: float) -> bool:
+    async def _apply(
+        self, lr: float, first: list[str], ready: Callable[[list[str]], None] | None
+    ) -> bool:
         remaining = [n for n in self._grads.layers() if n not in self.stepped]
         speculated = self._backup.saved()
         if not remaining and not speculated:
+            if ready is not None:
+                ready(first)
             return True
         scale = self._grad_scale()
         if scale != 1.0:
@@ -219,7 +238,20 @@ class StepRunner:
             if clipped and speculated:
                 await self._roll_back(speculated)
                 remaining += speculated
-        await asyncio.gather(*(self.update_layer(name, lr, 1.0) for name in remaining))
+        # The next forward's first layers go first; their gathers can then start
+        # while the other layers update.
+        remaining.sort(key=lambda name: name not in first)
+        tasks = [asyncio.ensure_future(self.update_layer(n, lr, 1.0)) for n in remaining]
+        leading = [t for n, t in zip(remaining, tasks, strict=True) if n in first]
+        try:
+            await asyncio.gather(*leading)
+            if ready is not None:
+                ready(first)
+        finally:
+            # Every update is awaited, also when one failed or the caller's call did.
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            task.result()  # the first failure, if any
         return True
 
     def reset(self) -> None:

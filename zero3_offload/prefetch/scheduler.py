@@ -368,11 +368,37 @@ class PrefetchScheduler:
         """The order predicted to follow a forward over ``order`` (its backward, or none)."""
         return self.trace.next_after_forward(order)
 
-    async def after_update(self, updated: Iterable[str]) -> None:
-        """Drop gathered copies of ``updated`` layers (stale now); prefetch the next forward."""
-        await self.drain()
-        for name in updated:
+    def forward_window(self) -> tuple[str, ...]:
+        """The layers the next forward starts with, as far as the depth looks ahead."""
+        return self.trace.order("forward")[: self.depth]
+
+    def launch_updated(self, names: Iterable[str]) -> list[str]:
+        """Gather ``names``, just updated, ahead of the next forward; the launched ones.
+
+        A copy gathered before the update is stale and released first. Called
+        at the same point of ``optimizer_step`` on every rank.
+        """
+        launched = []
+        for name in names:
             self._gatherer.release(name)
+            if not self._gatherer.is_inflight(name) and self._fits(name):
+                self._launch(name)
+                self.metrics.requests += 1
+                launched.append(name)
+        return launched
+
+    async def after_update(self, updated: Iterable[str], *, fresh: Iterable[str] = ()) -> None:
+        """Drop gathered copies of ``updated`` layers (stale now); prefetch the next forward.
+
+        ``fresh`` names gathers launched after their layer's update
+        (:meth:`launch_updated`): they are current and stay.
+        """
+        fresh = set(fresh)
+        stale = [h.layer for h in self._gatherer.inflight() if h.layer not in fresh]
+        await self._discard(stale, counter="cancelled")
+        for name in updated:
+            if name not in fresh:
+                self._gatherer.release(name)
         forward = self.trace.order("forward")
         if forward:
             self._launch_window(forward, 0)
