@@ -126,7 +126,7 @@ class ModelState:
             k=config["gradient_accumulation_steps"],
             early_allowed=config["overlap_computation"]
             and (
-                config.get("speculative_step", True)
+                config.get("speculative_step", False)
                 or (config["gradient_clipping"] == 0 and config["compute_dtype"] != "float16")
             ),
         )

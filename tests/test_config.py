@@ -46,7 +46,7 @@ EXPECTED_DEFAULTS = {
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
     "activation_checkpointing": False,
-    "speculative_step": True,
+    "speculative_step": False,
     "keep_gathered_for_backward": True,
 }
 

@@ -24,8 +24,9 @@ def started_in_backward(timeline: list[tuple]) -> int:
 
 
 def pair(config: dict, **kw: object) -> tuple[tuple, tuple]:
-    common = {"steps": STEPS, "model": MODEL, "config": config, "timeline": True, **kw}
-    return (train, TrainSpec(early_lr=True, **common)), (train, TrainSpec(**common))
+    common = {"steps": STEPS, "model": MODEL, "timeline": True, **kw}
+    speculative = TrainSpec(early_lr=True, config={"speculative_step": True, **config}, **common)
+    return (train, speculative), (train, TrainSpec(config=config, **common))
 
 
 def same_run(spec: list[dict], plain: list[dict]) -> None:
@@ -88,8 +89,13 @@ async def test_speculation_with_accumulation_matches() -> None:
 
 
 async def test_without_speculative_step_clipping_waits_for_the_backward() -> None:
-    config = {"gradient_clipping": 1e6, "speculative_step": False}
-    off, plain = await run_in_turn(2, *pair(config))
+    # The default: speculative_step=False, learning_rate given to backward_pass.
+    common = {"steps": STEPS, "model": MODEL, "config": {"gradient_clipping": 1e6}}
+    off, plain = await run_in_turn(
+        2,
+        (train, TrainSpec(early_lr=True, timeline=True, **common)),
+        (train, TrainSpec(timeline=True, **common)),
+    )
     same_run(off, plain)
     for r in off:
         assert started_in_backward(r["timeline"]) == 0

@@ -562,13 +562,15 @@ class Zero3CpuOffloadConfig:
     """Keep only each layer's input between the passes and recompute the layer's forward
     in backward (about a third more compute, far fewer activations kept); False keeps
     every layer's activations for backward, as plain PyTorch does."""
-    speculative_step: bool = bool_field(True)
+    speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
     update during backward anyway, from a saved copy of its master shard and optimizer
     state; ``optimizer_step`` keeps the updates when clipping does not apply and no inf/nan
     appeared, else restores the copies and redoes them clipped (or skips the step): bitwise
-    the same result. Costs the copies (about three shard sizes per layer for AdamW) and,
-    when clipping fires, a second update. False waits for the whole backward instead."""
+    the same result. Costs the copies (about three shard sizes per layer for AdamW, held
+    between steps) and, when clipping fires, a second update; it pays where the CPU is
+    otherwise idle during backward (compute on a GPU), not where the layers compute on the
+    same cores. False: with clipping or fp16 the updates wait for the whole backward."""
     keep_gathered_for_backward: bool = bool_field(True)
     """Keep the last layers of a training forward gathered until their backward (which
     starts there) instead of gathering them again: as many as ``gpu_param_memory_budget``

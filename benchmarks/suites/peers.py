@@ -33,7 +33,7 @@ NO_OFFLOAD = {"offload_params": False, "offload_grads": False, "offload_optimize
 CPU_OFFLOAD, CKPT = {"fused": True, "cpu_offload": True}, {"activation_checkpointing": True}
 PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
 CLIP_NEVER, CLIP_ALWAYS = {"gradient_clipping": 1e6}, {"gradient_clipping": 1e-6}
-NO_SPEC = {"speculative_step": False}
+SPEC = {"speculative_step": True}
 SYSTEMS = {
     "torch": System("plain torch (1 process)", "torch", 1, {"fused": True}),
     "fsdp2": System("FSDP2", "fsdp2", WORLD, {"fused": True}),
@@ -54,12 +54,10 @@ SWEEP = {  # candidates for ours' fastest configuration
     "unchecked": ours("divergence_check=False", divergence_check=False),
     "no_keep": ours("keep_gathered_for_backward=False", keep_gathered_for_backward=False),
     # clipping with updates in backward: speculative (never / always rolled back) and waiting
-    "lr_bwd_clip": ours("lr in backward, clip 1e6 (never fires)", **LR_BWD, **CLIP_NEVER),
-    "lr_bwd_clip_wait": ours(
-        "lr in backward, clip 1e6, speculative_step=False", **LR_BWD, **CLIP_NEVER, **NO_SPEC
-    ),
+    "lr_bwd_clip": ours("lr in backward, clip 1e6, speculative", **LR_BWD, **CLIP_NEVER, **SPEC),
+    "lr_bwd_clip_wait": ours("lr in backward, clip 1e6, waiting", **LR_BWD, **CLIP_NEVER),
     "lr_bwd_clip_fires": ours(
-        "lr in backward, clip 1e-6 (fires every step)", **LR_BWD, **CLIP_ALWAYS
+        "lr in backward, clip 1e-6 (fires every step), speculative", **LR_BWD, **CLIP_ALWAYS, **SPEC
     ),
 }
 
