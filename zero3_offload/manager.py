@@ -452,6 +452,8 @@ class Zero3CpuOffloadManager:
                 assert saved is not None
                 g = e.runner.backward(name, module, saved, g)
                 self._record_compute(name, "backward", t0)
+                # The values go first: the reduce-scatter may receive into their buffer.
+                e.prefetch.finish_use(order, i, keep_grads=True)
                 if has_params:
                     p = await e.reducer.start_reduce_scatter(name, module, slot)
                     pending.append(p)
@@ -460,7 +462,6 @@ class Zero3CpuOffloadManager:
                     else:
                         landing = e.reducer.finish(p)
                     landings.append(asyncio.ensure_future(landing))
-                e.prefetch.finish_use(order, i)
             e.reducer.end_pass()
             waited = time.perf_counter()
             results = await asyncio.gather(*landings)

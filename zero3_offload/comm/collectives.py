@@ -41,8 +41,10 @@ the division by the world size. gloo's own reduce-scatter took about twice as
 long for the same 12-17 MB layers on 2 ranks (15-21 ms against 7-9 ms) and
 held more memory; on the 27M-parameter GPT of the benchmarks the step went
 from 0.874 to 0.820 s and the peak RSS down by ~60 MiB. The receive buffers
-(one layer's size each) are reused within a backward (at most two kept) and
-freed after its last reduce-scatter is launched. The sum runs on the group's
+(one layer's size each) come from the gather pool and go back to it once
+summed: the backward releases a layer's gathered buffer before launching its
+reduce-scatter, so the exchange receives into that buffer (same size in fp32)
+instead of a buffer of its own. The sum runs on the group's
 waiter thread once the exchange completed, not on the event loop, whose thread
 computes the layers (there it cost ~5 ms of each layer's backward). The sum adds the ranks'
 slices in rank order, so the mean is the same on every rank and in every run.
@@ -78,9 +80,6 @@ _POLL_S = 0.2  # how often a wait looks at the heartbeat
 # before it looks again and raises: a collective whose last peer closed right after
 # it completed settles by then, and so does this rank's beat after a pause of its own.
 _CONFIRM_S = 0.5
-# Receive buffers kept for reduce-scatters by exchange: as many as are in flight
-# at once (a backward has two gradient buffers).
-_EXCHANGE_BUFFERS = 2
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -313,9 +312,11 @@ class Collectives:
         # (gloo's reduce-scatter does not); learned on first use.
         self._has_future: dict[str, bool] = {}
         self._broken: Zero3Error | None = None  # the failure that ended the sequence
-        # Receive buffers of reduce-scatters by exchange, kept for reuse within a backward.
-        self._exchange_pool: list[torch.Tensor] = []
-        self._exchange_kept = True
+        # Where reduce-scatters by exchange take their receive buffers and give them
+        # back once summed: fresh ones by default; the engine points them at the
+        # gather pool (see [Note: reduce-scatter by exchange]).
+        self.take_buffer: Callable[[int, torch.dtype], torch.Tensor] = self._fresh_buffer
+        self.give_buffer: Callable[[torch.Tensor], None] = lambda buffer: None
         self._exchange_inflight = 0  # bytes of receive buffers of exchanges in flight
         self._caps = _probe(group, device)
         check = None
@@ -614,7 +615,7 @@ class Collectives:
         self, output: torch.Tensor, full: torch.Tensor, what: str
     ) -> PendingCollective:
         # See [Note: reduce-scatter by exchange].
-        received = self._take_exchange_buffer(full)
+        received = self.take_buffer(full.numel(), full.dtype)
         self._exchange_inflight += received.numel() * received.element_size()
 
         def reduce() -> None:  # on the waiter thread, off the event loop
@@ -629,32 +630,17 @@ class Collectives:
 
         def recycle() -> None:
             self._exchange_inflight -= received.numel() * received.element_size()
-            if self._exchange_kept and len(self._exchange_pool) < _EXCHANGE_BUFFERS:
-                self._exchange_pool.append(received)
+            self.give_buffer(received)
 
         pending.then(recycle)
         return pending
 
-    def _take_exchange_buffer(self, full: torch.Tensor) -> torch.Tensor:
-        pool = self._exchange_pool
-        fits = [b for b in pool if b.dtype == full.dtype and b.numel() >= full.numel()]
-        if not fits:
-            return torch.empty_like(full)
-        buffer = min(fits, key=lambda b: b.numel())
-        del pool[next(i for i, b in enumerate(pool) if b is buffer)]
-        return buffer[: full.numel()]
-
-    def keep_exchange_buffers(self, keep: bool) -> None:
-        """Keep the receive buffers of reduce-scatters by exchange for reuse (during a
-        backward), or free them (after its last reduce-scatter is launched)."""
-        self._exchange_kept = keep
-        if not keep:
-            self._exchange_pool.clear()
+    def _fresh_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def exchange_buffer_bytes(self) -> int:
-        """Bytes of the receive buffers of reduce-scatters by exchange: in flight and kept."""
-        kept = sum(b.numel() * b.element_size() for b in self._exchange_pool)
-        return kept + self._exchange_inflight
+        """Bytes of the receive buffers of reduce-scatters by exchange in flight."""
+        return self._exchange_inflight
 
     def start_all_reduce_sum(self, tensor: torch.Tensor, *, what: str = "") -> PendingCollective:
         """Launch an in-place sum of ``tensor`` over ranks."""

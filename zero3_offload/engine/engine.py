@@ -187,6 +187,8 @@ def build_engine(
         gatherer.pool_limit = min(
             config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
         )
+        # A reduce-scatter by exchange receives into a released gather buffer.
+        comm.take_buffer, comm.give_buffer = gatherer.take_buffer, gatherer.give_buffer
         prefetch = PrefetchScheduler(
             gatherer=gatherer,
             layers=list(layers),

@@ -82,15 +82,12 @@ class GradientReducer:
         self._timeline = timeline
 
     def end_pass(self) -> None:
-        """Every reduce-scatter of a backward is launched: free the idle gradient buffers
-        (and the collectives' receive buffers)."""
+        """Every reduce-scatter of a backward is launched: free the idle gradient buffers."""
         self._buffers.trim()
-        self._comm.keep_exchange_buffers(False)
 
     def begin_pass(self) -> None:
         """Start a backward pass: buffers a failed pass took and never launched are free."""
         self._buffers.untake_all()
-        self._comm.keep_exchange_buffers(True)
 
     async def prepare(
         self,

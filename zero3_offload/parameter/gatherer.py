@@ -182,6 +182,15 @@ class ParameterGatherer:
             return free.pop()
         return torch.empty(numel, dtype=dtype, device=self.device)
 
+    def take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``numel`` elements from the pool (fresh when none fits), lent to
+        other work (a reduce-scatter's receive buffer); give it back with :meth:`give_buffer`."""
+        return self._take(numel, dtype)
+
+    def give_buffer(self, buffer: torch.Tensor) -> None:
+        """Take back a buffer lent by :meth:`take_buffer` (pooled within the limit)."""
+        self._give(buffer)
+
     def _give(self, flat: torch.Tensor) -> None:
         # Pool only while gathered + in flight + pooled stays within the limit.
         fits = self.reserved_bytes() + self.pooled_bytes() + tensor_bytes(flat) <= self.pool_limit

@@ -329,13 +329,22 @@ class PrefetchScheduler:
         self._launch_window(order, i + 1)
         return await self._gatherer.gather(name)
 
-    def finish_use(self, order: Sequence[str], i: int, *, next_order: Sequence[str] = ()) -> None:
+    def finish_use(
+        self,
+        order: Sequence[str],
+        i: int,
+        *,
+        next_order: Sequence[str] = (),
+        keep_grads: bool = False,
+    ) -> None:
         """After ``order[i]`` ran: release it unless it persists or is needed again soon.
 
         Args:
             order: this pass's order.
             i: position of the layer that just ran.
             next_order: the predicted next pass's order, used at the last layer.
+            keep_grads: leave the parameters' ``.grad`` (their reduce-scatter is not
+                launched yet).
         """
         name = order[i]
         self.in_use.discard(name)
@@ -344,7 +353,7 @@ class PrefetchScheduler:
         if last and next_order:
             upcoming = list(next_order[: 1 + self.depth])
         if not (self._keeps(name) or name in upcoming or name in self.kept):
-            self._gatherer.release(name)
+            self._gatherer.release(name, keep_grads=keep_grads)
         if last and next_order:
             self._launch_window(next_order, 0)
 
