@@ -3,6 +3,8 @@
     python examples/train_tiny.py                 # starts 2 local gloo ranks
     python examples/train_tiny.py --steps 50 --world-size 4
     python examples/train_tiny.py --activation-checkpointing   # same losses, less kept
+    python examples/train_tiny.py --gradient-clipping 0.5 --speculative   # same losses as
+        # without --speculative: updates start during backward, undone when clipping applies
     torchrun --nproc-per-node 2 examples/train_tiny.py   # joins torchrun's group
 
 Only the public API is used; the model is an ordinary ``nn.Module`` whose
@@ -64,14 +66,25 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def train(
-    ctx: RankContext, steps: int, global_batch: int, checkpointing: bool = False
+    ctx: RankContext,
+    steps: int,
+    global_batch: int,
+    checkpointing: bool = False,
+    clipping: float = 0.0,
+    speculative: bool = False,
 ) -> list[float]:
     model = build_model()
     layers = [name for name, _ in model.named_children()]
+    lr = 3e-3
     config = Zero3CpuOffloadConfig(
         optimizer=OptimizerConfig(kind="adamw", weight_decay=0.01),
         # True: keep only each layer's input and recompute its forward in backward.
         activation_checkpointing=checkpointing,
+        gradient_clipping=clipping,  # global-norm clipping; 0 turns it off
+        # True: with the learning rate given to backward_pass, each layer's update starts
+        # when its gradient lands, even though clipping needs the global norm first; the
+        # updates are undone and redone clipped when clipping applies (same numbers).
+        speculative_step=speculative,
     )
     per_rank = global_batch // ctx.world_size
     mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)  # this rank's samples
@@ -86,8 +99,9 @@ async def train(
             logits.requires_grad_()  # the loss is computed outside the manager
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[mine].reshape(-1))
             loss.backward()
-            await manager.backward_pass(logits.grad, layers)
-            await manager.optimizer_step(learning_rate=3e-3)
+            # The learning rate given here lets updates start during the backward.
+            await manager.backward_pass(logits.grad, layers, learning_rate=lr)
+            await manager.optimizer_step(learning_rate=lr)
             losses.append(loss.item())
             if ctx.rank == 0:
                 print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
@@ -98,6 +112,8 @@ async def train(
         eval_loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[mine].reshape(-1))
         if ctx.rank == 0:
             print(f"eval loss {eval_loss.item():.4f}", flush=True)
+            rollbacks = manager.get_performance_stats().speculative_rollbacks
+            print(f"speculative updates undone: {rollbacks} steps", flush=True)
     return losses
 
 
@@ -111,17 +127,24 @@ async def main() -> None:
         action="store_true",
         help="recompute each layer's forward in backward instead of keeping activations",
     )
+    parser.add_argument("--gradient-clipping", type=float, default=0.0, help="max global norm")
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="with clipping, start updates during backward anyway (speculative_step)",
+    )
     args = parser.parse_args()
     ckpt = args.activation_checkpointing
+    options = (args.steps, args.batch, ckpt, args.gradient_clipping, args.speculative)
     if "RANK" in os.environ:  # launched by torchrun
         group = await init_process_group_from_env("gloo")  # the config's device is the CPU
         ctx = RankContext(rank=group.rank(), world_size=group.size(), group=group)
         try:
-            await train(ctx, args.steps, args.batch, ckpt)
+            await train(ctx, *options)
         finally:
             destroy_process_group()
     else:
-        await run_ranks(train, args.world_size, args.steps, args.batch, ckpt)
+        await run_ranks(train, args.world_size, *options)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ def test_train_tiny_loss_falls() -> None:
 
 
 @pytest.mark.slow
+def test_train_tiny_speculative_updates_give_the_same_losses() -> None:
+    clip = ("examples/train_tiny.py", "--steps", "8", "--gradient-clipping", "0.5")
+    waiting, speculative = run_example(*clip), run_example(*clip, "--speculative")
+    assert _losses_and_kept(speculative) == _losses_and_kept(waiting)
+    undone = int(re.search(r"speculative updates undone: (\d+) steps", speculative)[1])
+    assert 0 < undone <= 8  # clipping at 0.5 applies in this run: updates were redone
+    assert "speculative updates undone: 0 steps" in waiting
+
+
+@pytest.mark.slow
 def test_finetune_transformers_trains_and_exports() -> None:
     pytest.importorskip("transformers")
     out = run_example("examples/finetune_transformers.py", "--steps", "20")
