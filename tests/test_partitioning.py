@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 from helpers import (
     TrainSpec,
+    lm_loss,
+    local_slice,
     make_batches,
     make_model,
     make_torch_optimizer,
@@ -11,7 +16,8 @@ from helpers import (
     train_reference,
 )
 
-from zero3_offload.testing import run_ranks
+from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
+from zero3_offload.testing import RankContext, run_ranks
 
 
 def unpartitioned_bytes() -> dict[str, int]:
@@ -58,3 +64,32 @@ async def test_each_rank_holds_one_nth() -> None:
         assert after_step["gathered_param_bytes"] == 0
         # At most one layer is gathered at a time.
         assert after_step["gathered_high_water_bytes"] == 4 * max(r["padded"].values())
+
+
+async def pending_during_backward(ctx: RankContext) -> dict[str, Any]:
+    """``pending_gradient_bytes`` seen from inside the first layer's backward, and after."""
+    model = make_model()
+    names = model.layer_names
+    seen: list[int] = []
+    async with Zero3CpuOffloadManager(Zero3CpuOffloadConfig(), ctx.group, model) as manager:
+        # Runs inside backward_pass, when every later layer's reduce-scatter is launched.
+        model.embed.register_full_backward_pre_hook(
+            lambda *_: seen.append(manager.get_memory_stats().pending_gradient_bytes)
+        )
+        (x, y), *_ = make_batches(1, 8)
+        out = await manager.forward_pass(local_slice(x, ctx), names)
+        out.requires_grad_()
+        lm_loss(out, local_slice(y, ctx)).backward()
+        await manager.backward_pass(out.grad, names)
+        after = attrs.asdict(manager.get_memory_stats())
+        shards = {n: lay.shard_numel for n, lay in manager.engine.layouts.items()}
+    return {"seen": seen, "after": after, "shards": shards, "names": names}
+
+
+async def test_pending_gradient_shards_are_counted_until_committed() -> None:
+    for r in await run_ranks(pending_during_backward, 2):
+        # Every layer after the first has its fp32 shard in flight or landed, uncommitted.
+        later = sum(4 * r["shards"][n] for n in r["names"][1:])
+        assert r["seen"] == [later]
+        assert r["after"]["pending_gradient_bytes"] == 0
+        assert r["after"]["gradient_bytes"] == 4 * sum(r["shards"].values())

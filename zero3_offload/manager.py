@@ -469,6 +469,7 @@ class Zero3CpuOffloadManager:
             e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
             if early_lr is None:
                 await e.grads.commit(zip((p.layer for p in pending), results, strict=True))
+                e.reducer.committed()
             else:
                 e.grads.count_micro_step()
         except BaseException as exc:
@@ -493,6 +494,7 @@ class Zero3CpuOffloadManager:
         # Updates already made stand, speculative ones too (the error names them).
         self._state.record = None
         self._engine.steps.keep_updates()
+        self._engine.reducer.committed()  # the pass's uncommitted shards are dropped
         for task in landings:
             task.cancel()
         for task in landings:
@@ -609,6 +611,7 @@ class Zero3CpuOffloadManager:
             results = await asyncio.gather(*unit_pass.landings)
             e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
             await e.grads.commit(zip((p.layer for p in unit_pass.pending), results, strict=True))
+            e.reducer.committed()
         except BaseException:
             # In flight: the runner's pass if backward itself failed, else the
             # finished pass whose landings or commit failed.

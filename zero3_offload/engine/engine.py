@@ -261,6 +261,7 @@ def build_engine(
             backup=backup,
             gradient_buffers=gradient_buffers,
             comm=comm,
+            reducer=reducer,
             total_parameters=total_numel(layouts),
             owned_parameters=owned_numel(layouts),
         )

@@ -80,6 +80,19 @@ class GradientReducer:
         self._comm = comm
         self._buffers = buffers
         self._timeline = timeline
+        # layer -> bytes of its reduced shard of this pass, until it is committed
+        self._uncommitted: dict[str, int] = {}
+
+    def pending_shard_bytes(self) -> int:
+        """Bytes of this pass's gradient shards (in flight or landed) not yet committed."""
+        return sum(self._uncommitted.values())
+
+    def committed(self, layer: str | None = None) -> None:
+        """``layer``'s shard (None: every shard of the pass) was committed or dropped."""
+        if layer is None:
+            self._uncommitted.clear()
+        else:
+            self._uncommitted.pop(layer, None)
 
     def end_pass(self) -> None:
         """Every reduce-scatter of a backward is launched: free the idle gradient buffers."""
@@ -88,6 +101,7 @@ class GradientReducer:
     def begin_pass(self) -> None:
         """Start a backward pass: buffers a failed pass took and never launched are free."""
         self._buffers.untake_all()
+        self._uncommitted.clear()
 
     async def prepare(
         self,
@@ -171,6 +185,7 @@ class GradientReducer:
             received = torch.empty_like(shard, dtype=sent.dtype)
             collective = self._comm.start_reduce_scatter_mean(received, sent, what=what)
             collective.then(functools.partial(shard.copy_, received))
+        self._uncommitted[layer] = tensor_bytes(shard)
         pending = PendingGradient(
             layer=layer,
             shard=shard,

@@ -14,6 +14,7 @@ import torch
 
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.gradient.buffers import GradientBuffers
+from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
@@ -35,6 +36,7 @@ class MemoryAccounting:
         backup: pre-update copies of speculative updates.
         gradient_buffers: the flat gradient buffers reduce-scatters read from.
         comm: the collectives (receive buffers of reduce-scatters by exchange).
+        reducer: this backward's gradient shards not yet committed.
         total_parameters: elements of the whole model.
         owned_parameters: elements of this rank's shards.
     """
@@ -49,6 +51,7 @@ class MemoryAccounting:
         backup: SpeculationBackup,
         gradient_buffers: GradientBuffers,
         comm: Collectives,
+        reducer: GradientReducer,
         total_parameters: int,
         owned_parameters: int,
     ) -> None:
@@ -59,6 +62,7 @@ class MemoryAccounting:
         self._backup = backup
         self._gradient_buffers = gradient_buffers
         self._comm = comm
+        self._reducer = reducer
         self._total = total_parameters
         self._owned = owned_parameters
         self._process = psutil.Process(os.getpid())
@@ -91,6 +95,7 @@ class MemoryAccounting:
             (self._params.master_device, self._params.master_bytes()),
             (self._params.copy_device, self._params.compute_copy_bytes()),
             (self._grads.device, self._grads.nbytes()),
+            (device, self._reducer.pending_shard_bytes()),
             (self._optimizer.device, self._optimizer.state_bytes()),
             (self._optimizer.device, self._backup.nbytes()),
             (device, self._gatherer.reserved_bytes()),
@@ -102,6 +107,7 @@ class MemoryAccounting:
             master_param_bytes=self._params.master_bytes(),
             compute_copy_bytes=self._params.compute_copy_bytes(),
             gradient_bytes=self._grads.nbytes(),
+            pending_gradient_bytes=self._reducer.pending_shard_bytes(),
             optimizer_state_bytes=self._optimizer.state_bytes(),
             speculation_backup_bytes=self._backup.nbytes(),
             gathered_param_bytes=self._gatherer.gathered_bytes(),

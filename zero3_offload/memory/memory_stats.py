@@ -17,6 +17,9 @@ class Zero3MemoryStats:
     """Compute copies of the shards that are tensors of their own (not aliases of the master)."""
     gradient_bytes: int
     """Accumulated fp32 gradient shards."""
+    pending_gradient_bytes: int
+    """The running backward's reduced gradient shards (in flight or landed) that are not
+    committed yet: they join ``gradient_bytes`` when the backward succeeds."""
     optimizer_state_bytes: int
     """Optimizer state tensors (moments, step counters)."""
     speculation_backup_bytes: int

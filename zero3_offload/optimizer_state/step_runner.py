@@ -152,6 +152,7 @@ class StepRunner:
         """
         shard = await partitioner.finish(pending)
         await self._grads.commit_layer(pending.layer, shard)
+        partitioner.committed(pending.layer)
         if self._needs_validation():
             await self.update_layer(pending.layer, lr, self._grad_scale(), save=True)
             return
