@@ -70,11 +70,16 @@ def test_the_replay_notices_a_state_change_behind_the_managers_back(server: Rank
         machine.teardown()
 
 
+OPEN_S = 120.0
+
+
 @pytest.mark.slow
 def test_a_hang_and_a_dead_rank_are_reported_and_the_ranks_restart(tmp_path: Path) -> None:
     setup = plain_setup("mlp", str(tmp_path))
+    # A short deadline for the calls; opening (a manager's first build, imports
+    # included) gets the time a loaded machine needs.
     with RankServer(2, timeout_s=3.0) as ranks:
-        ranks.request("open", setup)
+        ranks.request("open", setup, timeout_s=OPEN_S)
         pids = list(ranks.pids)
         with pytest.raises(RankFailure, match="hang: rank 0") as hang:
             ranks.request("call", Call("hang"))
@@ -84,7 +89,7 @@ def test_a_hang_and_a_dead_rank_are_reported_and_the_ranks_restart(tmp_path: Pat
         assert "--- rank 0 stacks ---" in str(hang.value)
         assert "Thread 0x" in str(hang.value) and "launcher.py" in str(hang.value)
         assert not ranks.alive and ranks.pids == []
-        ranks.request("open", setup)  # fresh ranks
+        ranks.request("open", setup, timeout_s=OPEN_S)  # fresh ranks
         assert ranks.starts == 2 and set(ranks.pids).isdisjoint(pids)
         with pytest.raises(RankFailure, match=r"exited|died"):
             ranks.request("call", Call("crash"))
