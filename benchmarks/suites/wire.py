@@ -69,7 +69,7 @@ def check(args: Any) -> str | None:
 def read_log(path: Path) -> dict[str, Any]:
     """One rank's per-step figures and final evaluation loss, from its JSON log."""
     out: dict[str, Any] = {f"{op}_{k}": [] for op in OPS for k in ("bytes", "seconds")}
-    out.update(step_seconds=[], eval_loss=None, initial_eval_loss=None)
+    out.update(step_seconds=[], train_losses=[], eval_loss=None, initial_eval_loss=None)
     with open(path, encoding="utf-8") as f:
         for line in f:
             if '"event": "step"' not in line and '"event": "train_' not in line:
@@ -82,6 +82,7 @@ def read_log(path: Path) -> dict[str, Any]:
                     out[f"{op}_seconds"].append(round(got["seconds"], 6))
             elif event["event"] == "train_step":
                 out["step_seconds"].append(round(event["seconds"], 6))
+                out["train_losses"].append(event["loss"])
             elif event["event"] == "train_done":
                 out["eval_loss"] = event["eval_loss"]
                 out["initial_eval_loss"] = event["initial_eval_loss"]
@@ -175,6 +176,7 @@ def figures(case: dict[str, Any]) -> dict[str, Any] | None:
     out["collective_seconds"] = statistics.median(seconds)
     out["step_seconds"] = statistics.median(rank0["step_seconds"][1:])
     out["eval_loss"] = rank0["eval_loss"]
+    out["train_losses"] = rank0.get("train_losses", [])
     return out
 
 
@@ -282,6 +284,7 @@ def report(payload: dict[str, Any]) -> Report:
     else:
         spread = "No spread across seeds: the exact runs gave no complete result."
     notes = [
+        *training_loss_notes(payload),
         f"`python -m zero3_offload train --steps {cfg['steps']} --out DIR --threads "
         f"{cfg['threads_per_rank']}` with {seed_text} plus, per option, {flags}; "
         f"{cfg['world_size']} local gloo ranks, every other option at its default; one run "
@@ -304,3 +307,36 @@ def report(payload: dict[str, Any]) -> Report:
         markdown_table(headers, rows),
         notes,
     )
+
+
+def training_loss_notes(payload: dict[str, Any]) -> list[str]:
+    """Each option's training loss against exact's of the same seed, step by step: the
+    largest relative difference over the first 50 steps (before the trajectories part), and
+    the mean over the seeds of the ratio of the last 50 steps' mean losses."""
+    runs: dict[str, dict[int, list[float]]] = {}
+    for case in payload["cases"]:
+        f = figures(case)
+        if f is not None and f.get("train_losses"):
+            runs.setdefault(case["name"], {})[case.get("seed", 0)] = f["train_losses"]
+    exact = runs.get("exact", {})
+    parts = []
+    for name, by_seed in runs.items():
+        seeds = [s for s in by_seed if s in exact]
+        if name == "exact" or not seeds:
+            continue
+        early = max(
+            abs(a / b - 1)
+            for s in seeds
+            for a, b in zip(by_seed[s][:50], exact[s][:50], strict=True)
+        )
+        tail = statistics.fmean(
+            statistics.fmean(by_seed[s][-50:]) / statistics.fmean(exact[s][-50:]) for s in seeds
+        )
+        parts.append(f"{name}: {100 * early:.2f} % / {tail:.4f}")
+    if not parts:
+        return []
+    return [
+        "Training loss (the global-batch mean each step logs) against exact's of the same "
+        "seed: the largest relative difference over the first 50 steps / the ratio of the "
+        "last 50 steps' mean losses, averaged over the seeds: " + "; ".join(parts) + "."
+    ]
