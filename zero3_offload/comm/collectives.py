@@ -42,11 +42,12 @@ long for the same 12-17 MB layers on 2 ranks (15-21 ms against 7-9 ms) and
 held more memory; on the 27M-parameter GPT of the benchmarks the step went
 from 0.874 to 0.820 s and the peak RSS down by ~60 MiB. The receive buffers
 (one layer's size each) come from the gather pool and go back to it once
-summed: the backward releases a layer's gathered buffer before launching its
-reduce-scatter, so the exchange receives into that buffer (same size in fp32)
-instead of a buffer of its own. The sum runs on the group's
-waiter thread once the exchange completed, not on the event loop, whose thread
-computes the layers (there it cost ~5 ms of each layer's backward). The sum adds the ranks'
+summed. ``backward_pass`` releases a layer's gathered buffer before launching
+its reduce-scatter, so there the exchange receives into that buffer (same
+size in fp32) instead of a buffer of its own; module mode still launches
+first and releases after. The sum runs on the group's waiter thread once the
+exchange completed, not on the event loop, whose thread computes the layers
+(there it cost ~5 ms of each layer's backward). The sum adds the ranks'
 slices in rank order, so the mean is the same on every rank and in every run.
 """
 

@@ -89,7 +89,7 @@ class ParameterGatherer:
         self._inflight: dict[str, GatherHandle] = {}
         self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
         # Released CPU buffers kept for the next gather of the same size (see
-        # _take); a fresh large allocation costs several times a copy on the
+        # take_buffer); a fresh large allocation costs several times a copy on the
         # CPU, and freed ones are not returned to the OS by glibc anyway. CUDA
         # has its own caching allocator, so nothing is pooled there.
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -176,26 +176,21 @@ class ParameterGatherer:
         """Free the pooled buffers (their storage goes back to the allocator)."""
         self._pool.clear()
 
-    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``numel`` elements from the pool (fresh when none fits): for a
+        gather, or lent to other work (a reduce-scatter's receive buffer). Give it back
+        with :meth:`give_buffer`."""
         free = self._pool.get((numel, dtype))
         if free:
             return free.pop()
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def take_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``numel`` elements from the pool (fresh when none fits), lent to
-        other work (a reduce-scatter's receive buffer); give it back with :meth:`give_buffer`."""
-        return self._take(numel, dtype)
-
     def give_buffer(self, buffer: torch.Tensor) -> None:
-        """Take back a buffer lent by :meth:`take_buffer` (pooled within the limit)."""
-        self._give(buffer)
-
-    def _give(self, flat: torch.Tensor) -> None:
-        # Pool only while gathered + in flight + pooled stays within the limit.
-        fits = self.reserved_bytes() + self.pooled_bytes() + tensor_bytes(flat) <= self.pool_limit
+        """Take back a buffer from :meth:`take_buffer`: pooled (CPU device only) while
+        gathered + in flight + pooled stays within ``pool_limit``, else freed."""
+        fits = self.reserved_bytes() + self.pooled_bytes() + tensor_bytes(buffer) <= self.pool_limit
         if self.device.type == "cpu" and fits:
-            self._pool.setdefault((flat.numel(), flat.dtype), []).append(flat)
+            self._pool.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
 
     def reserved_bytes(self) -> int:
         """Gathered plus in-flight buffer bytes: what the budget limits."""
@@ -213,7 +208,7 @@ class ParameterGatherer:
         """
         layout = self._layouts[name]
         dtype = self._store.compute_dtype
-        flat = self._take(layout.padded_numel, dtype)
+        flat = self.take_buffer(layout.padded_numel, dtype)
         pending = wire = None
         started = time.perf_counter()
         if layout.padded_numel:
@@ -227,7 +222,7 @@ class ParameterGatherer:
                         "h2d", name, self.phase, src.nbytes(), copy_started, self._streams.h2d
                     )
                 if self.compressed_wire:
-                    wire = self._take(self._wire_nbytes(name), torch.uint8)
+                    wire = self.take_buffer(self._wire_nbytes(name), torch.uint8)
                     pending = self._comm.start_all_gather(wire, staged.wire(), what=what)
                     pending.then(functools.partial(self._decode, wire, flat))
                 else:
@@ -276,7 +271,7 @@ class ParameterGatherer:
         finally:
             del self._inflight[name]
         if handle.wire is not None:
-            self._give(handle.wire)  # decoded already (see _decode)
+            self.give_buffer(handle.wire)  # decoded already (see _decode)
         self._streams.mark_used_on_current(handle.flat)
         done = handle.pending.completed_at if handle.pending is not None else None
         self._timeline.record(
@@ -319,6 +314,6 @@ class ParameterGatherer:
         if flat is not None:
             self._unbind(name, keep_grads=keep_grads)
             if pool:
-                self._give(flat)
+                self.give_buffer(flat)
             now = time.perf_counter()
             self._timeline.record("release", name, self.phase, now, now, nbytes=tensor_bytes(flat))

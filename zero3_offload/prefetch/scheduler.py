@@ -31,8 +31,8 @@ adding to the step's peak (and to page faults of fresh buffers every step).
 The plan uses only the order, the sizes, the depth, the budget and the limit,
 so every rank keeps the same layers. A kept layer is released right after its
 backward; one the budget needs back (a larger working set than planned) is
-evicted like any cached layer and gathered again, with the same results. Each gather's bytes are
-counted (``gathered_bytes`` in the prefetch metrics).
+evicted like any cached layer and gathered again, with the same results. Each
+gather's bytes are counted (``gathered_bytes`` in the prefetch metrics).
 
 Trace: the layer order of each pass kind (forward, backward) is remembered;
 the next pass's first layers are prefetched from it (the backward of the
@@ -274,7 +274,7 @@ class PrefetchScheduler:
         """
         order = tuple(order)
         self._note_order(phase, order)
-        await self._start(phase, order, order)
+        await self._start(phase, order)
 
     async def begin_recorded_pass(self, predicted: Sequence[str], *, phase: str = "") -> None:
         """Start a pass whose order is only known as it runs (module mode).
@@ -283,22 +283,21 @@ class PrefetchScheduler:
         order is recorded by :meth:`end_recorded_pass`. ``phase`` plans and
         keeps layers for the backward as :meth:`begin_pass` does.
         """
-        predicted = tuple(predicted)
-        await self._start(phase, predicted, predicted)
+        await self._start(phase, tuple(predicted))
 
-    async def _start(self, phase: str, order: tuple[str, ...], forward: tuple[str, ...]) -> None:
+    async def _start(self, phase: str, order: tuple[str, ...]) -> None:
         kept = self.kept if phase == "backward" else set()
         await self._drop_stale(order, also=kept)
         self.kept = set()
-        backward = self.next_after_forward(forward)
+        backward = self.next_after_forward(order)
         # Memory pressure suspends keeping with persistence (see [Note: memory pressure]).
         keeping = self.keep_for_backward and self.persistence_enabled
         if phase == "forward" and keeping and backward:
             # Module mode's backward runs in autograd's order, which the trace knows.
             traced = self.trace.order("backward")
             self.kept = choose_kept(
-                traced if set(traced) == set(forward) else backward,
-                forward,
+                traced if set(traced) == set(order) else backward,
+                order,
                 self._sizes,
                 budget=self.budget,
                 depth=self.depth,
