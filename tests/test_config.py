@@ -48,6 +48,7 @@ EXPECTED_DEFAULTS = {
     "activation_checkpointing": False,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
+    "shared_memory_collectives": True,
 }
 
 BOOL_FIELDS = [k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]

@@ -76,12 +76,14 @@ async def budgets(ctx: RankContext) -> dict[str, Any]:
         "compute_copies": mem.compute_copy_bytes,
         "gradients": mem.gradient_bytes,
         # Everything on the CPU except the device's working buffers (parameter
-        # buffers gathered, in flight, pooled; flat gradient buffers).
+        # buffers gathered, in flight, pooled; flat gradient buffers; the shared-memory
+        # region of the collectives).
         "cpu_memory_used_minus_gathered": mem.cpu_memory_used
         - mem.gathered_param_bytes
         - mem.gather_pool_bytes
         - mem.inflight_param_bytes
-        - mem.gradient_buffer_bytes,
+        - mem.gradient_buffer_bytes
+        - mem.shared_memory_bytes,
     }
     await manager.close()
     return out

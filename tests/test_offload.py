@@ -79,6 +79,7 @@ def test_compute_copy_bytes_are_counted(runs: dict[str, list[dict]], method: str
             + mem["inflight_param_bytes"]
             + mem["gather_pool_bytes"]
             + mem["gradient_buffer_bytes"]
+            + mem["shared_memory_bytes"]
         )
         assert mem["cpu_memory_used"] == (
             mem["master_param_bytes"] + expected + mem["optimizer_state_bytes"] + device_buffers

@@ -577,6 +577,13 @@ class Zero3CpuOffloadConfig:
     holds next to the prefetch window (on the CPU device at most ``prefetch_buffer_size +
     2`` largest layers' bytes, the reused buffers); each is released after its backward.
     False releases every layer after its forward."""
+    shared_memory_collectives: bool = bool_field(True)
+    """On the CPU device, when every rank runs on the same host, move the data of the
+    all-gathers and reduce-scatters through one shared-memory region (32 MiB on 2 ranks:
+    two 8 MiB blocks per rank) instead of the backend's sockets; the backend then carries
+    one small all-reduce per 8 MiB, which orders the ranks. Same results bit for bit.
+    Falls back to the backend when a rank cannot open the region (another host). False:
+    everything goes through the backend."""
 
     def __attrs_post_init__(self) -> None:
         self._check_cross_field()

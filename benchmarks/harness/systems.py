@@ -181,6 +181,39 @@ class DeepSpeed(Torch):
         return {**info, "persistent_params": len(getattr(z, "persistent_parameters", []))}
 
 
+class Split(Torch):
+    """A bound, not a trainer (``split``): ``world`` processes, each running plain torch's
+    forward and backward on its share of the batch and torch's AdamW on its share of every
+    parameter (ZeRO's split of the update: elements ``[rank * n / world, (rank + 1) * n /
+    world)`` of each), with no communication at all, so the ranks' models drift apart after
+    the first step. Its step is ZeRO's work on these cores without moving anything between
+    ranks."""
+
+    async def setup(self, model: torch.nn.Module) -> None:
+        rank, world = self.rank.rank, self.rank.world
+        self.model, self.shares = model, []
+        for p in model.parameters():
+            n = p.numel()
+            lo, hi = min(rank * -(-n // world), n), min((rank + 1) * -(-n // world), n)
+            if hi > lo:  # a view of the parameter's storage: the update writes the model
+                self.shares.append((p, lo, hi, p.detach().view(-1)[lo:hi]))
+        fused = {"fused": self.options["fused"]} if "fused" in self.options else {}
+        adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
+        self.opt = torch.optim.AdamW([v for *_, v in self.shares], betas=BETAS, eps=EPS, **adamw)
+
+    async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
+        clock.phase("forward")
+        self.model.zero_grad(set_to_none=True)
+        loss = await self.forward_loss(self.model, x, y, clock)
+        clock.phase("backward")
+        loss.backward()
+        clock.phase("optimizer")
+        for p, lo, hi, share in self.shares:
+            share.grad = p.grad.view(-1)[lo:hi]
+        self.opt.step()
+        return loss
+
+
 class Ours(Torch):
     async def start(self) -> None:
         from zero3_offload import init_process_group_from_env
@@ -269,4 +302,5 @@ class OursModule(Ours):
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
+SYSTEMS["split"] = Split
 SYSTEMS["ours-module"] = OursModule

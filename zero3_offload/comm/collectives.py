@@ -71,6 +71,7 @@ import torch.distributed as dist
 from zero3_offload.comm.divergence import DivergenceCheck
 from zero3_offload.comm.heartbeat import Heartbeat, default_store
 from zero3_offload.comm.launcher import Launcher
+from zero3_offload.comm.shared_memory import HostSharedMemory
 from zero3_offload.comm.waiter import Waiter
 from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3Error
 
@@ -156,6 +157,24 @@ class _ExchangeWork:
             reduce, self._reduce = self._reduce, None
         if reduce is not None:
             reduce()
+        return True
+
+
+class _DoneWork:
+    """The record of a collective that ran to completion in its launch (one through
+    the host's shared memory)."""
+
+    def __init__(self) -> None:
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result(None)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
         return True
 
 
@@ -286,6 +305,10 @@ class Collectives:
             [Note: heartbeat]); None: only ``timeout_s`` bounds a wait.
         verify: check before the first collective of each call that every rank
             is about to run the same one (see [Note: divergence check]).
+        shared_memory_block_bytes: on a CPU group whose ranks share a host, move the
+            data of all-gathers and reduce-scatters through a shared-memory region
+            with blocks of this many bytes (see [Note: shared-memory collectives]);
+            None: through the backend.
     """
 
     def __init__(
@@ -296,6 +319,7 @@ class Collectives:
         timeout_s: float = 300.0,
         heartbeat_timeout_s: float | None = None,
         verify: bool = False,
+        shared_memory_block_bytes: int | None = None,
     ) -> None:
         self.group = group
         self.rank = group.rank()
@@ -328,6 +352,15 @@ class Collectives:
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
             self.heartbeat = self._start_heartbeat(heartbeat_timeout_s)
+        self.shared_memory: HostSharedMemory | None = None
+        if shared_memory_block_bytes is not None and device.type == "cpu" and self.world_size > 1:
+            what = "the shared-memory region"
+            self.shared_memory = HostSharedMemory.open(
+                group,
+                block_bytes=shared_memory_block_bytes,
+                broadcast=lambda t: self.broadcast_blocking(t, what=what),
+                agree=lambda ok: self.agree_blocking(ok, what=what),
+            )
 
     def _start_heartbeat(self, timeout_s: float) -> Heartbeat | None:
         store = default_store()
@@ -364,9 +397,12 @@ class Collectives:
         return beat
 
     def close(self) -> None:
-        """Stop the heartbeat and the divergence check (after the last collective)."""
+        """Stop the heartbeat and the divergence check, and unmap the shared-memory
+        region (after the last collective)."""
         if self.heartbeat is not None:
             self.heartbeat.close()
+        if self.shared_memory is not None:
+            self._launcher.submit(self.shared_memory.close)  # behind every queued launch
         check = self._launcher.check
         if check is not None and self._broken is None:
             # Behind every queued launch, so no collective is left unchecked.
@@ -587,6 +623,14 @@ class Collectives:
 
         ``what`` names the use (e.g. the layer) in errors and in the divergence check.
         """
+        shm = self.shared_memory
+        if shm is not None and output.device.type == "cpu":
+            return self._start(
+                "all_gather",
+                lambda: self._through(lambda: shm.all_gather(output, shard)),
+                output.numel() * output.element_size(),
+                what,
+            )
         return self._start(
             "all_gather",
             lambda: self._caps.all_gather(output, shard, group=self.group, async_op=True),
@@ -598,6 +642,14 @@ class Collectives:
         self, output: torch.Tensor, full: torch.Tensor, *, what: str = ""
     ) -> PendingCollective:
         """Launch the average of ``full`` over ranks, keeping this rank's slice in ``output``."""
+        shm = self.shared_memory
+        if shm is not None and full.device.type == "cpu":
+            return self._start(
+                "reduce_scatter",
+                lambda: self._through(lambda: shm.reduce_scatter_mean(output, full)),
+                full.numel() * full.element_size(),
+                what,
+            )
         if self._caps.exchange and full.device.type == "cpu":
             return self._start_exchange_mean(output, full, what)
         avg = self._caps.reduce_scatter_avg
@@ -635,6 +687,13 @@ class Collectives:
 
         pending.then(recycle)
         return pending
+
+    @staticmethod
+    def _through(run: Callable[[], None]) -> _DoneWork:
+        # A collective through shared memory completes in its launch, on the
+        # launcher thread (see [Note: shared-memory collectives]).
+        run()
+        return _DoneWork()
 
     def _fresh_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)

@@ -35,7 +35,8 @@ class MemoryAccounting:
         optimizer: optimizer state.
         backup: pre-update copies of speculative updates.
         gradient_buffers: the flat gradient buffers reduce-scatters read from.
-        comm: the collectives (receive buffers of reduce-scatters by exchange).
+        comm: the collectives (receive buffers of reduce-scatters by exchange, the
+            shared-memory region).
         reducer: this backward's gradient shards not yet committed.
         total_parameters: elements of the whole model.
         owned_parameters: elements of this rank's shards.
@@ -70,6 +71,10 @@ class MemoryAccounting:
     def _gradient_buffer_bytes(self) -> int:
         return self._gradient_buffers.nbytes() + self._comm.exchange_buffer_bytes()
 
+    def _shared_memory_bytes(self) -> int:
+        region = self._comm.shared_memory
+        return 0 if region is None else region.nbytes
+
     def process_rss(self) -> int:
         """Resident set size of this process, in bytes."""
         return int(self._process.memory_info().rss)
@@ -101,6 +106,7 @@ class MemoryAccounting:
             (device, self._gatherer.reserved_bytes()),
             (device, self._gatherer.pooled_bytes()),
             (device, self._gradient_buffer_bytes()),
+            (device, self._shared_memory_bytes()),
         ]
         cpu = sum(n for dev, n in parts if dev.type == "cpu")
         return Zero3MemoryStats(
@@ -115,6 +121,7 @@ class MemoryAccounting:
             gathered_high_water_bytes=self._gatherer.high_water_bytes,
             gather_pool_bytes=self._gatherer.pooled_bytes(),
             gradient_buffer_bytes=self._gradient_buffer_bytes(),
+            shared_memory_bytes=self._shared_memory_bytes(),
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
             process_rss_bytes=self.process_rss(),

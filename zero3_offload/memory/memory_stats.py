@@ -36,6 +36,10 @@ class Zero3MemoryStats:
     gradient_buffer_bytes: int
     """Flat buffers on the device that layers' gradients are reduce-scattered from (and, on
     the CPU, the buffers the exchange receives into)."""
+    shared_memory_bytes: int
+    """The region CPU collectives move their data through when the ranks share a host
+    (see ``shared_memory_collectives``): mapped by every rank of the group, held once by
+    the host; 0 without one."""
     cpu_memory_used: int
     """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
     gpu_memory_used: int
