@@ -16,7 +16,7 @@ from harness.plan import progress
 from harness.report import RESULTS_DIR, machine_info, markdown, write
 
 NAMES = "optimizer compression overlap consolidate peers hf_peers scaling rss_phases gpu"
-NAMES += " pretrained_load soak wire"
+NAMES += " pretrained_load soak wire nvme"
 SUITES = {n.replace("_", "-"): importlib.import_module(f"suites.{n}") for n in NAMES.split()}
 
 

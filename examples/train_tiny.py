@@ -5,6 +5,8 @@
     python examples/train_tiny.py --activation-checkpointing   # same losses, less kept
     python examples/train_tiny.py --gradient-clipping 0.5 --speculative   # same losses as
         # without --speculative: updates start during backward, undone when clipping applies
+    python examples/train_tiny.py --nvme-path /tmp/tier   # same losses: masters and
+        # optimizer state in a file per rank under /tmp/tier, streamed for each update
     torchrun --nproc-per-node 2 examples/train_tiny.py   # joins torchrun's group
 
 Only the public API is used; the model is an ordinary ``nn.Module`` whose
@@ -72,6 +74,7 @@ async def train(
     checkpointing: bool = False,
     clipping: float = 0.0,
     speculative: bool = False,
+    nvme_path: str | None = None,
 ) -> list[float]:
     model = build_model()
     layers = [name for name, _ in model.named_children()]
@@ -85,6 +88,10 @@ async def train(
         # when its gradient lands, even though clipping needs the global norm first; the
         # updates are undone and redone clipped when clipping applies (same numbers).
         speculative_step=speculative,
+        # "nvme": fp32 masters and optimizer state in a file per rank under nvme_path,
+        # read and written back for each layer's update (same numbers as in memory).
+        offload_optimizer_device="cpu" if nvme_path is None else "nvme",
+        nvme_path=nvme_path,
     )
     per_rank = global_batch // ctx.world_size
     mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)  # this rank's samples
@@ -112,8 +119,15 @@ async def train(
         eval_loss = F.cross_entropy(logits.reshape(-1, VOCAB), y[mine].reshape(-1))
         if ctx.rank == 0:
             print(f"eval loss {eval_loss.item():.4f}", flush=True)
-            rollbacks = manager.get_performance_stats().speculative_rollbacks
-            print(f"speculative updates undone: {rollbacks} steps", flush=True)
+            stats = manager.get_performance_stats()
+            print(f"speculative updates undone: {stats.speculative_rollbacks} steps", flush=True)
+            if nvme_path is not None:
+                read, written = stats.transfers["disk_read"], stats.transfers["disk_write"]
+                print(
+                    f"disk tier: {read.bytes} bytes read in {read.time:.3f} s, "
+                    f"{written.bytes} bytes written in {written.time:.3f} s",
+                    flush=True,
+                )
     return losses
 
 
@@ -133,9 +147,20 @@ async def main() -> None:
         action="store_true",
         help="with clipping, start updates during backward anyway (speculative_step)",
     )
+    parser.add_argument(
+        "--nvme-path",
+        help="keep masters and optimizer state in files under this directory (the disk tier)",
+    )
     args = parser.parse_args()
     ckpt = args.activation_checkpointing
-    options = (args.steps, args.batch, ckpt, args.gradient_clipping, args.speculative)
+    options = (
+        args.steps,
+        args.batch,
+        ckpt,
+        args.gradient_clipping,
+        args.speculative,
+        args.nvme_path,
+    )
     if "RANK" in os.environ:  # launched by torchrun
         group = await init_process_group_from_env("gloo")  # the config's device is the CPU
         ctx = RankContext(rank=group.rank(), world_size=group.size(), group=group)

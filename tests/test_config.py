@@ -11,6 +11,7 @@ from zero3_offload.config import (
     AutoMemoryStrategy,
     CpuCompressionMethod,
     GatherCompressionMethod,
+    OffloadDevice,
     OptimizerConfig,
     ReduceDtype,
     Zero3CpuOffloadConfig,
@@ -49,6 +50,9 @@ EXPECTED_DEFAULTS = {
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "shared_memory_collectives": True,
+    "offload_optimizer_device": OffloadDevice.CPU,
+    "offload_param_device": OffloadDevice.CPU,
+    "nvme_path": None,
 }
 
 BOOL_FIELDS = [k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]

@@ -39,6 +39,7 @@ __all__ = [
     "AutoMemoryStrategy",
     "CpuCompressionMethod",
     "GatherCompressionMethod",
+    "OffloadDevice",
     "OptimizerConfig",
     "ReduceDtype",
     "Zero3CpuOffloadConfig",
@@ -289,6 +290,13 @@ class GatherCompressionMethod(_ChoiceEnum):
     def compute_copy_format(self) -> CpuCompressionMethod:
         """The compute-copy format this wire format sends (``NONE`` for ``NONE``)."""
         return CpuCompressionMethod(self.value)
+
+
+class OffloadDevice(_ChoiceEnum):
+    """Where an offloaded tier lives: CPU memory, or files under ``nvme_path``."""
+
+    CPU = "cpu"
+    NVME = "nvme"
 
 
 class ReduceDtype(_ChoiceEnum):
@@ -585,6 +593,31 @@ class Zero3CpuOffloadConfig:
     Falls back to the backend when a rank cannot open the region (another host). False:
     everything goes through the backend."""
 
+    offload_optimizer_device: OffloadDevice = attrs.field(
+        default=OffloadDevice.CPU,
+        converter=functools.partial(OffloadDevice.parse, field="offload_optimizer_device"),
+    )
+    """Where the offloaded fp32 master shards and optimizer state live: ``"cpu"`` (memory)
+    or ``"nvme"`` (one preallocated file per rank under ``nvme_path``, streamed through a
+    few reused buffers: each layer's shard and state are read for its update and written
+    back after it, bitwise the values the CPU tier holds). Needs
+    ``offload_optimizer_states``."""
+    offload_param_device: OffloadDevice = attrs.field(
+        default=OffloadDevice.CPU,
+        converter=functools.partial(OffloadDevice.parse, field="offload_param_device"),
+    )
+    """Where the offloaded compute copies of the parameter shards live: ``"cpu"`` only for
+    now (``"nvme"`` is refused with a ``ConfigError``)."""
+    nvme_path: str | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(
+            rule("must be a directory path (a str)", lambda v: isinstance(v, str) and v != "")
+        ),
+    )
+    """Directory of the ``"nvme"`` tiers: each rank creates ``rank<N>/`` under it, which must
+    not exist yet (a directory left by a crashed run is refused; remove it), and removes it
+    on ``close()``."""
+
     def __attrs_post_init__(self) -> None:
         self._check_cross_field()
 
@@ -599,6 +632,28 @@ class Zero3CpuOffloadConfig:
                     f"{budget}={value} is invalid: {value / _MIB:.1f} MiB exceeds "
                     f"{limit}={limit_mb}; lower {budget} or raise {limit}"
                 )
+        on_disk = self.offload_optimizer_device is OffloadDevice.NVME
+        if self.offload_param_device is OffloadDevice.NVME:
+            raise ConfigError(
+                "offload_param_device='nvme' is invalid: compute copies on disk are not "
+                "supported yet; use 'cpu' (offload_optimizer_device='nvme' puts the masters "
+                "and optimizer state on disk)"
+            )
+        if on_disk and not self.offload_optimizer_states:
+            raise ConfigError(
+                "offload_optimizer_device='nvme' is invalid with offload_optimizer_states="
+                "False: the disk tier holds offloaded optimizer state; set it to True"
+            )
+        if on_disk and self.nvme_path is None:
+            raise ConfigError(
+                "offload_optimizer_device='nvme' needs nvme_path: the directory the "
+                "per-rank files are created in"
+            )
+        if on_disk and self.speculative_step:
+            raise ConfigError(
+                "speculative_step=True is invalid with offload_optimizer_device='nvme': "
+                "the pre-update copies need the state in memory; set one of them back"
+            )
         wire = self.gather_compression.compute_copy_format()
         if wire.is_lossy() and self.cpu_compression not in (CpuCompressionMethod.NONE, wire):
             raise ConfigError(

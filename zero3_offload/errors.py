@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationError",
     "ConfigError",
+    "DiskTierError",
     "InputError",
     "LayerExecutionError",
     "LayerNotFoundError",
@@ -49,6 +50,11 @@ class RankDivergenceError(CommunicationError):
 
 class CheckpointError(Zero3Error, RuntimeError):
     """A checkpoint could not be written or read."""
+
+
+class DiskTierError(Zero3Error, OSError):
+    """The disk tier's directory or file could not be created, read or written; the
+    message names the path (and, for a full disk, the bytes needed)."""
 
 
 class MemoryBudgetError(Zero3Error, MemoryError):

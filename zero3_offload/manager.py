@@ -44,7 +44,7 @@ from zero3_offload.parameter.flat_layout import owned_numel, param_key, total_nu
 from zero3_offload.parameter.meta_init import InitFn, ShardSource, reset_parameters_in_order
 from zero3_offload.prefetch.scheduler import layer_seconds
 from zero3_offload.prefetch.status import PrefetchQueueStatus
-from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.performance import TransferStats, Zero3PerformanceStats
 
 __all__ = ["Zero3CpuOffloadManager"]
 
@@ -765,9 +765,10 @@ class Zero3CpuOffloadManager:
         if not layout.padded_numel:
             return []
         full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
-        await e.comm.all_gather(
-            full, e.params.master(name).to(e.device), what=f"the values of {name!r}"
-        )
+        async with e.optimizer.resident(name, write=False):  # read from the disk tier
+            await e.comm.all_gather(
+                full, e.params.master(name).to(e.device), what=f"the values of {name!r}"
+            )
         return [
             (param_key(name, pname), view.detach().to("cpu", copy=True))
             for pname, view in layout.unflatten(full)
@@ -847,12 +848,19 @@ class Zero3CpuOffloadManager:
     def get_performance_stats(self) -> Zero3PerformanceStats:
         """A snapshot of this rank's timings, counts, prefetch metrics and recent timeline."""
         e = self._engine
-        return e.stats.snapshot(
+        stats = e.stats.snapshot(
             e.timeline,
             prefetch=e.prefetch.metrics.as_dict(),
             prefetch_hit_rate=e.prefetch.metrics.hit_rate(),
             gathered_high_water_bytes=e.gatherer.high_water_bytes,
         )
+        if e.tier is not None:  # the disk tier's reads and writes
+            for kind, (count, seconds, nbytes) in (
+                ("disk_read", e.tier.reads),
+                ("disk_write", e.tier.writes),
+            ):
+                stats.transfers[kind] = TransferStats(transfers=count, time=seconds, bytes=nbytes)
+        return stats
 
     def get_memory_stats(self) -> Zero3MemoryStats:
         """Bytes this rank holds now, counted from the tensors."""
@@ -977,7 +985,7 @@ class Zero3CpuOffloadManager:
         await e.prefetch.release_all(keep_persistent=False)  # gathered copies are stale
         self._state.reset()
         e.steps.reset()  # layers updated early in the open window: the load replaces them
-        self._state.calls_since_update = e.checkpointer.restore(loaded)
+        self._state.calls_since_update = await e.checkpointer.restore(loaded)
         log.info("checkpoint_loaded", rank=self.rank, path=str(directory))
         return directory
 
@@ -992,7 +1000,7 @@ class Zero3CpuOffloadManager:
             self._engine.model_runner.close()
         self._state.reset()
         self._closed = True
-        self._engine.comm.close()
+        self._engine.close()
 
     async def __aenter__(self) -> Zero3CpuOffloadManager:
         return self

@@ -63,15 +63,19 @@ class ShardCheckpointer:
     timeline: Timeline  # its step counter is saved and restored
     model_config: dict[str, Any] | None = None  # a transformers model's config, for export
 
-    def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+    async def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         tensors: dict[str, torch.Tensor] = {}
         scalar_state: set[str] = set()
+        # A layer in the disk tier is read for the moment it is collected, and copied.
+        copy = self.optimizer.tier is not None
         for layer in self.optimizer.layers():
-            tensors[f"{layer}.master"] = self.params.master(layer)
-            for key, value in self.optimizer.layer_state(layer).items():
-                tensors[f"{layer}.optim.{key}"] = value
-                if value.dim() == 0:
-                    scalar_state.add(key)
+            async with self.optimizer.resident(layer, write=False):
+                master = self.params.master(layer)
+                tensors[f"{layer}.master"] = master.clone() if copy else master
+                for key, value in self.optimizer.layer_state(layer).items():
+                    tensors[f"{layer}.optim.{key}"] = value.clone() if copy else value
+                    if value.dim() == 0:
+                        scalar_state.add(key)
             grad = self.grads.get(layer)
             if grad is not None:
                 tensors[f"{layer}.grad"] = grad
@@ -113,7 +117,7 @@ class ShardCheckpointer:
         """
         root = Path(root)
         name = checkpoint_name(self.stats.optimizer_steps, calls_since_update)
-        tensors, scalar_state = self._tensors()
+        tensors, scalar_state = await self._tensors()
         meta = self._metadata(scalar_state, calls_since_update)
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
@@ -173,7 +177,7 @@ class ShardCheckpointer:
         assert loaded is not None
         return directory, loaded
 
-    def restore(self, loaded: LoadedShards) -> int:
+    async def restore(self, loaded: LoadedShards) -> int:
         """Put ``loaded`` into the stores and counters.
 
         Gathered copies of the parameters are stale afterwards: the caller
@@ -183,9 +187,11 @@ class ShardCheckpointer:
             The micro-steps of the accumulation window the checkpoint was saved in.
         """
         for layer, master in loaded.masters.items():
-            self.params.master(layer).copy_(master)
-            self.params.refresh_compute_copy(layer)
-            self.optimizer.load_layer_state(layer, loaded.optim.get(layer, {}))
+            # With the disk tier: read, replaced, written back.
+            async with self.optimizer.resident(layer, write=True):
+                self.params.master(layer).copy_(master)
+                self.params.refresh_compute_copy(layer)
+                self.optimizer.load_layer_state(layer, loaded.optim.get(layer, {}))
         meta = loaded.meta
         self.grads.load(loaded.grads, meta["backward_passes"])
         self.stats.optimizer_steps = meta["optimizer_steps"]

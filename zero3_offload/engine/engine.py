@@ -21,18 +21,29 @@ from zero3_offload.checkpoint.checkpointer import ShardCheckpointer
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.comm.worker_threads import WorkerThreads
-from zero3_offload.config import GatherCompressionMethod, ReduceDtype, Zero3CpuOffloadConfig
+from zero3_offload.config import (
+    GatherCompressionMethod,
+    OffloadDevice,
+    ReduceDtype,
+    Zero3CpuOffloadConfig,
+)
 from zero3_offload.engine.model_layers import split_layers
 from zero3_offload.engine.model_units import UnitSpec, default_unit_classes, split_units
-from zero3_offload.errors import ConfigError
+from zero3_offload.errors import ConfigError, DiskTierError
 from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
 from zero3_offload.memory.accounting import MemoryAccounting
-from zero3_offload.memory.budget import CpuMemoryNeed, check_cpu_budget, cpu_memory_need
+from zero3_offload.memory.budget import (
+    CpuMemoryNeed,
+    check_cpu_budget,
+    cpu_memory_need,
+    full_size_state_keys,
+)
 from zero3_offload.memory.pressure import PressurePolicy
+from zero3_offload.optimizer_state.disk_tier import NvmeShardTier
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.optimizer_state.step_runner import StepRunner
@@ -64,6 +75,10 @@ _GRADIENT_BUFFERS = 2
 # [Note: shared-memory collectives]): a round of ~8 MiB copies per ordering all-reduce
 # (4 MiB blocks took twice as long for a 12 MB gather on 2 ranks; 16 MiB, no faster).
 _SHARED_MEMORY_BLOCK = 8 * _MIB
+# Reused buffers of the disk tier: one layer updating, one being read ahead, one
+# being written back (see [Note: disk tier]).
+_DISK_TIER_BUFFERS = 3
+_DISK_TIER_IO_THREADS = 2
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -95,6 +110,13 @@ class Engine:
     pressure: PressurePolicy  # frees gathered memory under pressure
     checkpointer: ShardCheckpointer  # this rank's part of checkpoints
     model_runner: ModuleRunner | None  # module mode: runs the model's own code; else None
+    tier: NvmeShardTier | None  # masters and optimizer state on disk; else None
+
+    def close(self) -> None:
+        """Release what outlives the event loop: the disk tier's files, the group's threads."""
+        if self.tier is not None:
+            self.tier.close()
+        self.comm.close()
 
 
 def build_engine(
@@ -153,6 +175,7 @@ def build_engine(
         else None,
     )
     comm.observer = stats.record_communication
+    tier: NvmeShardTier | None = None
     try:
         streams = CopyStreams(device)
         workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
@@ -167,6 +190,7 @@ def build_engine(
             master_device=cpu if config.offload_optimizer_states else device,
             copy_device=cpu if config.offload_params else device,
             pin=pin,
+            masters_on_disk=config.offload_optimizer_device is OffloadDevice.NVME,
         )
         gatherer = ParameterGatherer(
             layers=layers,
@@ -185,7 +209,10 @@ def build_engine(
             gathered_flat=gatherer.gathered_flat,
         )
         cpu_need = cpu_memory_need(
-            config, [lay.shard_numel for lay in layouts.values() if lay.numel], device
+            config,
+            [lay.shard_numel for lay in layouts.values() if lay.numel],
+            device,
+            disk_tier_buffers=_DISK_TIER_BUFFERS,
         )
         check_cpu_budget(cpu_need, config.cpu_memory_budget)
         # Enough reusable buffers for what is gathered at once: the layer in use,
@@ -245,10 +272,13 @@ def build_engine(
             timeline=timeline,
             pin=pin,
         )
+        with_params = [name for name, lay in layouts.items() if lay.numel]
+        tier = _open_disk_tier(config, comm, params, layouts, with_params, timeline)
         optimizer = ShardOptimizers(
             config.optimizer,
-            [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
+            [(name, params.master(name)) for name in with_params],
             device=params.master_device,
+            tier=tier,
         )
         backup = SpeculationBackup(optimizer)
         steps = StepRunner(
@@ -334,10 +364,49 @@ def build_engine(
             pressure=pressure,
             checkpointer=checkpointer,
             model_runner=model_runner,
+            tier=tier,
         )
     except BaseException:
+        if tier is not None:
+            tier.close()
         comm.close()  # the heartbeat and the side group of the check
         raise
+
+
+def _open_disk_tier(
+    config: Zero3CpuOffloadConfig,
+    comm: Collectives,
+    params: ParameterStore,
+    layouts: Mapping[str, LayerLayout],
+    layers: list[str],
+    timeline: Timeline,
+) -> NvmeShardTier | None:
+    """The disk tier with every layer's initial master written (a collective: every rank
+    raises when one could not open its tier)."""
+    if config.offload_optimizer_device is not OffloadDevice.NVME:
+        return None
+    assert config.nvme_path is not None
+    tier, error = None, None
+    try:
+        tier = NvmeShardTier(
+            config.nvme_path,
+            rank=comm.rank,
+            layers={name: layouts[name].shard_numel for name in layers},
+            state_keys=full_size_state_keys(config),
+            buffers=_DISK_TIER_BUFFERS,
+            io=WorkerThreads(threads=_DISK_TIER_IO_THREADS, timeline=timeline),
+        )
+        for name in layers:
+            tier.write_initial(name, params.master(name))
+    except DiskTierError as exc:
+        error = exc
+    if not comm.agree_blocking(error is None, what="every rank's disk tier"):
+        if tier is not None:
+            tier.close()
+        if error is not None:
+            raise error
+        raise DiskTierError("the disk tier could not be opened on another rank")
+    return tier
 
 
 def _model_config(model: object) -> dict[str, Any] | None:

@@ -75,6 +75,10 @@ class MemoryAccounting:
         region = self._comm.shared_memory
         return 0 if region is None else region.nbytes
 
+    def _disk_tier_buffer_bytes(self) -> int:
+        tier = self._optimizer.tier
+        return 0 if tier is None else tier.buffer_bytes
+
     def process_rss(self) -> int:
         """Resident set size of this process, in bytes."""
         return int(self._process.memory_info().rss)
@@ -95,6 +99,7 @@ class MemoryAccounting:
             pressure_checks: pressure checks run so far.
         """
         device = self._gatherer.device
+        tier = self._optimizer.tier
         parts = [
             (device, activation_bytes),
             (self._params.master_device, self._params.master_bytes()),
@@ -107,6 +112,7 @@ class MemoryAccounting:
             (device, self._gatherer.pooled_bytes()),
             (device, self._gradient_buffer_bytes()),
             (device, self._shared_memory_bytes()),
+            (self._optimizer.device, self._disk_tier_buffer_bytes()),
         ]
         cpu = sum(n for dev, n in parts if dev.type == "cpu")
         return Zero3MemoryStats(
@@ -122,6 +128,8 @@ class MemoryAccounting:
             gather_pool_bytes=self._gatherer.pooled_bytes(),
             gradient_buffer_bytes=self._gradient_buffer_bytes(),
             shared_memory_bytes=self._shared_memory_bytes(),
+            disk_tier_buffer_bytes=self._disk_tier_buffer_bytes(),
+            disk_tier_file_bytes=0 if tier is None else tier.file_allocated_bytes(),
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
             process_rss_bytes=self.process_rss(),

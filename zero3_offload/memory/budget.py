@@ -13,13 +13,20 @@ from collections.abc import Iterable
 import attrs
 import torch
 
-from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.config import OffloadDevice, Zero3CpuOffloadConfig
 from zero3_offload.errors import MemoryBudgetError
 from zero3_offload.parameter.codec import ShardCodec
 
-__all__ = ["CpuMemoryNeed", "check_cpu_budget", "cpu_memory_need"]
+__all__ = [
+    "CpuMemoryNeed",
+    "check_cpu_budget",
+    "cpu_memory_need",
+    "disk_record_bytes",
+    "full_size_state_keys",
+]
 
 _FP32 = 4
+_ALIGN = 4096  # the disk tier's alignment of each tensor in a record
 
 
 @attrs.frozen(kw_only=True)
@@ -30,10 +37,35 @@ class CpuMemoryNeed:
     optimizer_state: int
     compute_copies: int
     gradients: int
+    disk_tier_buffers: int = 0  # the disk tier's reused buffers (offload_optimizer_device nvme)
 
     @property
     def total(self) -> int:
-        return self.master + self.optimizer_state + self.compute_copies + self.gradients
+        return (
+            self.master
+            + self.optimizer_state
+            + self.compute_copies
+            + self.gradients
+            + self.disk_tier_buffers
+        )
+
+
+def full_size_state_keys(config: Zero3CpuOffloadConfig) -> tuple[str, ...]:
+    """The state tensors of parameter size torch's optimizer keeps, in the disk tier's
+    record order (the scalar ``step`` is not one of them)."""
+    opt = config.optimizer
+    if opt.kind == "sgd":
+        return ("momentum_buffer",) if opt.momentum > 0 else ()
+    if opt.amsgrad:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    return ("exp_avg", "exp_avg_sq")
+
+
+def disk_record_bytes(config: Zero3CpuOffloadConfig, shard: int) -> int:
+    """Bytes of one layer's record in the disk tier: its master and full-size state,
+    each 4096-byte aligned."""
+    tensors = 1 + len(full_size_state_keys(config))
+    return tensors * (-(-_FP32 * shard // _ALIGN) * _ALIGN)
 
 
 def _state_bytes(config: Zero3CpuOffloadConfig, shard: int) -> int:
@@ -45,14 +77,20 @@ def _state_bytes(config: Zero3CpuOffloadConfig, shard: int) -> int:
 
 
 def cpu_memory_need(
-    config: Zero3CpuOffloadConfig, shard_numels: Iterable[int], device: torch.device
+    config: Zero3CpuOffloadConfig,
+    shard_numels: Iterable[int],
+    device: torch.device,
+    *,
+    disk_tier_buffers: int = 0,
 ) -> CpuMemoryNeed:
-    """CPU bytes of masters, optimizer state, compute copies and gradient shards.
+    """CPU bytes of masters, optimizer state, compute copies and gradient shards; with the
+    disk tier, of its reused buffers instead of the masters and full-size state.
 
     Args:
         config: decides what is offloaded and in which format.
         shard_numels: this rank's shard length of every layer with parameters.
         device: the compute device.
+        disk_tier_buffers: how many reused buffers the disk tier has.
     """
     cpu = torch.device("cpu")
     master_dev = cpu if config.offload_optimizer_states else device
@@ -62,10 +100,14 @@ def cpu_memory_need(
         config.compute_dtype,
         block_size=config.compression_block_size,
     )
-    aliased = codec.is_identity and master_dev == copy_dev
-    master = state = copies = grads = 0
+    on_disk = config.offload_optimizer_device is OffloadDevice.NVME
+    aliased = codec.is_identity and master_dev == copy_dev and not on_disk
+    master = state = copies = grads = largest_record = 0
     for shard in shard_numels:
-        if master_dev.type == "cpu":
+        if on_disk:  # in memory: the scalar step counter only (AdamW, Adam)
+            state += _state_bytes(config, shard) - _FP32 * shard * len(full_size_state_keys(config))
+            largest_record = max(largest_record, disk_record_bytes(config, shard))
+        elif master_dev.type == "cpu":
             master += _FP32 * shard
             state += _state_bytes(config, shard)
         if copy_dev.type == "cpu" and not aliased:
@@ -75,7 +117,11 @@ def cpu_memory_need(
         if config.offload_grads or device.type == "cpu":
             grads += _FP32 * shard
     return CpuMemoryNeed(
-        master=master, optimizer_state=state, compute_copies=copies, gradients=grads
+        master=master,
+        optimizer_state=state,
+        compute_copies=copies,
+        gradients=grads,
+        disk_tier_buffers=disk_tier_buffers * largest_record,
     )
 
 
@@ -89,6 +135,7 @@ def check_cpu_budget(need: CpuMemoryNeed, budget: int) -> None:
         raise MemoryBudgetError(
             f"this rank needs {need.total} bytes of CPU memory (master shards {need.master}, "
             f"optimizer state {need.optimizer_state}, compute copies {need.compute_copies}, "
-            f"gradient shards {need.gradients}) but cpu_memory_budget={budget}: raise the "
+            f"gradient shards {need.gradients}, disk tier buffers {need.disk_tier_buffers}) "
+            f"but cpu_memory_budget={budget}: raise the "
             "budget, use more ranks, or compress the compute copy (cpu_compression)"
         )

@@ -40,6 +40,12 @@ class Zero3MemoryStats:
     """The region CPU collectives move their data through when the ranks share a host
     (see ``shared_memory_collectives``): mapped by every rank of the group, held once by
     the host; 0 without one."""
+    disk_tier_buffer_bytes: int
+    """The disk tier's reused buffers, where a layer's master and optimizer state are
+    read, updated and written back (``offload_optimizer_device="nvme"``); 0 without it."""
+    disk_tier_file_bytes: int
+    """Bytes the disk tier's file occupies on disk (its allocated blocks): the masters and
+    full-size optimizer state of this rank; not memory. 0 without it."""
     cpu_memory_used: int
     """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
     gpu_memory_used: int

@@ -13,13 +13,15 @@ torch.optim skips parameters whose ``grad`` is None.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import AsyncIterator, Iterable
 
 import torch
 
 from zero3_offload.config import OptimizerConfig
 from zero3_offload.errors import ConfigError
 from zero3_offload.logging import get_logger
+from zero3_offload.optimizer_state.disk_tier import NvmeShardTier
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 
 __all__ = ["ShardOptimizers"]
@@ -72,6 +74,9 @@ class ShardOptimizers:
         masters: (layer, fp32 master shard) pairs; the optimizer updates these
             tensors in place.
         device: where the masters and the state live.
+        tier: with ``offload_optimizer_device="nvme"``, the file that holds the masters
+            and the full-size state between updates (see [Note: disk tier]); a layer
+            must be made :meth:`resident` to be updated or read.
 
     Raises:
         ConfigError: when ``cfg.fused`` is True but the device has no fused kernel.
@@ -83,9 +88,11 @@ class ShardOptimizers:
         masters: Iterable[tuple[str, torch.Tensor]],
         *,
         device: torch.device,
+        tier: NvmeShardTier | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = device
+        self.tier = tier
         fused = cfg.fused
         if fused is None:
             fused = _fused_supported(cfg, device)
@@ -101,6 +108,18 @@ class ShardOptimizers:
             self._masters[layer] = master
             self._optimizers[layer] = _make_optimizer(cfg, master, fused=fused)
 
+    @contextlib.asynccontextmanager
+    async def resident(self, layer: str, *, write: bool) -> AsyncIterator[None]:
+        """Hold ``layer``'s master and state in memory for the duration (with the disk
+        tier: read before, written back after when ``write``; otherwise nothing to do)."""
+        if self.tier is None:
+            yield
+            return
+        master = self._masters[layer]
+        state = self._optimizers[layer].state[master]
+        async with self.tier.resident(layer, master, state, write=write):
+            yield
+
     def step(self, layer: str, grad: torch.Tensor, lr: float) -> None:
         """Update ``layer``'s master shard in place with ``grad`` (fp32, same shape)."""
         master = self._masters[layer]
@@ -114,11 +133,16 @@ class ShardOptimizers:
             master.grad = None
 
     def state_bytes(self) -> int:
-        """Bytes of every optimizer state tensor (moments, step counters), counted."""
+        """Bytes of every optimizer state tensor in memory (moments, step counters),
+        counted; the disk tier's resident views count as its buffers, not here."""
         total = 0
         for opt in self._optimizers.values():
             for state in opt.state.values():
-                total += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
+                total += sum(
+                    tensor_bytes(v)
+                    for v in state.values()
+                    if torch.is_tensor(v) and (self.tier is None or not self.tier.owns(v))
+                )
         return total
 
     def layer_state(self, layer: str) -> dict[str, torch.Tensor]:
@@ -135,15 +159,18 @@ class ShardOptimizers:
         return self._masters[layer]
 
     def load_layer_state(self, layer: str, state: dict[str, torch.Tensor]) -> None:
-        """Replace ``layer``'s state with ``state`` (tensors are copied to the master's device)."""
+        """Replace ``layer``'s state with ``state`` (tensors are copied to the master's device).
+
+        The state dict is changed in place, so a resident layer's stays the one the disk
+        tier writes back."""
         master = self._masters[layer]
-        opt = self._optimizers[layer]
-        if state:
-            opt.state[master] = {k: v.to(master.device).clone() for k, v in state.items()}
-        else:
-            opt.state.pop(master, None)
+        current = self._optimizers[layer].state[master]
+        current.clear()
+        current.update({k: v.to(master.device).clone() for k, v in state.items()})
 
     def reset(self) -> None:
         """Drop all optimizer state (moments and step counts)."""
         for opt in self._optimizers.values():
             opt.state.clear()
+        if self.tier is not None:
+            self.tier.forget_state()

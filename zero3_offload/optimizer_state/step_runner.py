@@ -133,8 +133,10 @@ class StepRunner:
             self._optimizer.step(name, grad, lr)
 
         self.stepped.add(name)
-        await self._workers.run("cpu-optimizer", name, "step", update)
-        await self._refresh(name)
+        # With the disk tier: read before, written back after (see [Note: disk tier]).
+        async with self._optimizer.resident(name, write=True):
+            await self._workers.run("cpu-optimizer", name, "step", update)
+            await self._refresh(name)
 
     async def _refresh(self, name: str) -> None:
         await self._workers.run(

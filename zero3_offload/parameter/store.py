@@ -38,6 +38,8 @@ class ParameterStore:
         master_device: where master shards live.
         copy_device: where compute copies live.
         pin: allocate CPU compute copies in pinned memory.
+        masters_on_disk: the masters go to the disk tier once written (see [Note: disk
+            tier]), so the compute copy is always a tensor of its own.
     """
 
     def __init__(
@@ -47,8 +49,10 @@ class ParameterStore:
         master_device: torch.device,
         copy_device: torch.device,
         pin: bool = False,
+        masters_on_disk: bool = False,
     ) -> None:
         self.codec = codec
+        self.masters_on_disk = masters_on_disk
         self.master_device = master_device
         self.copy_device = copy_device
         self.pin = pin and copy_device.type == "cpu"
@@ -61,7 +65,11 @@ class ParameterStore:
     def put_master(self, layer: str, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, 1D) as ``layer``'s shard and encode its compute copy."""
         master = master.to(self.master_device, torch.float32)
-        if self.codec.is_identity and self.copy_device == self.master_device:
+        if (
+            self.codec.is_identity
+            and self.copy_device == self.master_device
+            and not self.masters_on_disk
+        ):
             self._shards[layer] = _StoredShard(master, CompressedShard(master, None), True)
             return
         copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)

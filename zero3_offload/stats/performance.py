@@ -84,7 +84,8 @@ class Zero3PerformanceStats:
     step_times: list[float] = attrs.Factory(list)
     """Wall time of each update step (the last ``STEP_TIMES_KEPT``)."""
     transfers: dict[str, TransferStats] = attrs.Factory(dict)
-    """``"h2d"`` / ``"d2h"`` copies: count, seconds, bytes."""
+    """``"h2d"`` / ``"d2h"`` copies, and the disk tier's ``"disk_read"`` / ``"disk_write"``:
+    count, seconds, bytes."""
     layer_timings: dict[str, LayerTimingStats] = attrs.Factory(dict)
     communication: dict[str, CommunicationStats] = attrs.Factory(dict)
     timeline: list[TimelineEvent] = attrs.Factory(list)

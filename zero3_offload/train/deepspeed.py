@@ -11,8 +11,10 @@ validated like any other, and errors name the DeepSpeed key.
 DeepSpeed                                                  zero3-offload
 =========================================================  ==================================
 zero_optimization.stage                                    must be 3
-zero_optimization.offload_param.device (cpu / none)        offload_params
-zero_optimization.offload_optimizer.device (cpu / none)    offload_optimizer_states, offload_grads
+zero_optimization.offload_param.device (cpu/nvme/none)     offload_params, offload_param_device
+zero_optimization.offload_optimizer.device (cpu/nvme/none) offload_optimizer_states,
+                                                           offload_grads, offload_optimizer_device
+zero_optimization.offload_{param,optimizer}.nvme_path      nvme_path (one directory for both)
 zero_optimization.offload_{param,optimizer}.pin_memory     pin_cpu_memory
 zero_optimization.stage3_prefetch_bucket_size (elements)   prefetch_bucket_size (bytes)
 zero_optimization.stage3_max_live_parameters (elements)    gpu_param_memory_budget (bytes)
@@ -177,15 +179,28 @@ def _zero_stage(data: Mapping[str, Any]) -> None:
 
 def _offload(key: str, value: Any, out: DeepSpeedMapping) -> bool:
     device = str(value).lower()
-    if device not in ("cpu", "none"):
-        out.skip(key, value, "only cpu or none; NVMe offload is not supported")
-        return True
-    on = device == "cpu"
+    if device not in ("cpu", "nvme", "none"):
+        raise DeepSpeedError(f"{key}={_show(value)} is invalid: must be cpu, nvme or none")
+    on = device != "none"
+    tier = "nvme" if device == "nvme" else "cpu"
     if key.endswith("offload_param.device"):
         out.set("offload_params", on, key)
+        out.set("offload_param_device", tier, key)
     else:
         out.set("offload_optimizer_states", on, key)
         out.set("offload_grads", on, key)
+        out.set("offload_optimizer_device", tier, key)
+    return True
+
+
+def _nvme_path(key: str, value: Any, out: DeepSpeedMapping) -> bool:
+    earlier = out.values.get("nvme_path")
+    if earlier is not None and earlier[0] != value:
+        raise DeepSpeedError(
+            f"{key}={_show(value)} differs from {earlier[1]}={_show(earlier[0])}: both disk "
+            "tiers live under one nvme_path here; give them the same directory"
+        )
+    out.set("nvme_path", value, key)
     return True
 
 
@@ -222,6 +237,8 @@ def _map_leaf(key: str, value: Any, dtype: str, out: DeepSpeedMapping) -> bool:
         out.set(_SAME[key], value, key)
     elif key.endswith(("offload_param.device", "offload_optimizer.device")):
         return _offload(key, value, out)
+    elif key.endswith(("offload_param.nvme_path", "offload_optimizer.nvme_path")):
+        return _nvme_path(key, value, out)
     elif key in (_Z + "stage3_prefetch_bucket_size", _Z + "stage3_max_live_parameters"):
         return _elements(key, value, dtype, out)
     elif key in (_Z + "zero_quantized_weights", _Z + "zero_quantized_gradients"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import resource
 import signal
 import sys
 import time
@@ -304,7 +305,16 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
             if interrupted:
                 break
         final = await trainer.evaluate()
-        log.info("train_done", rank=rank, step=done, eval_loss=final, initial_eval_loss=initial)
+        # The kernel's high-water mark of this rank's resident memory (Linux: KiB).
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        log.info(
+            "train_done",
+            rank=rank,
+            step=done,
+            eval_loss=final,
+            initial_eval_loss=initial,
+            peak_rss_bytes=peak,
+        )
         if saved is None or not saved.endswith(f"{done:08d}"):
             saved = await trainer.save()
     finally:

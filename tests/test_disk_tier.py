@@ -1,0 +1,215 @@
+"""The disk tier: masters and optimizer state in a file, bitwise the training in memory.
+
+See [Note: disk tier]. Every run here trains on 2 gloo ranks with the state
+on disk and is compared with the same run in memory: the final parameters,
+every loss, and the checkpoints, which keep their format whichever tier
+wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import TrainSpec, assert_bitwise, run_named, train
+
+from zero3_offload import ConfigError, DiskTierError, Zero3CpuOffloadConfig
+from zero3_offload.memory.budget import disk_record_bytes
+from zero3_offload.testing import RankContext, run_ranks
+
+MODEL = {"d": 64, "n_blocks": 2}
+STEPS = 3
+
+
+def on_disk(path: Path, **config: Any) -> dict[str, Any]:
+    return {"offload_optimizer_device": "nvme", "nvme_path": str(path), **config}
+
+
+CASES = {
+    "adamw": {},
+    "adamw_lr_in_backward": {"early_lr": True},
+    "adamw_accumulation_clipping": {
+        "micro_steps": 2,
+        "config": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05},
+    },
+    "sgd_momentum": {"optimizer": {"kind": "sgd", "momentum": 0.9}},
+    "adam_amsgrad": {"optimizer": {"kind": "adam", "amsgrad": True}},
+}
+
+
+def spec(case: dict[str, Any], config: dict[str, Any]) -> TrainSpec:
+    base = {k: v for k, v in case.items() if k != "config"}
+    return TrainSpec(steps=STEPS, model=MODEL, config={**case.get("config", {}), **config}, **base)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("nvme")
+    calls = {}
+    for name, case in CASES.items():
+        calls[f"{name}/ram"] = (train, spec(case, {}))
+        calls[f"{name}/disk"] = (train, spec(case, on_disk(root / name)))
+    return {"root": root, **run_named(2, calls)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_on_disk_is_bitwise_training_in_memory(runs: dict[str, Any], case: str) -> None:
+    ram, disk = runs[f"{case}/ram"], runs[f"{case}/disk"]
+    assert_bitwise(ram[0]["state"], disk[0]["state"])
+    for r, d in zip(ram, disk, strict=True):
+        assert r["losses"] == d["losses"]
+        assert r["grad_norms"] == d["grad_norms"]
+
+
+def test_the_disk_holds_the_state_and_memory_only_the_buffers(runs: dict[str, Any]) -> None:
+    for r, d in zip(runs["adamw/ram"], runs["adamw/disk"], strict=True):
+        shards = [shard for _, _, shard in d["layouts"].values() if shard]
+        mem_r, mem_d = r["memory"], d["memory"]
+        assert mem_d["master_param_bytes"] == 0
+        # In memory: AdamW's scalar step counter per layer only.
+        assert mem_d["optimizer_state_bytes"] == 4 * len(shards)
+        assert mem_r["optimizer_state_bytes"] == 4 * len(shards) + 8 * sum(shards)
+        config = Zero3CpuOffloadConfig(**on_disk(Path("/")))
+        records = [disk_record_bytes(config, s) for s in shards]
+        assert mem_d["disk_tier_file_bytes"] == sum(records)
+        assert mem_d["disk_tier_buffer_bytes"] == 3 * max(records)
+        # The compute copy is a tensor of its own: the master it aliased in memory is on disk.
+        assert mem_r["compute_copy_bytes"] == 0
+        assert mem_d["compute_copy_bytes"] == 4 * sum(shards)
+        transfers = d["performance"].transfers
+        # Construction writes every record once; every update reads its layer's record
+        # and writes it back; full_state_dict reads each once more at the end.
+        for kind in ("disk_read", "disk_write"):
+            assert transfers[kind].transfers == (STEPS + 1) * len(shards)
+            assert transfers[kind].bytes == (STEPS + 1) * sum(records)
+    # close() removed every rank's directory.
+    assert not any((runs["root"] / "adamw").iterdir())
+
+
+def test_checkpoints_move_between_the_tiers(tmp_path: Path) -> None:
+    saved = {tier: tmp_path / f"ckpt-{tier}" for tier in ("ram", "disk")}
+    config = {"ram": {}, "disk": on_disk(tmp_path / "tier")}
+    first = run_named(
+        2,
+        {
+            t: (train, TrainSpec(steps=2, model=MODEL, config=config[t], save_dir=str(saved[t])))
+            for t in saved
+        },
+    )
+    assert_bitwise(first["ram"][0]["state"], first["disk"][0]["state"])
+    # Each checkpoint resumed in the other tier, and in the same one: all four equal.
+    resumed = run_named(
+        2,
+        {
+            f"{src}->{dst}": (
+                train,
+                TrainSpec(
+                    steps=2,
+                    first_step=2,
+                    model=MODEL,
+                    config=config[dst] if dst == "ram" else on_disk(tmp_path / f"t-{src}"),
+                    load_dir=str(saved[src]),
+                ),
+            )
+            for src in saved
+            for dst in saved
+        },
+    )
+    reference = resumed["ram->ram"]
+    for name, result in resumed.items():
+        assert_bitwise(reference[0]["state"], result[0]["state"])
+        assert [r["losses"] for r in result] == [r["losses"] for r in reference], name
+
+
+async def refused_body(ctx: RankContext, path: str) -> str:
+    from helpers import make_model
+
+    from zero3_offload import Zero3CpuOffloadManager
+
+    config = Zero3CpuOffloadConfig(**on_disk(Path(path)))
+    try:
+        Zero3CpuOffloadManager(config, ctx.group, make_model(**MODEL))
+    except DiskTierError as exc:
+        return str(exc)
+    return "built"
+
+
+async def test_a_directory_left_behind_is_refused_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "rank1").mkdir()  # what a crashed run leaves
+    (tmp_path / "rank1" / "state.bin").write_bytes(b"old")
+    messages = await run_ranks(refused_body, 2, str(tmp_path), timeout_s=120)
+    assert "rank1 exists" in messages[1] and "remove it" in messages[1]
+    assert "another rank" in messages[0]
+    # Rank 0's own directory was removed again; the one left behind is untouched.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1"]
+    assert (tmp_path / "rank1" / "state.bin").read_bytes() == b"old"
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs; skips where mounting is not permitted (needs root)."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+async def test_a_full_disk_fails_at_construction_naming_path_and_bytes(small_fs: Path) -> None:
+    messages = await run_ranks(refused_body, 2, str(small_fs), timeout_s=120)
+    for rank, message in enumerate(messages):
+        if "no room" in message:
+            assert f"rank{rank}" in message and "bytes" in message and "free" in message
+    assert any("no room" in m for m in messages)
+    assert not any(small_fs.iterdir())  # nothing left behind
+
+
+def test_config_rules() -> None:
+    with pytest.raises(ConfigError, match="needs nvme_path"):
+        Zero3CpuOffloadConfig(offload_optimizer_device="nvme")
+    with pytest.raises(ConfigError, match="offload_optimizer_states"):
+        Zero3CpuOffloadConfig(**on_disk(Path("x")), offload_optimizer_states=False)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        Zero3CpuOffloadConfig(offload_param_device="nvme", nvme_path="x")
+    with pytest.raises(ConfigError, match="speculative_step"):
+        Zero3CpuOffloadConfig(**on_disk(Path("x")), speculative_step=True)
+    with pytest.raises(ConfigError, match="offload_optimizer_device"):
+        Zero3CpuOffloadConfig(offload_optimizer_device="disk")
+    assert os.fspath(Zero3CpuOffloadConfig(**on_disk(Path("x"))).nvme_path) == "x"
+
+
+def test_deepspeed_nvme_keys_map_to_the_disk_tier(tmp_path: Path, capsys) -> None:
+    from test_train import DEEPSPEED, run_cli
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+    zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": {"device": "cpu"}}
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": zero}))
+    code, out, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
+    assert code == 0, err
+    zero3 = json.loads(out)["zero3"]
+    assert zero3["offload_optimizer_device"] == "nvme" and zero3["nvme_path"] == str(tmp_path)
+    assert zero3["offload_optimizer_states"] and zero3["offload_param_device"] == "cpu"
+    # Parameters on disk are not supported yet: the error names the DeepSpeed key.
+    zero["offload_param"] = nvme
+    ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": zero}))
+    code, _, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
+    assert code == 2 and "offload_param.device" in err and "not supported yet" in err, err
+    # One directory for both tiers.
+    zero["offload_param"] = {"device": "cpu", "nvme_path": str(tmp_path / "other")}
+    ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": zero}))
+    code, _, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
+    assert code == 2 and "give them the same directory" in err, err

@@ -1,0 +1,340 @@
+"""fp32 master shards and optimizer state in a file, streamed through reused buffers.
+
+[Note: disk tier]
+With ``offload_optimizer_device="nvme"`` each rank keeps, for every layer, its
+fp32 master shard and the full-size optimizer state tensors (AdamW's
+``exp_avg`` and ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad, SGD's
+``momentum_buffer``) in one *record* of a file, ``nvme_path/rank<N>/state.bin``.
+Records are laid out in layer order, each tensor 4096-byte aligned, and the
+whole file is allocated when the manager is built (``posix_fallocate``): a disk
+without room fails there, naming the path and the bytes, before anything is
+trained, and a write during training never meets a full disk.
+
+A layer is *resident* while it is updated (or checkpointed): its record is read
+into one of a few reused, page-aligned buffers, and the master tensor and the
+state tensors the optimizer holds are pointed at views of that buffer
+(``Tensor.set_``), so torch's optimizer kernel updates the buffer in place;
+afterwards the record is written back and the tensors are pointed at nothing
+(an empty storage: a read of a layer that is not resident fails loudly, it
+never sees stale values). Reads and writes run in I/O threads with
+``os.preadv`` / ``os.pwritev``, with ``O_DIRECT`` where the filesystem takes it
+(page cache bypassed) and buffered otherwise; a layer's read waits only for a
+free buffer, so while one layer updates the next ones are read and the last
+ones written. The scalar ``step`` counters stay in memory. The bytes a layer
+holds are the same whichever tier holds it, so training on disk is bitwise
+training in memory.
+
+The directory is created exclusively (a directory left by a crashed run is
+refused; the message says to remove it) and removed on :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+
+import anyio
+import attrs
+import torch
+
+from zero3_offload.comm.worker_threads import WorkerThreads
+from zero3_offload.errors import DiskTierError, StateError
+from zero3_offload.logging import get_logger
+
+__all__ = ["NvmeShardTier"]
+
+log = get_logger(__name__)
+
+_ALIGN = 4096
+_F32 = 4
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@attrs.frozen
+class _Record:
+    offset: int  # bytes from the start of the file
+    numel: int  # elements of each tensor of the record
+    stride: int  # bytes from one tensor of the record to the next (aligned)
+    nbytes: int  # stride * tensors
+
+
+class NvmeShardTier:
+    """One rank's masters and optimizer state on disk (see [Note: disk tier]).
+
+    Args:
+        root: ``nvme_path``; the rank's directory ``rank<N>`` is created under it.
+        rank: this rank.
+        layers: elements of each layer's master shard, in update order.
+        state_keys: the full-size state tensors of the optimizer, in record order.
+        buffers: reused buffers (one resident layer each).
+        io: the threads reads and writes run in.
+
+    Raises:
+        DiskTierError: the directory exists already, or cannot be created, or the
+            file cannot be allocated (a full disk: the message gives the bytes).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        rank: int,
+        layers: dict[str, int],
+        state_keys: tuple[str, ...],
+        buffers: int,
+        io: WorkerThreads,
+    ) -> None:
+        self.state_keys = state_keys
+        self._io = io
+        self._records: dict[str, _Record] = {}
+        offset = 0
+        for name, numel in layers.items():
+            stride = _aligned(numel * _F32)
+            count = 1 + len(state_keys)
+            self._records[name] = _Record(offset, numel, stride, stride * count)
+            offset += stride * count
+        self.file_bytes = offset
+        self.directory = Path(root) / f"rank{rank}"
+        self.path = self.directory / "state.bin"
+        self._fd = -1
+        self._open()
+        largest = max((r.nbytes for r in self._records.values()), default=_ALIGN)
+        self._buffer_bytes = largest
+        # Page-aligned anonymous mappings, as O_DIRECT needs; reused for every layer.
+        self._maps = [mmap.mmap(-1, largest) for _ in range(max(1, buffers))]
+        self._buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        self._free = list(range(len(self._buffers)))
+        self._free_changed = anyio.Event()
+        self._resident: dict[str, int] = {}  # layer -> buffer index
+        self._written: set[str] = set()  # layers whose state tensors are in the file
+        # reads / writes: (count, seconds, bytes), counted as they complete
+        self.reads: tuple[int, float, int] = (0, 0.0, 0)
+        self.writes: tuple[int, float, int] = (0, 0.0, 0)
+
+    def _open(self) -> None:
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir()
+        except FileExistsError:
+            raise DiskTierError(
+                f"{self.directory} exists: another run uses it, or a crashed run left it "
+                "behind; remove it (the disk tier holds nothing a checkpoint does not) "
+                "or choose another nvme_path"
+            ) from None
+        except OSError as exc:
+            raise DiskTierError(f"cannot create {self.directory}: {exc}") from exc
+        try:
+            self._fd, self.direct = _open_file(self.path)
+            _allocate(self._fd, self.file_bytes)
+        except OSError as exc:
+            self.close()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(self.directory.parent).free
+                raise DiskTierError(
+                    f"{self.path}: no room for the disk tier: it needs {self.file_bytes} "
+                    f"bytes (masters and optimizer state of this rank), {free} are free"
+                ) from exc
+            raise DiskTierError(f"cannot create {self.path}: {exc}") from exc
+        log.info("disk_tier_opened", path=str(self.path), bytes=self.file_bytes, direct=self.direct)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the reused buffers (memory this tier holds, whatever is resident)."""
+        return self._buffer_bytes * len(self._buffers)
+
+    def file_allocated_bytes(self) -> int:
+        """Bytes the file occupies on disk (its allocated blocks)."""
+        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
+
+    def is_resident(self, layer: str) -> bool:
+        return layer in self._resident
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a view of one of the tier's buffers."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(ptr == b.untyped_storage().data_ptr() for b in self._buffers)
+
+    def _views(self, layer: str, index: int) -> list[torch.Tensor]:
+        record, buffer = self._records[layer], self._buffers[index]
+        views = []
+        for k in range(1 + len(self.state_keys)):
+            view = torch.empty(0, dtype=torch.float32)
+            view.set_(buffer.untyped_storage(), k * record.stride // _F32, (record.numel,), (1,))
+            views.append(view)
+        return views
+
+    async def _take_buffer(self) -> int:
+        while not self._free:
+            await self._free_changed.wait()
+        return self._free.pop(0)
+
+    def _give_buffer(self, index: int) -> None:
+        self._free.append(index)
+        self._free_changed.set()
+        self._free_changed = anyio.Event()
+
+    @contextlib.asynccontextmanager
+    async def resident(
+        self,
+        layer: str,
+        master: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        *,
+        write: bool,
+    ) -> AsyncIterator[None]:
+        """Make ``layer`` resident: ``master`` and the ``state`` dict's full-size tensors
+        point at its record's values for the duration; with ``write`` the record is
+        written back afterwards (also the state tensors the optimizer created or replaced
+        meanwhile), and the tensors point at nothing again.
+
+        Raises:
+            DiskTierError: a read or write failed (the message names the file).
+        """
+        if layer in self._resident:
+            raise StateError(f"layer {layer!r} is already resident in the disk tier")
+        index = await self._take_buffer()
+        self._resident[layer] = index
+        try:
+            record = self._records[layer]
+            await self._transfer(layer, "read", index, record)
+            views = self._views(layer, index)
+            master.set_(views[0])
+            if layer in self._written:
+                for key, view in zip(self.state_keys, views[1:], strict=True):
+                    state[key] = view
+            yield
+            if write:
+                self._collect(layer, state, views[1:])
+                await self._transfer(layer, "write", index, record)
+        finally:
+            master.set_(torch.empty(0, dtype=master.dtype))
+            for key in self.state_keys:
+                state.pop(key, None)
+            del self._resident[layer]
+            self._give_buffer(index)
+
+    def _collect(
+        self, layer: str, state: dict[str, torch.Tensor], views: list[torch.Tensor]
+    ) -> None:
+        """Copy the state tensors into the record where they are not its views already
+        (the optimizer's first step creates them; a checkpoint load replaces them)."""
+        present = [k for k in self.state_keys if k in state]
+        if not present:  # no step yet, or a checkpoint without state: the part is unused
+            self._written.discard(layer)
+            return
+        if len(present) != len(self.state_keys):
+            raise StateError(
+                f"the optimizer state of {layer!r} has {sorted(state)}; the disk tier "
+                f"expects {list(self.state_keys)}"
+            )
+        for key, view in zip(self.state_keys, views, strict=True):
+            tensor = state[key]
+            if tensor.data_ptr() != view.data_ptr():
+                view.copy_(tensor)
+                state[key] = view
+        self._written.add(layer)
+
+    def forget_state(self) -> None:
+        """No layer has optimizer state any more (a reset): the records' state parts are
+        unused until the next step writes them."""
+        self._written.clear()
+
+    def _io_blocking(self, what: str, index: int, record: _Record) -> None:
+        """Read or write ``record`` from or into buffer ``index`` on this thread."""
+        view = memoryview(self._maps[index])[: record.nbytes]
+        start, done = time.perf_counter(), 0
+        while done < record.nbytes:
+            at = record.offset + done
+            try:
+                if what == "read":
+                    n = os.preadv(self._fd, [view[done:]], at)
+                else:
+                    n = os.pwritev(self._fd, [view[done:]], at)
+            except OSError as exc:
+                raise DiskTierError(f"{what} of {self.path} at byte {at} failed: {exc}") from exc
+            if n <= 0:
+                raise DiskTierError(f"{what} of {self.path} at byte {at} stopped short")
+            done += n
+        seconds = time.perf_counter() - start
+        count, total, nbytes = self.reads if what == "read" else self.writes
+        figures = (count + 1, total + seconds, nbytes + done)
+        if what == "read":
+            self.reads = figures
+        else:
+            self.writes = figures
+
+    async def _transfer(self, layer: str, what: str, index: int, record: _Record) -> None:
+        await self._io.run(
+            f"nvme-{what}", layer, "step", lambda: self._io_blocking(what, index, record)
+        )
+
+    def write_initial(self, layer: str, master: torch.Tensor) -> None:
+        """Write ``layer``'s initial master values (no optimizer state yet) on this thread,
+        then point ``master`` at nothing: the file holds it from now on."""
+        index = self._free[0]
+        record = self._records[layer]
+        views = self._views(layer, index)
+        views[0].copy_(master)
+        for view in views[1:]:
+            view.zero_()
+        self._io_blocking("write", index, record)
+        master.set_(torch.empty(0, dtype=master.dtype))
+
+    async def each_layer(
+        self,
+        layers: Iterable[str],
+        tensors: Callable[[str], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        fn: Callable[[str], None],
+        *,
+        write: bool,
+    ) -> None:
+        """Run ``fn(layer)`` with each layer resident in turn, reads running ahead into
+        the free buffers."""
+
+        async def one(layer: str) -> None:
+            master, state = tensors(layer)
+            async with self.resident(layer, master, state, write=write):
+                fn(layer)
+
+        async with anyio.create_task_group() as tg:
+            for layer in layers:
+                tg.start_soon(one, layer)
+
+    def close(self) -> None:
+        """Close the file and remove the rank's directory (with what it holds)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _open_file(path: Path) -> tuple[int, bool]:
+    """The file, created exclusively: with ``O_DIRECT`` where the filesystem takes it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            return os.open(path, flags | direct, 0o600), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+def _allocate(fd: int, nbytes: int) -> None:
+    if nbytes == 0:
+        return
+    allocate = getattr(os, "posix_fallocate", None)
+    if allocate is None:
+        os.ftruncate(fd, nbytes)
+        return
+    allocate(fd, 0, nbytes)
