@@ -276,14 +276,18 @@ def report(payload: dict[str, Any]) -> Report:
         "disk time needed / step time",
     ]
     pairs = [("nvme", "ram"), ("nvme_lr_bwd", "ram_lr_bwd")]
-    ratios = [
-        f"{summary[a]['label']}: {summary[a]['median_step_s'] / summary[b]['median_step_s']:.3f}x "
-        f"the step in memory (goal <= {GOAL_STEP:.2f}x for a compute-bound step), peak RSS "
-        f"{summary[a]['peak_rss_bytes'] / summary[b]['peak_rss_bytes']:.2f}x "
-        f"({mib(summary[b]['peak_rss_bytes'] - summary[a]['peak_rss_bytes'])} MiB less)"
-        for a, b in pairs
-        if a in summary and b in summary
-    ]
+    ratios = []
+    for a, b in pairs:
+        if a not in summary or b not in summary:
+            continue
+        step = summary[a]["median_step_s"] / summary[b]["median_step_s"]
+        less = summary[b]["peak_rss_bytes"] - summary[a]["peak_rss_bytes"]
+        rss = f"{mib(less)} MiB less" if less >= 0 else f"{mib(-less)} MiB more"
+        ratios.append(
+            f"{summary[a]['label']}: {step:.3f}x the step in memory (goal <= {GOAL_STEP:.2f}x "
+            f"for a compute-bound step), peak RSS per rank "
+            f"{summary[a]['peak_rss_bytes'] / summary[b]['peak_rss_bytes']:.2f}x ({rss})."
+        )
     passes = ", ".join(f"{100 * p['achieved']:.0f} %" for p in tier["passes"])
     dims = cfg["dims"]
     tables = "\n\n".join(
