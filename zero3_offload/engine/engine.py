@@ -36,6 +36,7 @@ from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
 from zero3_offload.memory.accounting import MemoryAccounting
+from zero3_offload.memory.allocator import trim_heap
 from zero3_offload.memory.budget import (
     CpuMemoryNeed,
     check_cpu_budget,
@@ -395,9 +396,11 @@ def _open_disk_tier(
             state_keys=full_size_state_keys(config),
             buffers=_DISK_TIER_BUFFERS,
             io=WorkerThreads(threads=_DISK_TIER_IO_THREADS, timeline=timeline),
+            give_back=trim_heap,
         )
         for name in layers:
             tier.write_initial(name, params.master(name))
+        trim_heap()  # the masters are on disk now: their memory back to the OS
     except DiskTierError as exc:
         error = exc
     if not comm.agree_blocking(error is None, what="every rank's disk tier"):

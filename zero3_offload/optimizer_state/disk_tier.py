@@ -77,6 +77,10 @@ class NvmeShardTier:
         state_keys: the full-size state tensors of the optimizer, in record order.
         buffers: reused buffers (one resident layer each).
         io: the threads reads and writes run in.
+        give_back: called after a record's state was copied in from tensors the
+            optimizer created in memory (its first step), to return their freed memory
+            to the OS (the engine passes the heap trim), so the state does not stay
+            resident after all.
 
     Raises:
         DiskTierError: the directory exists already, or cannot be created, or the
@@ -92,9 +96,11 @@ class NvmeShardTier:
         state_keys: tuple[str, ...],
         buffers: int,
         io: WorkerThreads,
+        give_back: Callable[[], object] | None = None,
     ) -> None:
         self.state_keys = state_keys
         self._io = io
+        self._give_back = give_back
         self._records: dict[str, _Record] = {}
         offset = 0
         for name, numel in layers.items():
@@ -213,8 +219,10 @@ class NvmeShardTier:
                     state[key] = view
             yield
             if write:
-                self._collect(layer, state, views[1:])
+                fresh = self._collect(layer, state, views[1:])
                 await self._transfer(layer, "write", index, record)
+                if fresh and self._give_back is not None:
+                    self._give_back()
         finally:
             master.set_(torch.empty(0, dtype=master.dtype))
             for key in self.state_keys:
@@ -224,24 +232,28 @@ class NvmeShardTier:
 
     def _collect(
         self, layer: str, state: dict[str, torch.Tensor], views: list[torch.Tensor]
-    ) -> None:
+    ) -> bool:
         """Copy the state tensors into the record where they are not its views already
-        (the optimizer's first step creates them; a checkpoint load replaces them)."""
+        (the optimizer's first step creates them; a checkpoint load replaces them).
+        Returns whether any was copied (a tensor of its own in memory, now dropped)."""
         present = [k for k in self.state_keys if k in state]
         if not present:  # no step yet, or a checkpoint without state: the part is unused
             self._written.discard(layer)
-            return
+            return False
         if len(present) != len(self.state_keys):
             raise StateError(
                 f"the optimizer state of {layer!r} has {sorted(state)}; the disk tier "
                 f"expects {list(self.state_keys)}"
             )
+        fresh = False
         for key, view in zip(self.state_keys, views, strict=True):
             tensor = state[key]
             if tensor.data_ptr() != view.data_ptr():
                 view.copy_(tensor)
                 state[key] = view
+                fresh = True
         self._written.add(layer)
+        return fresh
 
     def forget_state(self) -> None:
         """No layer has optimizer state any more (a reset): the records' state parts are
