@@ -34,7 +34,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,19 @@ import torch
 from safetensors.torch import save_file
 
 from zero3_offload.checkpoint.format import LATEST, METADATA, shard_file
+from zero3_offload.checkpoint.streamed_shard import ShardEntry, write_streamed
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.errors import CheckpointError
 from zero3_offload.logging import get_logger
 
-__all__ = ["SAVE_STEPS", "commit_save", "fsync_path", "prepare_save", "write_shard"]
+__all__ = [
+    "SAVE_STEPS",
+    "commit_save",
+    "fsync_path",
+    "prepare_save",
+    "write_shard",
+    "write_shard_streamed",
+]
 
 SAVE_STEPS = (
     "prepare_save",
@@ -142,6 +151,34 @@ def write_shard(tmp: Path, tensors: Mapping[str, torch.Tensor], rank: int, world
         fsync_path(part)
         part.replace(final)
     except Exception as exc:  # safetensors reports a full disk as SafetensorError
+        part.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {part}: {exc}") from exc
+    return final
+
+
+async def write_shard_streamed(
+    tmp: Path,
+    entries: Sequence[ShardEntry],
+    open_group: Callable[[str], AbstractAsyncContextManager[dict[str, torch.Tensor]]],
+    write: Callable[[Callable[[], None]], Awaitable[None]],
+    rank: int,
+    world: int,
+) -> Path:
+    """:func:`write_shard` for tensors that are not all in memory at once: written group
+    by group (see ``checkpoint.streamed_shard``), the same file.
+
+    Raises:
+        CheckpointError: naming the file, when it cannot be written; the partial file
+            is removed.
+    """
+    final = tmp / shard_file(rank, world)
+    part = final.with_suffix(_PART)
+    try:
+        await write_streamed(part, entries, open_group, write)
+        part.replace(final)
+    except CheckpointError:
+        raise
+    except Exception as exc:
         part.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write {part}: {exc}") from exc
     return final

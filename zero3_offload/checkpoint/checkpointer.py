@@ -9,7 +9,9 @@ gathered copies, resetting its step state).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from zero3_offload.checkpoint.format import (
     resolve_checkpoint,
 )
 from zero3_offload.checkpoint.reshard_load import LoadedShards, read_shards
+from zero3_offload.checkpoint.streamed_shard import ShardEntry
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.config import Zero3CpuOffloadConfig
@@ -63,23 +66,54 @@ class ShardCheckpointer:
     timeline: Timeline  # its step counter is saved and restored
     model_config: dict[str, Any] | None = None  # a transformers model's config, for export
 
-    async def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+    def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         tensors: dict[str, torch.Tensor] = {}
         scalar_state: set[str] = set()
-        # A layer in the disk tier is read for the moment it is collected, and copied.
-        copy = self.optimizer.tier is not None
         for layer in self.optimizer.layers():
-            async with self.optimizer.resident(layer, write=False):
-                master = self.params.master(layer)
-                tensors[f"{layer}.master"] = master.clone() if copy else master
-                for key, value in self.optimizer.layer_state(layer).items():
-                    tensors[f"{layer}.optim.{key}"] = value.clone() if copy else value
-                    if value.dim() == 0:
-                        scalar_state.add(key)
+            tensors[f"{layer}.master"] = self.params.master(layer)
+            for key, value in self.optimizer.layer_state(layer).items():
+                tensors[f"{layer}.optim.{key}"] = value
+                if value.dim() == 0:
+                    scalar_state.add(key)
             grad = self.grads.get(layer)
             if grad is not None:
                 tensors[f"{layer}.grad"] = grad
         return tensors, sorted(scalar_state)
+
+    def _entries(self) -> tuple[list[ShardEntry], list[str]]:
+        """:meth:`_tensors`' names, dtypes and shapes, without reading the disk tier."""
+        tier = self.optimizer.tier
+        assert tier is not None
+        entries: list[ShardEntry] = []
+        scalar_state: set[str] = set()
+        for layer in self.optimizer.layers():
+            shape = (self.layouts[layer].shard_numel,)
+            keys = {"master": shape}
+            if tier.has_state(layer):
+                keys.update(dict.fromkeys(tier.state_keys, shape))
+            for key, value in self.optimizer.layer_state(layer).items():  # the scalars
+                keys[key] = tuple(value.shape)
+                if value.dim() == 0:
+                    scalar_state.add(key)
+            for key, key_shape in keys.items():
+                name = f"{layer}.master" if key == "master" else f"{layer}.optim.{key}"
+                entries.append(ShardEntry(name, torch.float32, key_shape, layer))
+            grad = self.grads.get(layer)
+            if grad is not None:
+                entries.append(ShardEntry(f"{layer}.grad", grad.dtype, tuple(grad.shape), layer))
+        return entries, sorted(scalar_state)
+
+    @contextlib.asynccontextmanager
+    async def _resident_layer(self, layer: str) -> AsyncIterator[dict[str, torch.Tensor]]:
+        """``layer``'s tensors of the checkpoint, read from the disk tier for the moment."""
+        async with self.optimizer.resident(layer, write=False):
+            tensors = {f"{layer}.master": self.params.master(layer)}
+            for key, value in self.optimizer.layer_state(layer).items():
+                tensors[f"{layer}.optim.{key}"] = value
+            grad = self.grads.get(layer)
+            if grad is not None:
+                tensors[f"{layer}.grad"] = grad
+            yield tensors
 
     def _metadata(self, scalar_state: list[str], calls_since_update: int) -> dict[str, Any]:
         scaler = self.steps.loss_scaler
@@ -117,23 +151,38 @@ class ShardCheckpointer:
         """
         root = Path(root)
         name = checkpoint_name(self.stats.optimizer_steps, calls_since_update)
-        tensors, scalar_state = await self._tensors()
+        streamed = self.optimizer.tier is not None  # read from the disk tier layer by layer
+        if streamed:
+            entries, scalar_state = self._entries()
+            count = len(entries)
+        else:
+            tensors, scalar_state = self._tensors()
+            count = len(tensors)
         meta = self._metadata(scalar_state, calls_since_update)
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size
         error: Exception | None = None
         try:
-            await self.workers.run(
-                "checkpoint-write",
-                "",
-                "step",
-                lambda: atomic_save.write_shard(tmp, tensors, rank, world),
-            )
+            if streamed:
+
+                async def write(fn: Callable[[], None]) -> None:
+                    await self.workers.run("checkpoint-write", "", "step", fn)
+
+                await atomic_save.write_shard_streamed(
+                    tmp, entries, self._resident_layer, write, rank, world
+                )
+            else:
+                await self.workers.run(
+                    "checkpoint-write",
+                    "",
+                    "step",
+                    lambda: atomic_save.write_shard(tmp, tensors, rank, world),
+                )
         except Exception as exc:  # reported to every rank by commit_save, which raises
             error = exc
         final = await atomic_save.commit_save(root, tmp, name, meta, self.comm, error)
-        log.info("checkpoint_saved", rank=rank, path=str(final), tensors=len(tensors))
+        log.info("checkpoint_saved", rank=rank, path=str(final), tensors=count)
         return final
 
     async def read(self, path: str | os.PathLike[str]) -> tuple[Path, LoadedShards]:

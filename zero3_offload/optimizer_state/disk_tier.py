@@ -255,6 +255,10 @@ class NvmeShardTier:
         self._written.add(layer)
         return fresh
 
+    def has_state(self, layer: str) -> bool:
+        """Whether ``layer``'s record holds optimizer state (it has been stepped)."""
+        return layer in self._written
+
     def forget_state(self) -> None:
         """No layer has optimizer state any more (a reset): the records' state parts are
         unused until the next step writes them."""
