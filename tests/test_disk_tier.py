@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from helpers import TrainSpec, assert_bitwise, run_named, train
 
 from zero3_offload import ConfigError, DiskTierError, Zero3CpuOffloadConfig
@@ -213,3 +214,38 @@ def test_deepspeed_nvme_keys_map_to_the_disk_tier(tmp_path: Path, capsys) -> Non
     ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": zero}))
     code, _, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
     assert code == 2 and "give them the same directory" in err, err
+
+
+async def logged_body(ctx: RankContext, path: str) -> list[dict[str, Any]]:
+    from helpers import lm_loss, local_slice, make_batches, make_model
+
+    from zero3_offload import Zero3CpuOffloadManager
+
+    model = make_model(**MODEL)
+    names = model.layer_names
+    config = Zero3CpuOffloadConfig(**on_disk(Path(path)))
+    with structlog.testing.capture_logs() as logs:
+        async with Zero3CpuOffloadManager(config, ctx.group, model) as manager:
+            for x, y in make_batches(2, 8):
+                out = await manager.forward_pass(local_slice(x, ctx), names)
+                out.requires_grad_()
+                lm_loss(out.float(), local_slice(y, ctx)).backward()
+                await manager.backward_pass(out.grad, names)
+                await manager.optimizer_step(1e-3)
+            shards = [lay.shard_numel for lay in manager.engine.layouts.values() if lay.numel]
+    steps = [e for e in logs if e["event"] == "step"]
+    return [{"disk": e["disk"], "shards": shards} for e in steps]
+
+
+async def test_step_events_carry_each_steps_disk_traffic(tmp_path: Path) -> None:
+    results = await run_ranks(logged_body, 2, str(tmp_path), timeout_s=120)
+    config = Zero3CpuOffloadConfig(**on_disk(tmp_path))
+    for steps in results:
+        assert len(steps) == 2
+        for step in steps:
+            records = sum(disk_record_bytes(config, s) for s in step["shards"])
+            disk = step["disk"]
+            # Each layer read for its update and written back once per step; the
+            # construction's writes are not part of the first step's figures.
+            assert disk["read_bytes"] == disk["write_bytes"] == records
+            assert disk["read_seconds"] > 0 and disk["write_seconds"] > 0

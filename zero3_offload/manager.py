@@ -739,6 +739,7 @@ class Zero3CpuOffloadManager:
             device_allocated_bytes=memory.device_allocated_bytes,
             memory_pressure=pressure.pressure,
             loss_scale=self.loss_scale,
+            **({} if e.tier is None else {"disk": e.tier.step_figures()}),
         )
         return updated is not None
 

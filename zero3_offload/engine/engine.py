@@ -401,6 +401,7 @@ def _open_disk_tier(
         for name in layers:
             tier.write_initial(name, params.master(name))
         trim_heap()  # the masters are on disk now: their memory back to the OS
+        tier.step_figures()  # the steps' disk figures count from here
     except DiskTierError as exc:
         error = exc
     if not comm.agree_blocking(error is None, what="every rank's disk tier"):

@@ -125,6 +125,7 @@ class NvmeShardTier:
         # reads / writes: (count, seconds, bytes), counted as they complete
         self.reads: tuple[int, float, int] = (0, 0.0, 0)
         self.writes: tuple[int, float, int] = (0, 0.0, 0)
+        self._seen = (self.reads, self.writes)  # at the last step_figures()
 
     def _open(self) -> None:
         try:
@@ -254,6 +255,17 @@ class NvmeShardTier:
                 fresh = True
         self._written.add(layer)
         return fresh
+
+    def step_figures(self) -> dict[str, float]:
+        """Bytes and seconds read and written since the previous call (one step's)."""
+        (_, read_s0, read_b0), (_, write_s0, write_b0) = self._seen
+        self._seen = (self.reads, self.writes)
+        return {
+            "read_bytes": self.reads[2] - read_b0,
+            "read_seconds": self.reads[1] - read_s0,
+            "write_bytes": self.writes[2] - write_b0,
+            "write_seconds": self.writes[1] - write_s0,
+        }
 
     def has_state(self, layer: str) -> bool:
         """Whether ``layer``'s record holds optimizer state (it has been stepped)."""
