@@ -98,13 +98,19 @@ class Torch:
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         clock.phase("forward")
-        self.opt.zero_grad(set_to_none=True)
+        self.zero_grad()
         loss = await self.forward_loss(self.model, x, y, clock)
         clock.phase("backward")
         loss.backward()
         clock.phase("optimizer")
-        self.opt.step()
+        self.update()
         return loss
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def update(self) -> None:
+        self.opt.step()
 
     def model_state(self) -> dict[str, int]:
         params = list(self.model.parameters())
@@ -201,17 +207,13 @@ class Split(Torch):
         adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
         self.opt = torch.optim.AdamW([v for *_, v in self.shares], betas=BETAS, eps=EPS, **adamw)
 
-    async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
-        clock.phase("forward")
+    def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)
-        loss = await self.forward_loss(self.model, x, y, clock)
-        clock.phase("backward")
-        loss.backward()
-        clock.phase("optimizer")
+
+    def update(self) -> None:
         for p, lo, hi, share in self.shares:
             share.grad = p.grad.view(-1)[lo:hi]
         self.opt.step()
-        return loss
 
 
 class Ours(Torch):

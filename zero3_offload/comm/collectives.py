@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import random
 import threading
@@ -623,18 +624,16 @@ class Collectives:
 
         ``what`` names the use (e.g. the layer) in errors and in the divergence check.
         """
+        nbytes = output.numel() * output.element_size()
         shm = self.shared_memory
         if shm is not None and output.device.type == "cpu":
-            return self._start(
-                "all_gather",
-                lambda: self._through(lambda: shm.all_gather(output, shard)),
-                output.numel() * output.element_size(),
-                what,
+            return self._start_shared(
+                "all_gather", lambda: shm.all_gather(output, shard), nbytes, what
             )
         return self._start(
             "all_gather",
             lambda: self._caps.all_gather(output, shard, group=self.group, async_op=True),
-            output.numel() * output.element_size(),
+            nbytes,
             what,
         )
 
@@ -644,11 +643,9 @@ class Collectives:
         """Launch the average of ``full`` over ranks, keeping this rank's slice in ``output``."""
         shm = self.shared_memory
         if shm is not None and full.device.type == "cpu":
-            return self._start(
-                "reduce_scatter",
-                lambda: self._through(lambda: shm.reduce_scatter_mean(output, full)),
-                full.numel() * full.element_size(),
-                what,
+            run = functools.partial(shm.reduce_scatter_mean, output, full)
+            return self._start_shared(
+                "reduce_scatter", run, full.numel() * full.element_size(), what
             )
         if self._caps.exchange and full.device.type == "cpu":
             return self._start_exchange_mean(output, full, what)
@@ -688,12 +685,18 @@ class Collectives:
         pending.then(recycle)
         return pending
 
-    @staticmethod
-    def _through(run: Callable[[], None]) -> _DoneWork:
-        # A collective through shared memory completes in its launch, on the
-        # launcher thread (see [Note: shared-memory collectives]).
-        run()
-        return _DoneWork()
+    def _start_shared(
+        self, op: str, run: Callable[[], None], nbytes: int, what: str
+    ) -> PendingCollective:
+        """Queue ``op`` through the host's shared memory: ``run`` moves the data on the
+        launcher thread and the collective has completed when its launch returns (see
+        [Note: shared-memory collectives])."""
+
+        def launch() -> _DoneWork:
+            run()
+            return _DoneWork()
+
+        return self._start(op, launch, nbytes, what)
 
     def _fresh_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)

@@ -238,6 +238,10 @@ def build_engine(
             # On the CPU, kept layers take the pooled buffers' place (see the note).
             keep_limit=gatherer.pool_limit if device.type == "cpu" else None,
         )
+        with_params = [name for name, lay in layouts.items() if lay.numel]
+        tier = _open_disk_tier(config, comm, layouts, with_params, timeline)
+        if tier is not None:  # each initial master goes to the file as soon as it is made
+            params.on_put = tier.write_initial
         shard_initial_values(
             layers=layers,
             layouts=layouts,
@@ -249,6 +253,9 @@ def build_engine(
             model=model if module_mode else None,
             source=shard_source,
         )
+        if tier is not None:
+            trim_heap()  # the masters are on disk now: their memory back to the OS
+            tier.step_figures()  # the steps' disk figures count from here
 
         # Module mode's root unit holds a buffer of its own through the whole
         # backward (its gradients arrive at both ends), so the pool is sized for
@@ -273,8 +280,6 @@ def build_engine(
             timeline=timeline,
             pin=pin,
         )
-        with_params = [name for name, lay in layouts.items() if lay.numel]
-        tier = _open_disk_tier(config, comm, params, layouts, with_params, timeline)
         optimizer = ShardOptimizers(
             config.optimizer,
             [(name, params.master(name)) for name in with_params],
@@ -377,13 +382,12 @@ def build_engine(
 def _open_disk_tier(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
-    params: ParameterStore,
     layouts: Mapping[str, LayerLayout],
     layers: list[str],
     timeline: Timeline,
 ) -> NvmeShardTier | None:
-    """The disk tier with every layer's initial master written (a collective: every rank
-    raises when one could not open its tier)."""
+    """The disk tier's file, allocated (a collective: every rank raises when one could
+    not open its tier)."""
     if config.offload_optimizer_device is not OffloadDevice.NVME:
         return None
     assert config.nvme_path is not None
@@ -398,10 +402,6 @@ def _open_disk_tier(
             io=WorkerThreads(threads=_DISK_TIER_IO_THREADS, timeline=timeline),
             give_back=trim_heap,
         )
-        for name in layers:
-            tier.write_initial(name, params.master(name))
-        trim_heap()  # the masters are on disk now: their memory back to the OS
-        tier.step_figures()  # the steps' disk figures count from here
     except DiskTierError as exc:
         error = exc
     if not comm.agree_blocking(error is None, what="every rank's disk tier"):

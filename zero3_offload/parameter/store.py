@@ -7,6 +7,8 @@ compression format of ``parameter.codec``) is what a gather sends to the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
@@ -53,6 +55,9 @@ class ParameterStore:
     ) -> None:
         self.codec = codec
         self.masters_on_disk = masters_on_disk
+        # Called as on_put(layer, master) once a layer's master and compute copy are
+        # stored (the disk tier writes the master there and drops it from memory).
+        self.on_put: Callable[[str, torch.Tensor], None] | None = None
         self.master_device = master_device
         self.copy_device = copy_device
         self.pin = pin and copy_device.type == "cpu"
@@ -75,6 +80,8 @@ class ParameterStore:
         copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)
         self._shards[layer] = _StoredShard(master, copy, False)
         self.refresh_compute_copy(layer)
+        if self.on_put is not None and master.numel():
+            self.on_put(layer, master)
 
     def master(self, layer: str) -> torch.Tensor:
         """The fp32 master shard of ``layer`` (updated in place by the optimizer)."""
