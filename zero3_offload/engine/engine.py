@@ -254,6 +254,7 @@ def build_engine(
             source=shard_source,
         )
         if tier is not None:
+            params.on_put = None  # only the initial masters: later ones are updated in place
             trim_heap()  # the masters are on disk now: their memory back to the OS
             tier.step_figures()  # the steps' disk figures count from here
 

@@ -110,7 +110,11 @@ class ParameterStore:
         return list(self._shards)
 
     def master_bytes(self) -> int:
-        """Bytes of all master shards, counted from the tensors."""
+        """Bytes of all master shards in memory, counted from the tensors (with the masters
+        on disk, 0: a layer's master being updated is a view of the disk tier's buffers,
+        counted there)."""
+        if self.masters_on_disk:
+            return 0
         return sum(tensor_bytes(s.master) for s in self._shards.values())
 
     def compute_copy_bytes(self) -> int:
