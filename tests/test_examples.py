@@ -62,8 +62,8 @@ def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tmp_path: Path) -> No
         for v in re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", disk).groups()
     )
     # Every update of the 6 steps read its layer's record and wrote it back; construction
-    # wrote every record once more.
-    assert read > 0 and written * 6 == read * 7
+    # wrote every record's master part, a third of it (AdamW's master and two moments).
+    assert read > 0 and written * 18 == read * 19
     assert not any(tmp_path.iterdir())  # the ranks' files are gone
 
 

@@ -15,6 +15,7 @@ import torch
 
 from zero3_offload.config import OffloadDevice, Zero3CpuOffloadConfig
 from zero3_offload.errors import MemoryBudgetError
+from zero3_offload.optimizer_state.disk_tier import record_bytes
 from zero3_offload.parameter.codec import ShardCodec
 
 __all__ = [
@@ -26,7 +27,6 @@ __all__ = [
 ]
 
 _FP32 = 4
-_ALIGN = 4096  # the disk tier's alignment of each tensor in a record
 
 
 @attrs.frozen(kw_only=True)
@@ -64,16 +64,12 @@ def full_size_state_keys(config: Zero3CpuOffloadConfig) -> tuple[str, ...]:
 def disk_record_bytes(config: Zero3CpuOffloadConfig, shard: int) -> int:
     """Bytes of one layer's record in the disk tier: its master and full-size state,
     each 4096-byte aligned."""
-    tensors = 1 + len(full_size_state_keys(config))
-    return tensors * (-(-_FP32 * shard // _ALIGN) * _ALIGN)
+    return record_bytes(shard, full_size_state_keys(config))
 
 
-def _state_bytes(config: Zero3CpuOffloadConfig, shard: int) -> int:
-    opt = config.optimizer
-    if opt.kind == "sgd":
-        return _FP32 * shard if opt.momentum > 0 else 0
-    moments = 3 if opt.amsgrad else 2  # exp_avg, exp_avg_sq (, max_exp_avg_sq)
-    return moments * _FP32 * shard + _FP32  # + the fp32 step counter
+def _scalar_state_bytes(config: Zero3CpuOffloadConfig) -> int:
+    """Bytes of a shard's scalar state: Adam's and AdamW's fp32 step counter; SGD has none."""
+    return 0 if config.optimizer.kind == "sgd" else _FP32
 
 
 def cpu_memory_need(
@@ -104,12 +100,13 @@ def cpu_memory_need(
     aliased = codec.is_identity and master_dev == copy_dev and not on_disk
     master = state = copies = grads = largest_record = 0
     for shard in shard_numels:
-        if on_disk:  # in memory: the scalar step counter only (AdamW, Adam)
-            state += _state_bytes(config, shard) - _FP32 * shard * len(full_size_state_keys(config))
+        if on_disk:  # in memory: the scalar state only
+            state += _scalar_state_bytes(config)
             largest_record = max(largest_record, disk_record_bytes(config, shard))
         elif master_dev.type == "cpu":
             master += _FP32 * shard
-            state += _state_bytes(config, shard)
+            state += _FP32 * shard * len(full_size_state_keys(config))
+            state += _scalar_state_bytes(config)
         if copy_dev.type == "cpu" and not aliased:
             copies += torch.empty((), dtype=codec.storage_dtype).element_size() * shard
             if codec.method.value == "int8":

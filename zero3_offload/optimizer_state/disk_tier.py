@@ -36,7 +36,7 @@ import mmap
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -47,7 +47,7 @@ from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.errors import DiskTierError, StateError
 from zero3_offload.logging import get_logger
 
-__all__ = ["NvmeShardTier"]
+__all__ = ["NvmeShardTier", "record_bytes"]
 
 log = get_logger(__name__)
 
@@ -55,8 +55,15 @@ _ALIGN = 4096
 _F32 = 4
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def _stride(numel: int) -> int:
+    """Bytes from one tensor of a record to the next: ``numel`` fp32, 4096-byte aligned."""
+    return -(-numel * _F32 // _ALIGN) * _ALIGN
+
+
+def record_bytes(numel: int, state_keys: tuple[str, ...]) -> int:
+    """Bytes of one layer's record: its master and its ``state_keys`` tensors of ``numel``
+    fp32 elements each, every one 4096-byte aligned."""
+    return (1 + len(state_keys)) * _stride(numel)
 
 
 @attrs.frozen
@@ -104,10 +111,9 @@ class NvmeShardTier:
         self._records: dict[str, _Record] = {}
         offset = 0
         for name, numel in layers.items():
-            stride = _aligned(numel * _F32)
-            count = 1 + len(state_keys)
-            self._records[name] = _Record(offset, numel, stride, stride * count)
-            offset += stride * count
+            nbytes = record_bytes(numel, state_keys)
+            self._records[name] = _Record(offset, numel, _stride(numel), nbytes)
+            offset += nbytes
         self.file_bytes = offset
         self.directory = Path(root) / f"rank{rank}"
         self.path = self.directory / "state.bin"
@@ -161,9 +167,6 @@ class NvmeShardTier:
     def file_allocated_bytes(self) -> int:
         """Bytes the file occupies on disk (its allocated blocks)."""
         return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
-
-    def is_resident(self, layer: str) -> bool:
-        return layer in self._resident
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a view of one of the tier's buffers."""
@@ -276,12 +279,13 @@ class NvmeShardTier:
         unused until the next step writes them."""
         self._written.clear()
 
-    def _io_blocking(self, what: str, index: int, record: _Record) -> None:
-        """Read or write ``record`` from or into buffer ``index`` on this thread."""
-        view = memoryview(self._maps[index])[: record.nbytes]
+    def _io_blocking(self, what: str, index: int, offset: int, nbytes: int) -> None:
+        """Read or write ``nbytes`` of the file at ``offset`` from or into the start of
+        buffer ``index``, on this thread."""
+        view = memoryview(self._maps[index])[:nbytes]
         start, done = time.perf_counter(), 0
-        while done < record.nbytes:
-            at = record.offset + done
+        while done < nbytes:
+            at = offset + done
             try:
                 if what == "read":
                     n = os.preadv(self._fd, [view[done:]], at)
@@ -302,40 +306,21 @@ class NvmeShardTier:
 
     async def _transfer(self, layer: str, what: str, index: int, record: _Record) -> None:
         await self._io.run(
-            f"nvme-{what}", layer, "step", lambda: self._io_blocking(what, index, record)
+            f"nvme-{what}",
+            layer,
+            "step",
+            lambda: self._io_blocking(what, index, record.offset, record.nbytes),
         )
 
     def write_initial(self, layer: str, master: torch.Tensor) -> None:
-        """Write ``layer``'s initial master values (no optimizer state yet) on this thread,
-        then point ``master`` at nothing: the file holds it from now on."""
+        """Write ``layer``'s initial master values on this thread, then point ``master`` at
+        nothing: the file holds it from now on. Only the master's part of the record is
+        written: the state part is unused until the layer's first step writes it."""
         index = self._free[0]
         record = self._records[layer]
-        views = self._views(layer, index)
-        views[0].copy_(master)
-        for view in views[1:]:
-            view.zero_()
-        self._io_blocking("write", index, record)
+        self._views(layer, index)[0].copy_(master)
+        self._io_blocking("write", index, record.offset, record.stride)
         master.set_(torch.empty(0, dtype=master.dtype))
-
-    async def each_layer(
-        self,
-        layers: Iterable[str],
-        tensors: Callable[[str], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-        fn: Callable[[str], None],
-        *,
-        write: bool,
-    ) -> None:
-        """Run ``fn(layer)`` with each layer resident in turn, reads running ahead into
-        the free buffers."""
-
-        async def one(layer: str) -> None:
-            master, state = tensors(layer)
-            async with self.resident(layer, master, state, write=write):
-                fn(layer)
-
-        async with anyio.create_task_group() as tg:
-            for layer in layers:
-                tg.start_soon(one, layer)
 
     def close(self) -> None:
         """Close the file and remove the rank's directory (with what it holds)."""
