@@ -1,4 +1,5 @@
-"""A checkpoint file written group by group is byte for byte the one safetensors writes."""
+"""A checkpoint file written group by group is byte for byte the one safetensors writes;
+a failed one leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from zero3_offload.checkpoint.atomic_save import write_shard_streamed
 from zero3_offload.checkpoint.streamed_shard import ShardEntry, write_streamed
 from zero3_offload.errors import CheckpointError
 
@@ -68,7 +70,6 @@ async def test_a_failed_write_removes_the_partial_file(tmp_path: Path) -> None:
     async def write(fn: Callable[[], None]) -> None:
         raise OSError(28, "No space left on device")
 
-    path = tmp_path / "streamed.safetensors"
     with pytest.raises(CheckpointError, match="No space left"):
-        await write_streamed(path, entries, open_group, write)
-    assert not path.exists()
+        await write_shard_streamed(tmp_path, entries, open_group, write, 0, 1)
+    assert not any(tmp_path.iterdir())  # neither the partial file nor the final one

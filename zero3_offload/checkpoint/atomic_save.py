@@ -176,9 +176,7 @@ async def write_shard_streamed(
     try:
         await write_streamed(part, entries, open_group, write)
         part.replace(final)
-    except CheckpointError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # a full disk, or the disk tier's read of a layer
         part.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write {part}: {exc}") from exc
     return final

@@ -66,54 +66,55 @@ class ShardCheckpointer:
     timeline: Timeline  # its step counter is saved and restored
     model_config: dict[str, Any] | None = None  # a transformers model's config, for export
 
-    def _tensors(self) -> tuple[dict[str, torch.Tensor], list[str]]:
-        tensors: dict[str, torch.Tensor] = {}
-        scalar_state: set[str] = set()
-        for layer in self.optimizer.layers():
-            tensors[f"{layer}.master"] = self.params.master(layer)
-            for key, value in self.optimizer.layer_state(layer).items():
-                tensors[f"{layer}.optim.{key}"] = value
-                if value.dim() == 0:
-                    scalar_state.add(key)
-            grad = self.grads.get(layer)
-            if grad is not None:
-                tensors[f"{layer}.grad"] = grad
-        return tensors, sorted(scalar_state)
+    def _layer_tensors(self, layer: str) -> dict[str, torch.Tensor]:
+        """``layer``'s tensors of a checkpoint, by name (with the disk tier, the master and
+        full-size state only while the layer is resident)."""
+        tensors = {f"{layer}.master": self.params.master(layer)}
+        for key, value in self.optimizer.layer_state(layer).items():
+            tensors[f"{layer}.optim.{key}"] = value
+        grad = self.grads.get(layer)
+        if grad is not None:
+            tensors[f"{layer}.grad"] = grad
+        return tensors
 
-    def _entries(self) -> tuple[list[ShardEntry], list[str]]:
+    def _scalar_state(self) -> list[str]:
+        """The optimizer state keys that are scalars (in memory with either tier)."""
+        keys = {
+            key
+            for layer in self.optimizer.layers()
+            for key, value in self.optimizer.layer_state(layer).items()
+            if value.dim() == 0
+        }
+        return sorted(keys)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in self.optimizer.layers():
+            tensors.update(self._layer_tensors(layer))
+        return tensors
+
+    def _entries(self) -> list[ShardEntry]:
         """:meth:`_tensors`' names, dtypes and shapes, without reading the disk tier."""
         tier = self.optimizer.tier
         assert tier is not None
         entries: list[ShardEntry] = []
-        scalar_state: set[str] = set()
         for layer in self.optimizer.layers():
             shape = (self.layouts[layer].shard_numel,)
-            keys = {"master": shape}
+            names = [f"{layer}.master"]
             if tier.has_state(layer):
-                keys.update(dict.fromkeys(tier.state_keys, shape))
-            for key, value in self.optimizer.layer_state(layer).items():  # the scalars
-                keys[key] = tuple(value.shape)
-                if value.dim() == 0:
-                    scalar_state.add(key)
-            for key, key_shape in keys.items():
-                name = f"{layer}.master" if key == "master" else f"{layer}.optim.{key}"
-                entries.append(ShardEntry(name, torch.float32, key_shape, layer))
-            grad = self.grads.get(layer)
-            if grad is not None:
-                entries.append(ShardEntry(f"{layer}.grad", grad.dtype, tuple(grad.shape), layer))
-        return entries, sorted(scalar_state)
+                names += [f"{layer}.optim.{key}" for key in tier.state_keys]
+            entries += [ShardEntry(name, torch.float32, shape, layer) for name in names]
+            # In memory: the scalar state and the gradient.
+            for name, value in self._layer_tensors(layer).items():
+                if name != f"{layer}.master":
+                    entries.append(ShardEntry(name, value.dtype, tuple(value.shape), layer))
+        return entries
 
     @contextlib.asynccontextmanager
     async def _resident_layer(self, layer: str) -> AsyncIterator[dict[str, torch.Tensor]]:
         """``layer``'s tensors of the checkpoint, read from the disk tier for the moment."""
         async with self.optimizer.resident(layer, write=False):
-            tensors = {f"{layer}.master": self.params.master(layer)}
-            for key, value in self.optimizer.layer_state(layer).items():
-                tensors[f"{layer}.optim.{key}"] = value
-            grad = self.grads.get(layer)
-            if grad is not None:
-                tensors[f"{layer}.grad"] = grad
-            yield tensors
+            yield self._layer_tensors(layer)
 
     def _metadata(self, scalar_state: list[str], calls_since_update: int) -> dict[str, Any]:
         scaler = self.steps.loss_scaler
@@ -153,12 +154,12 @@ class ShardCheckpointer:
         name = checkpoint_name(self.stats.optimizer_steps, calls_since_update)
         streamed = self.optimizer.tier is not None  # read from the disk tier layer by layer
         if streamed:
-            entries, scalar_state = self._entries()
+            entries = self._entries()
             count = len(entries)
         else:
-            tensors, scalar_state = self._tensors()
+            tensors = self._tensors()
             count = len(tensors)
-        meta = self._metadata(scalar_state, calls_since_update)
+        meta = self._metadata(self._scalar_state(), calls_since_update)
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size

@@ -22,8 +22,6 @@ from pathlib import Path
 import attrs
 import torch
 
-from zero3_offload.errors import CheckpointError
-
 __all__ = ["ShardEntry", "write_streamed"]
 
 # safetensors' dtype names; its writer orders tensors by dtype (descending in its enum:
@@ -82,33 +80,26 @@ async def write_streamed(
 ) -> None:
     """Write ``entries`` into ``path`` and fsync it: the header, then each group's
     tensors while ``open_group(group)`` holds them (a dict by entry name); ``write(fn)``
-    runs the blocking write ``fn`` (in the caller's worker threads).
-
-    Raises:
-        CheckpointError: the file cannot be written (e.g. a full disk), naming it;
-            the partial file is removed.
-    """
+    runs the blocking write ``fn`` (in the caller's worker threads). A failure is
+    raised as it is; ``atomic_save.write_shard_streamed`` removes the partial file and
+    reports it."""
     ordered = _ordered(entries)
-    try:
-        with open(path, "wb") as f:
-            f.write(_header(ordered))
-            k = 0
-            while k < len(ordered):
-                group = ordered[k].group
-                end = k
-                while end < len(ordered) and ordered[end].group == group:
-                    end += 1
-                async with open_group(group) as tensors:
-                    parts = [tensors[e.name] for e in ordered[k:end]]
+    with open(path, "wb") as f:
+        f.write(_header(ordered))
+        k = 0
+        while k < len(ordered):
+            group = ordered[k].group
+            end = k
+            while end < len(ordered) and ordered[end].group == group:
+                end += 1
+            async with open_group(group) as tensors:
+                parts = [tensors[e.name] for e in ordered[k:end]]
 
-                    def put(parts: list[torch.Tensor] = parts) -> None:
-                        for t in parts:
-                            f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+                def put(parts: list[torch.Tensor] = parts) -> None:
+                    for t in parts:
+                        f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
 
-                    await write(put)
-                k = end
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot write {path}: {exc}") from exc
+                await write(put)
+            k = end
+        f.flush()
+        os.fsync(f.fileno())
