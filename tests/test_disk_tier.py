@@ -186,8 +186,6 @@ def test_config_rules() -> None:
         Zero3CpuOffloadConfig(offload_optimizer_device="nvme")
     with pytest.raises(ConfigError, match="offload_optimizer_states"):
         Zero3CpuOffloadConfig(**on_disk(Path("x")), offload_optimizer_states=False)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        Zero3CpuOffloadConfig(offload_param_device="nvme", nvme_path="x")
     with pytest.raises(ConfigError, match="speculative_step"):
         Zero3CpuOffloadConfig(**on_disk(Path("x")), speculative_step=True)
     with pytest.raises(ConfigError, match="offload_optimizer_device"):
@@ -207,11 +205,13 @@ def test_deepspeed_nvme_keys_map_to_the_disk_tier(tmp_path: Path, capsys) -> Non
     zero3 = json.loads(out)["zero3"]
     assert zero3["offload_optimizer_device"] == "nvme" and zero3["nvme_path"] == str(tmp_path)
     assert zero3["offload_optimizer_states"] and zero3["offload_param_device"] == "cpu"
-    # Parameters on disk are not supported yet: the error names the DeepSpeed key.
+    # Parameters on disk too, under the same directory.
     zero["offload_param"] = nvme
     ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": zero}))
-    code, _, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
-    assert code == 2 and "offload_param.device" in err and "not supported yet" in err, err
+    code, out, err = run_cli(capsys, "--deepspeed-config", str(ds), "--print-config")
+    assert code == 0, err
+    zero3 = json.loads(out)["zero3"]
+    assert zero3["offload_param_device"] == "nvme" and zero3["offload_params"]
     # One directory for both tiers.
     zero["offload_param"] = {"device": "cpu", "nvme_path": str(tmp_path / "other")}
     ds.write_text(json.dumps(DEEPSPEED | {"zero_optimization": zero}))

@@ -606,8 +606,10 @@ class Zero3CpuOffloadConfig:
         default=OffloadDevice.CPU,
         converter=functools.partial(OffloadDevice.parse, field="offload_param_device"),
     )
-    """Where the offloaded compute copies of the parameter shards live: ``"cpu"`` only for
-    now (``"nvme"`` is refused with a ``ConfigError``)."""
+    """Where the offloaded compute copies of the parameter shards live: ``"cpu"`` (memory)
+    or ``"nvme"`` (one preallocated file per rank under ``nvme_path``; each layer's copy
+    is read into a few reused buffers ahead of its gather and written when its master
+    changes, bitwise the bytes the CPU tier holds). Needs ``offload_params``."""
     nvme_path: str | None = attrs.field(
         default=None,
         validator=attrs.validators.optional(
@@ -633,11 +635,16 @@ class Zero3CpuOffloadConfig:
                     f"{limit}={limit_mb}; lower {budget} or raise {limit}"
                 )
         on_disk = self.offload_optimizer_device is OffloadDevice.NVME
-        if self.offload_param_device is OffloadDevice.NVME:
+        copies_on_disk = self.offload_param_device is OffloadDevice.NVME
+        if copies_on_disk and not self.offload_params:
             raise ConfigError(
-                "offload_param_device='nvme' is invalid: compute copies on disk are not "
-                "supported yet; use 'cpu' (offload_optimizer_device='nvme' puts the masters "
-                "and optimizer state on disk)"
+                "offload_param_device='nvme' is invalid with offload_params=False: the disk "
+                "tier holds offloaded compute copies; set it to True"
+            )
+        if copies_on_disk and self.nvme_path is None:
+            raise ConfigError(
+                "offload_param_device='nvme' needs nvme_path: the directory the per-rank "
+                "files are created in"
             )
         if on_disk and not self.offload_optimizer_states:
             raise ConfigError(

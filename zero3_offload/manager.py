@@ -45,6 +45,7 @@ from zero3_offload.parameter.meta_init import InitFn, ShardSource, reset_paramet
 from zero3_offload.prefetch.scheduler import layer_seconds
 from zero3_offload.prefetch.status import PrefetchQueueStatus
 from zero3_offload.stats.performance import TransferStats, Zero3PerformanceStats
+from zero3_offload.storage.record_file import RecordFile
 
 __all__ = ["Zero3CpuOffloadManager"]
 
@@ -739,7 +740,7 @@ class Zero3CpuOffloadManager:
             device_allocated_bytes=memory.device_allocated_bytes,
             memory_pressure=pressure.pressure,
             loss_scale=self.loss_scale,
-            **({} if e.tier is None else {"disk": e.tier.step_figures()}),
+            **({"disk": _disk_figures(e.disk_files())} if e.disk_files() else {}),
         )
         return updated is not None
 
@@ -855,12 +856,14 @@ class Zero3CpuOffloadManager:
             prefetch_hit_rate=e.prefetch.metrics.hit_rate(),
             gathered_high_water_bytes=e.gatherer.high_water_bytes,
         )
-        if e.tier is not None:  # the disk tier's reads and writes
-            for kind, (count, seconds, nbytes) in (
-                ("disk_read", e.tier.reads),
-                ("disk_write", e.tier.writes),
-            ):
-                stats.transfers[kind] = TransferStats(transfers=count, time=seconds, bytes=nbytes)
+        files = e.disk_files()
+        for kind in ("read", "write") if files else ():  # the disk tiers' reads and writes
+            counts = [file.reads if kind == "read" else file.writes for file in files]
+            stats.transfers[f"disk_{kind}"] = TransferStats(
+                transfers=sum(c[0] for c in counts),
+                time=sum(c[1] for c in counts),
+                bytes=sum(c[2] for c in counts),
+            )
         return stats
 
     def get_memory_stats(self) -> Zero3MemoryStats:
@@ -1026,3 +1029,12 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         if isinstance(t, torch.Tensor) and t.dim():
             return int(t.shape[0])
     return 1
+
+
+def _disk_figures(files: list[RecordFile]) -> dict[str, float]:
+    """The step's bytes and seconds read and written, over the disk tiers' files."""
+    figures: dict[str, float] = {}
+    for file in files:
+        for key, value in file.step_figures().items():
+            figures[key] = figures.get(key, 0) + value
+    return figures

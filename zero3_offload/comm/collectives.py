@@ -618,21 +618,29 @@ class Collectives:
             self._wait_blocking(launched, self._launcher.launching())
 
     def start_all_gather(
-        self, output: torch.Tensor, shard: torch.Tensor, *, what: str = ""
+        self,
+        output: torch.Tensor,
+        shard: torch.Tensor | Callable[[], torch.Tensor],
+        *,
+        what: str = "",
     ) -> PendingCollective:
         """Launch the gather of every rank's ``shard`` into ``output`` (rank order).
 
+        ``shard`` may be a function returning the tensor: it is called on the launcher
+        thread right before the collective starts (a compute copy still being read
+        from disk is waited for there, off the event loop, in program order).
         ``what`` names the use (e.g. the layer) in errors and in the divergence check.
         """
         nbytes = output.numel() * output.element_size()
+        get = (lambda: shard) if isinstance(shard, torch.Tensor) else shard
         shm = self.shared_memory
         if shm is not None and output.device.type == "cpu":
             return self._start_shared(
-                "all_gather", lambda: shm.all_gather(output, shard), nbytes, what
+                "all_gather", lambda: shm.all_gather(output, get()), nbytes, what
             )
         return self._start(
             "all_gather",
-            lambda: self._caps.all_gather(output, shard, group=self.group, async_op=True),
+            lambda: self._caps.all_gather(output, get(), group=self.group, async_op=True),
             nbytes,
             what,
         )

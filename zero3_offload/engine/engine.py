@@ -49,6 +49,7 @@ from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.codec import ShardCodec
+from zero3_offload.parameter.disk_copies import DiskComputeCopies
 from zero3_offload.parameter.flat_layout import (
     ROOT_UNIT,
     LayerLayout,
@@ -65,6 +66,8 @@ from zero3_offload.prefetch.scheduler import PrefetchScheduler
 from zero3_offload.stats.performance import Zero3PerformanceStats
 from zero3_offload.stats.step_log import StepLog
 from zero3_offload.stats.timeline import Timeline
+from zero3_offload.storage.rank_directory import RankDirectory
+from zero3_offload.storage.record_file import RecordFile
 
 __all__ = ["Engine", "build_engine"]
 
@@ -80,6 +83,9 @@ _SHARED_MEMORY_BLOCK = 8 * _MIB
 # being written back (see [Note: disk tier]).
 _DISK_TIER_BUFFERS = 3
 _DISK_TIER_IO_THREADS = 2
+# Compute copies on disk are read this many layers beyond the gather window (see
+# [Note: compute copies on disk]).
+_PARAM_READ_AHEAD = 2
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -112,11 +118,18 @@ class Engine:
     checkpointer: ShardCheckpointer  # this rank's part of checkpoints
     model_runner: ModuleRunner | None  # module mode: runs the model's own code; else None
     tier: NvmeShardTier | None  # masters and optimizer state on disk; else None
+    directory: RankDirectory | None  # the disk tiers' directory of this rank; else None
+
+    def disk_files(self) -> list[RecordFile]:
+        """The disk tiers' files: the optimizer's, then the compute copies'."""
+        files = [] if self.tier is None else [self.tier.file]
+        if self.params.disk is not None:
+            files.append(self.params.disk.file)
+        return files
 
     def close(self) -> None:
-        """Release what outlives the event loop: the disk tier's files, the group's threads."""
-        if self.tier is not None:
-            self.tier.close()
+        """Release what outlives the event loop: the disk tiers' files, the group's threads."""
+        _close_disk(self.directory, self.tier, self.params.disk)
         self.comm.close()
 
 
@@ -176,7 +189,9 @@ def build_engine(
         else None,
     )
     comm.observer = stats.record_communication
+    directory: RankDirectory | None = None
     tier: NvmeShardTier | None = None
+    copies: DiskComputeCopies | None = None
     try:
         streams = CopyStreams(device)
         workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
@@ -186,12 +201,17 @@ def build_engine(
             config.compute_dtype,
             block_size=config.compression_block_size,
         )
+        with_params = [name for name, lay in layouts.items() if lay.numel]
+        directory, tier, copies = _open_disk_tiers(
+            config, comm, {name: layouts[name].shard_numel for name in with_params}, codec, timeline
+        )
         params = ParameterStore(
             codec=codec,
             master_device=cpu if config.offload_optimizer_states else device,
             copy_device=cpu if config.offload_params else device,
             pin=pin,
             masters_on_disk=config.offload_optimizer_device is OffloadDevice.NVME,
+            disk=copies,
         )
         gatherer = ParameterGatherer(
             layers=layers,
@@ -214,6 +234,7 @@ def build_engine(
             [lay.shard_numel for lay in layouts.values() if lay.numel],
             device,
             disk_tier_buffers=_DISK_TIER_BUFFERS,
+            disk_copy_buffers=_param_read_buffers(config),
         )
         check_cpu_budget(cpu_need, config.cpu_memory_budget)
         # Enough reusable buffers for what is gathered at once: the layer in use,
@@ -238,8 +259,8 @@ def build_engine(
             # On the CPU, kept layers take the pooled buffers' place (see the note).
             keep_limit=gatherer.pool_limit if device.type == "cpu" else None,
         )
-        with_params = [name for name, lay in layouts.items() if lay.numel]
-        tier = _open_disk_tier(config, comm, layouts, with_params, timeline)
+        if copies is not None:
+            prefetch.read_ahead = _PARAM_READ_AHEAD
         if tier is not None:  # each initial master goes to the file as soon as it is made
             params.on_put = tier.write_initial
         shard_initial_values(
@@ -256,7 +277,10 @@ def build_engine(
         if tier is not None:
             params.on_put = None  # only the initial masters: later ones are updated in place
             trim_heap()  # the masters are on disk now: their memory back to the OS
-            tier.step_figures()  # the steps' disk figures count from here
+        if tier is not None:
+            tier.file.step_figures()  # the steps' disk figures count from here
+        if copies is not None:
+            copies.file.step_figures()
 
         # Module mode's root unit holds a buffer of its own through the whole
         # backward (its gradients arrive at both ends), so the pool is sized for
@@ -372,46 +396,80 @@ def build_engine(
             checkpointer=checkpointer,
             model_runner=model_runner,
             tier=tier,
+            directory=directory,
         )
     except BaseException:
-        if tier is not None:
-            tier.close()
+        _close_disk(directory, tier, copies)
         comm.close()  # the heartbeat and the side group of the check
         raise
 
 
-def _open_disk_tier(
+def _param_read_buffers(config: Zero3CpuOffloadConfig) -> int:
+    """Read buffers of compute copies on disk: the gather window and the read-ahead
+    (0 when the copies are in memory)."""
+    if config.offload_param_device is not OffloadDevice.NVME:
+        return 0
+    return config.prefetch_buffer_size + _PARAM_READ_AHEAD + 1
+
+
+def _open_disk_tiers(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
-    layouts: Mapping[str, LayerLayout],
-    layers: list[str],
+    shards: dict[str, int],
+    codec: ShardCodec,
     timeline: Timeline,
-) -> NvmeShardTier | None:
-    """The disk tier's file, allocated (a collective: every rank raises when one could
-    not open its tier)."""
-    if config.offload_optimizer_device is not OffloadDevice.NVME:
-        return None
+) -> tuple[RankDirectory | None, NvmeShardTier | None, DiskComputeCopies | None]:
+    """The rank's directory and the files of the tiers on disk, allocated (a collective:
+    every rank raises when one could not open its tiers). ``shards``: elements of each
+    layer's shard, for the layers with parameters."""
+    optimizer = config.offload_optimizer_device is OffloadDevice.NVME
+    params = config.offload_param_device is OffloadDevice.NVME
+    if not (optimizer or params):
+        return None, None, None
     assert config.nvme_path is not None
-    tier, error = None, None
+    directory = tier = copies = None
+    error: DiskTierError | None = None
     try:
-        tier = NvmeShardTier(
-            config.nvme_path,
-            rank=comm.rank,
-            layers={name: layouts[name].shard_numel for name in layers},
-            state_keys=full_size_state_keys(config),
-            buffers=_DISK_TIER_BUFFERS,
-            io=WorkerThreads(threads=_DISK_TIER_IO_THREADS, timeline=timeline),
-            give_back=trim_heap,
-        )
+        directory = RankDirectory(config.nvme_path, comm.rank)
+        if optimizer:
+            tier = NvmeShardTier(
+                directory.path,
+                layers=shards,
+                state_keys=full_size_state_keys(config),
+                buffers=_DISK_TIER_BUFFERS,
+                io=WorkerThreads(threads=_DISK_TIER_IO_THREADS, timeline=timeline),
+                give_back=trim_heap,
+            )
+        if params:
+            copies = DiskComputeCopies(
+                directory.path,
+                codec=codec,
+                layers=shards,
+                buffers=_param_read_buffers(config),
+                timeline=timeline,
+            )
     except DiskTierError as exc:
         error = exc
     if not comm.agree_blocking(error is None, what="every rank's disk tier"):
-        if tier is not None:
-            tier.close()
+        _close_disk(directory, tier, copies)
         if error is not None:
             raise error
         raise DiskTierError("the disk tier could not be opened on another rank")
-    return tier
+    return directory, tier, copies
+
+
+def _close_disk(
+    directory: RankDirectory | None,
+    tier: NvmeShardTier | None,
+    copies: DiskComputeCopies | None,
+) -> None:
+    """Close the disk tiers' files and remove the rank's directory."""
+    if tier is not None:
+        tier.close()
+    if copies is not None:
+        copies.close()
+    if directory is not None:
+        directory.remove()
 
 
 def _model_config(model: object) -> dict[str, Any] | None:

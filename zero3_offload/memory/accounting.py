@@ -76,8 +76,16 @@ class MemoryAccounting:
         return 0 if region is None else region.nbytes
 
     def _disk_tier_buffer_bytes(self) -> int:
-        tier = self._optimizer.tier
-        return 0 if tier is None else tier.buffer_bytes
+        tier, copies = self._optimizer.tier, self._params.disk
+        return (0 if tier is None else tier.buffer_bytes) + (
+            0 if copies is None else copies.buffer_bytes
+        )
+
+    def _disk_tier_file_bytes(self) -> int:
+        tier, copies = self._optimizer.tier, self._params.disk
+        return (0 if tier is None else tier.file.allocated_bytes()) + (
+            0 if copies is None else copies.file.allocated_bytes()
+        )
 
     def process_rss(self) -> int:
         """Resident set size of this process, in bytes."""
@@ -99,7 +107,6 @@ class MemoryAccounting:
             pressure_checks: pressure checks run so far.
         """
         device = self._gatherer.device
-        tier = self._optimizer.tier
         parts = [
             (device, activation_bytes),
             (self._params.master_device, self._params.master_bytes()),
@@ -129,7 +136,7 @@ class MemoryAccounting:
             gradient_buffer_bytes=self._gradient_buffer_bytes(),
             shared_memory_bytes=self._shared_memory_bytes(),
             disk_tier_buffer_bytes=self._disk_tier_buffer_bytes(),
-            disk_tier_file_bytes=0 if tier is None else tier.file_allocated_bytes(),
+            disk_tier_file_bytes=self._disk_tier_file_bytes(),
             cpu_memory_used=cpu,
             gpu_memory_used=sum(n for _, n in parts) - cpu,
             process_rss_bytes=self.process_rss(),

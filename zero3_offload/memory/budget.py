@@ -17,6 +17,7 @@ from zero3_offload.config import OffloadDevice, Zero3CpuOffloadConfig
 from zero3_offload.errors import MemoryBudgetError
 from zero3_offload.optimizer_state.disk_tier import record_bytes
 from zero3_offload.parameter.codec import ShardCodec
+from zero3_offload.storage.record_file import aligned
 
 __all__ = [
     "CpuMemoryNeed",
@@ -37,7 +38,7 @@ class CpuMemoryNeed:
     optimizer_state: int
     compute_copies: int
     gradients: int
-    disk_tier_buffers: int = 0  # the disk tier's reused buffers (offload_optimizer_device nvme)
+    disk_tier_buffers: int = 0  # the disk tiers' reused buffers (either device nvme)
 
     @property
     def total(self) -> int:
@@ -78,15 +79,18 @@ def cpu_memory_need(
     device: torch.device,
     *,
     disk_tier_buffers: int = 0,
+    disk_copy_buffers: int = 0,
 ) -> CpuMemoryNeed:
-    """CPU bytes of masters, optimizer state, compute copies and gradient shards; with the
-    disk tier, of its reused buffers instead of the masters and full-size state.
+    """CPU bytes of masters, optimizer state, compute copies and gradient shards; with a
+    disk tier, of its reused buffers instead of what it holds.
 
     Args:
         config: decides what is offloaded and in which format.
         shard_numels: this rank's shard length of every layer with parameters.
         device: the compute device.
-        disk_tier_buffers: how many reused buffers the disk tier has.
+        disk_tier_buffers: how many reused buffers the optimizer's disk tier has.
+        disk_copy_buffers: how many read buffers the compute copies on disk have (the
+            writing threads' scratch buffers are counted once they exist).
     """
     cpu = torch.device("cpu")
     master_dev = cpu if config.offload_optimizer_states else device
@@ -97,8 +101,9 @@ def cpu_memory_need(
         block_size=config.compression_block_size,
     )
     on_disk = config.offload_optimizer_device is OffloadDevice.NVME
+    copies_on_disk = config.offload_param_device is OffloadDevice.NVME
     aliased = codec.is_identity and master_dev == copy_dev and not on_disk
-    master = state = copies = grads = largest_record = 0
+    master = state = copies = grads = largest_record = largest_copy = 0
     for shard in shard_numels:
         if on_disk:  # in memory: the scalar state only
             state += _scalar_state_bytes(config)
@@ -107,7 +112,9 @@ def cpu_memory_need(
             master += _FP32 * shard
             state += _FP32 * shard * len(full_size_state_keys(config))
             state += _scalar_state_bytes(config)
-        if copy_dev.type == "cpu" and not aliased:
+        if copies_on_disk:
+            largest_copy = max(largest_copy, aligned(codec.wire_nbytes(shard)))
+        elif copy_dev.type == "cpu" and not aliased:
             copies += torch.empty((), dtype=codec.storage_dtype).element_size() * shard
             if codec.method.value == "int8":
                 copies += _FP32 * codec.num_blocks(shard)
@@ -118,7 +125,7 @@ def cpu_memory_need(
         optimizer_state=state,
         compute_copies=copies,
         gradients=grads,
-        disk_tier_buffers=disk_tier_buffers * largest_record,
+        disk_tier_buffers=disk_tier_buffers * largest_record + disk_copy_buffers * largest_copy,
     )
 
 

@@ -41,11 +41,14 @@ class Zero3MemoryStats:
     (see ``shared_memory_collectives``): mapped by every rank of the group, held once by
     the host; 0 without one."""
     disk_tier_buffer_bytes: int
-    """The disk tier's reused buffers, where a layer's master and optimizer state are
-    read, updated and written back (``offload_optimizer_device="nvme"``); 0 without it."""
+    """The disk tiers' reused buffers: where a layer's master and optimizer state are
+    read, updated and written back (``offload_optimizer_device="nvme"``), and where
+    compute copies are read before their gathers and encoded before their writes
+    (``offload_param_device="nvme"``); 0 without either."""
     disk_tier_file_bytes: int
-    """Bytes the disk tier's file occupies on disk (its allocated blocks): the masters and
-    full-size optimizer state of this rank; not memory. 0 without it."""
+    """Bytes the disk tiers' files occupy on disk (their allocated blocks): the masters and
+    full-size optimizer state, and the compute copies, of this rank; not memory. 0
+    without either tier."""
     cpu_memory_used: int
     """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
     gpu_memory_used: int

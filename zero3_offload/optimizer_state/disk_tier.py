@@ -24,18 +24,16 @@ ones written. The scalar ``step`` counters stay in memory. The bytes a layer
 holds are the same whichever tier holds it, so training on disk is bitwise
 training in memory.
 
-The directory is created exclusively (a directory left by a crashed run is
-refused; the message says to remove it) and removed on :meth:`close`.
+The file lives in the rank's directory, ``nvme_path/rank<N>``, next to the
+compute copies' file when those are on disk too (see [Note: compute copies on
+disk]); the directory is created exclusively (one left by a crashed run is
+refused; the message says to remove it) and removed when the manager closes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
-import os
-import shutil
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -44,20 +42,17 @@ import attrs
 import torch
 
 from zero3_offload.comm.worker_threads import WorkerThreads
-from zero3_offload.errors import DiskTierError, StateError
-from zero3_offload.logging import get_logger
+from zero3_offload.errors import StateError
+from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned
 
 __all__ = ["NvmeShardTier", "record_bytes"]
 
-log = get_logger(__name__)
-
-_ALIGN = 4096
 _F32 = 4
 
 
 def _stride(numel: int) -> int:
     """Bytes from one tensor of a record to the next: ``numel`` fp32, 4096-byte aligned."""
-    return -(-numel * _F32 // _ALIGN) * _ALIGN
+    return aligned(numel * _F32)
 
 
 def record_bytes(numel: int, state_keys: tuple[str, ...]) -> int:
@@ -78,8 +73,8 @@ class NvmeShardTier:
     """One rank's masters and optimizer state on disk (see [Note: disk tier]).
 
     Args:
-        root: ``nvme_path``; the rank's directory ``rank<N>`` is created under it.
-        rank: this rank.
+        directory: the rank's directory (``nvme_path/rank<N>``); the file ``state.bin``
+            is created in it.
         layers: elements of each layer's master shard, in update order.
         state_keys: the full-size state tensors of the optimizer, in record order.
         buffers: reused buffers (one resident layer each).
@@ -90,15 +85,14 @@ class NvmeShardTier:
             resident after all.
 
     Raises:
-        DiskTierError: the directory exists already, or cannot be created, or the
-            file cannot be allocated (a full disk: the message gives the bytes).
+        DiskTierError: the file cannot be created or allocated (a full disk: the
+            message gives the bytes).
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        directory: Path,
         *,
-        rank: int,
         layers: dict[str, int],
         state_keys: tuple[str, ...],
         buffers: int,
@@ -114,12 +108,10 @@ class NvmeShardTier:
             nbytes = record_bytes(numel, state_keys)
             self._records[name] = _Record(offset, numel, _stride(numel), nbytes)
             offset += nbytes
-        self.file_bytes = offset
-        self.directory = Path(root) / f"rank{rank}"
-        self.path = self.directory / "state.bin"
-        self._fd = -1
-        self._open()
-        largest = max((r.nbytes for r in self._records.values()), default=_ALIGN)
+        self.file = RecordFile(
+            directory / "state.bin", offset, holds="masters and optimizer state of this rank"
+        )
+        largest = max((r.nbytes for r in self._records.values()), default=ALIGN)
         self._buffer_bytes = largest
         # Page-aligned anonymous mappings, as O_DIRECT needs; reused for every layer.
         self._maps = [mmap.mmap(-1, largest) for _ in range(max(1, buffers))]
@@ -128,45 +120,11 @@ class NvmeShardTier:
         self._free_changed = anyio.Event()
         self._resident: dict[str, int] = {}  # layer -> buffer index
         self._written: set[str] = set()  # layers whose state tensors are in the file
-        # reads / writes: (count, seconds, bytes), counted as they complete
-        self.reads: tuple[int, float, int] = (0, 0.0, 0)
-        self.writes: tuple[int, float, int] = (0, 0.0, 0)
-        self._seen = (self.reads, self.writes)  # at the last step_figures()
-
-    def _open(self) -> None:
-        try:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
-            self.directory.mkdir()
-        except FileExistsError:
-            raise DiskTierError(
-                f"{self.directory} exists: another run uses it, or a crashed run left it "
-                "behind; remove it (the disk tier holds nothing a checkpoint does not) "
-                "or choose another nvme_path"
-            ) from None
-        except OSError as exc:
-            raise DiskTierError(f"cannot create {self.directory}: {exc}") from exc
-        try:
-            self._fd, self.direct = _open_file(self.path)
-            _allocate(self._fd, self.file_bytes)
-        except OSError as exc:
-            self.close()
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                free = shutil.disk_usage(self.directory.parent).free
-                raise DiskTierError(
-                    f"{self.path}: no room for the disk tier: it needs {self.file_bytes} "
-                    f"bytes (masters and optimizer state of this rank), {free} are free"
-                ) from exc
-            raise DiskTierError(f"cannot create {self.path}: {exc}") from exc
-        log.info("disk_tier_opened", path=str(self.path), bytes=self.file_bytes, direct=self.direct)
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the reused buffers (memory this tier holds, whatever is resident)."""
         return self._buffer_bytes * len(self._buffers)
-
-    def file_allocated_bytes(self) -> int:
-        """Bytes the file occupies on disk (its allocated blocks)."""
-        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a view of one of the tier's buffers."""
@@ -259,17 +217,6 @@ class NvmeShardTier:
         self._written.add(layer)
         return fresh
 
-    def step_figures(self) -> dict[str, float]:
-        """Bytes and seconds read and written since the previous call (one step's)."""
-        (_, read_s0, read_b0), (_, write_s0, write_b0) = self._seen
-        self._seen = (self.reads, self.writes)
-        return {
-            "read_bytes": self.reads[2] - read_b0,
-            "read_seconds": self.reads[1] - read_s0,
-            "write_bytes": self.writes[2] - write_b0,
-            "write_seconds": self.writes[1] - write_s0,
-        }
-
     def has_state(self, layer: str) -> bool:
         """Whether ``layer``'s record holds optimizer state (it has been stepped)."""
         return layer in self._written
@@ -283,26 +230,10 @@ class NvmeShardTier:
         """Read or write ``nbytes`` of the file at ``offset`` from or into the start of
         buffer ``index``, on this thread."""
         view = memoryview(self._maps[index])[:nbytes]
-        start, done = time.perf_counter(), 0
-        while done < nbytes:
-            at = offset + done
-            try:
-                if what == "read":
-                    n = os.preadv(self._fd, [view[done:]], at)
-                else:
-                    n = os.pwritev(self._fd, [view[done:]], at)
-            except OSError as exc:
-                raise DiskTierError(f"{what} of {self.path} at byte {at} failed: {exc}") from exc
-            if n <= 0:
-                raise DiskTierError(f"{what} of {self.path} at byte {at} stopped short")
-            done += n
-        seconds = time.perf_counter() - start
-        count, total, nbytes = self.reads if what == "read" else self.writes
-        figures = (count + 1, total + seconds, nbytes + done)
         if what == "read":
-            self.reads = figures
+            self.file.read(view, offset)
         else:
-            self.writes = figures
+            self.file.write(view, offset)
 
     async def _transfer(self, layer: str, what: str, index: int, record: _Record) -> None:
         await self._io.run(
@@ -323,31 +254,5 @@ class NvmeShardTier:
         master.set_(torch.empty(0, dtype=master.dtype))
 
     def close(self) -> None:
-        """Close the file and remove the rank's directory (with what it holds)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _open_file(path: Path) -> tuple[int, bool]:
-    """The file, created exclusively: with ``O_DIRECT`` where the filesystem takes it."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct, 0o600), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
-                raise
-    return os.open(path, flags, 0o600), False
-
-
-def _allocate(fd: int, nbytes: int) -> None:
-    if nbytes == 0:
-        return
-    allocate = getattr(os, "posix_fallocate", None)
-    if allocate is None:
-        os.ftruncate(fd, nbytes)
-        return
-    allocate(fd, 0, nbytes)
+        """Close the file and delete it."""
+        self.file.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import torch
@@ -211,7 +211,9 @@ class ParameterGatherer:
         flat = self.take_buffer(layout.padded_numel, dtype)
         pending = wire = None
         started = time.perf_counter()
-        if layout.padded_numel:
+        if layout.padded_numel and self._store.disk is not None:
+            pending, wire = self._launch_from_disk(name, flat)
+        elif layout.padded_numel:
             src = self._store.compute_copy(name)
             what = f"the gather of {name!r}"
             with self._streams.on(self._streams.h2d):
@@ -239,6 +241,52 @@ class ParameterGatherer:
         self._inflight[name] = handle
         self.high_water_bytes = max(self.high_water_bytes, self.reserved_bytes())
         return handle
+
+    def _launch_from_disk(
+        self, name: str, flat: torch.Tensor
+    ) -> tuple[PendingCollective, torch.Tensor | None]:
+        """Launch ``name``'s gather from its compute copy on disk (see [Note: compute
+        copies on disk]): the launcher thread waits for the copy's read, moves it to
+        the device and decodes it right before the all-gather; the read buffer is
+        released when the collective has completed."""
+        disk, codec = self._store.disk, self._store.codec
+        assert disk is not None
+        disk.phase = self.phase
+        staged = disk.stage(name)
+        what = f"the gather of {name!r}"
+        device = self.device
+        wire = None
+        with self._streams.on(self._streams.h2d):
+            if self.compressed_wire:
+                wire = self.take_buffer(self._wire_nbytes(name), torch.uint8)
+                pending = self._comm.start_all_gather(
+                    wire, lambda: staged.wait().to(device).wire(), what=what
+                )
+                pending.then(functools.partial(self._decode, wire, flat))
+            else:
+                direct = codec.storage_dtype == flat.dtype
+                shard_numel = self._layouts[name].shard_numel
+                shard = (
+                    None if direct else torch.empty(shard_numel, dtype=flat.dtype, device=device)
+                )
+
+                def send() -> torch.Tensor:
+                    src = staged.wait().to(device)
+                    if shard is None:
+                        return src.payload
+                    codec.decode_(src, shard)
+                    return shard
+
+                pending = self._comm.start_all_gather(flat, send, what=what)
+        pending.then(staged.release)
+        return pending, wire
+
+    def read_ahead(self, names: Iterable[str]) -> None:
+        """Start reading ``names``' compute copies from disk for gathers to come (nothing
+        when the copies are in memory)."""
+        if self._store.disk is not None:
+            self._store.disk.phase = self.phase
+            self._store.disk.read_ahead(names)
 
     def _decode(self, wire: torch.Tensor, flat: torch.Tensor) -> None:
         """Decode a completed compressed all-gather into the gathered buffer.

@@ -12,7 +12,9 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from zero3_offload.errors import StateError
 from zero3_offload.parameter.codec import CompressedShard, ShardCodec
+from zero3_offload.parameter.disk_copies import DiskComputeCopies
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 
 __all__ = ["ParameterStore"]
@@ -21,7 +23,8 @@ __all__ = ["ParameterStore"]
 @attrs.define
 class _StoredShard:
     master: torch.Tensor  # 1D fp32 [shard_numel], on the master device
-    compute: CompressedShard  # [shard_numel] in the compression format; may alias master
+    # [shard_numel] in the compression format; may alias master; None when on disk
+    compute: CompressedShard | None
     aliased: bool  # compute.payload is master itself
 
 
@@ -42,6 +45,8 @@ class ParameterStore:
         pin: allocate CPU compute copies in pinned memory.
         masters_on_disk: the masters go to the disk tier once written (see [Note: disk
             tier]), so the compute copy is always a tensor of its own.
+        disk: where the compute copies live when they are on disk (see [Note: compute
+            copies on disk]); None keeps them in memory.
     """
 
     def __init__(
@@ -52,8 +57,10 @@ class ParameterStore:
         copy_device: torch.device,
         pin: bool = False,
         masters_on_disk: bool = False,
+        disk: DiskComputeCopies | None = None,
     ) -> None:
         self.codec = codec
+        self.disk = disk
         self.masters_on_disk = masters_on_disk
         # Called as on_put(layer, master) once a layer's master and compute copy are
         # stored (the disk tier writes the master there and drops it from memory).
@@ -70,16 +77,20 @@ class ParameterStore:
     def put_master(self, layer: str, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, 1D) as ``layer``'s shard and encode its compute copy."""
         master = master.to(self.master_device, torch.float32)
-        if (
+        if self.disk is not None and master.numel():
+            self._shards[layer] = _StoredShard(master, None, False)
+            self.disk.write(layer, master)
+        elif (
             self.codec.is_identity
             and self.copy_device == self.master_device
             and not self.masters_on_disk
         ):
             self._shards[layer] = _StoredShard(master, CompressedShard(master, None), True)
             return
-        copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)
-        self._shards[layer] = _StoredShard(master, copy, False)
-        self.refresh_compute_copy(layer)
+        else:
+            copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)
+            self._shards[layer] = _StoredShard(master, copy, False)
+            self.refresh_compute_copy(layer)
         if self.on_put is not None and master.numel():
             self.on_put(layer, master)
 
@@ -88,8 +99,12 @@ class ParameterStore:
         return self._shards[layer].master
 
     def compute_copy(self, layer: str) -> CompressedShard:
-        """The shard that gathering sends to the device."""
-        return self._shards[layer].compute
+        """The shard that gathering sends to the device (in memory only: a copy on disk
+        is staged through :attr:`disk`)."""
+        compute = self._shards[layer].compute
+        if compute is None:
+            raise StateError(f"the compute copy of {layer!r} is on disk: stage it")
+        return compute
 
     def refresh_compute_copy(self, layer: str) -> None:
         """Re-encode the compute copy from the master (after the master changed).
@@ -98,6 +113,10 @@ class ParameterStore:
         """
         shard = self._shards[layer]
         if shard.aliased:
+            return
+        if shard.compute is None:
+            assert self.disk is not None
+            self.disk.write(layer, shard.master)
             return
         if self.copy_device == self.master_device:
             self.codec.encode_(shard.master, shard.compute)
@@ -119,4 +138,8 @@ class ParameterStore:
 
     def compute_copy_bytes(self) -> int:
         """Bytes of compute copies that are tensors of their own (aliases count 0)."""
-        return sum(s.compute.nbytes() for s in self._shards.values() if not s.aliased)
+        return sum(
+            s.compute.nbytes()
+            for s in self._shards.values()
+            if s.compute is not None and not s.aliased
+        )

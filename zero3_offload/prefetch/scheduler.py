@@ -178,6 +178,9 @@ class PrefetchScheduler:
         self.metrics = PrefetchMetrics()
         self.trace = PassTrace()
         self._queued = 0
+        # Layers beyond the gather window whose compute copies are read from disk ahead
+        # (see [Note: compute copies on disk]; build_engine sets it when they are there).
+        self.read_ahead = 0
         # Layers acquired and not finished yet (module mode holds several at
         # once, e.g. the root unit around a decoder layer): never evicted.
         self.in_use: set[str] = set()
@@ -195,6 +198,12 @@ class PrefetchScheduler:
         self.metrics.gathered_bytes += self._sizes[name]
 
     def _launch_window(self, order: Sequence[str], start: int) -> None:
+        if self.read_ahead:
+            ahead = order[start : start + self.depth + self.read_ahead]
+            gatherer = self._gatherer
+            gatherer.read_ahead(
+                n for n in ahead if not (gatherer.is_gathered(n) or gatherer.is_inflight(n))
+            )
         self._queued = 0
         window = order[start : start + self.depth]
         for k, name in enumerate(window):

@@ -1,0 +1,212 @@
+"""Compute copies on disk: gathers read each layer's copy from a file, bitwise the gathers
+from memory.
+
+See [Note: compute copies on disk]. The training runs use 2 gloo ranks and compare
+with the same run in memory: final parameters, every loss and grad norm. The unit
+tests drive the file and its read buffers directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import TrainSpec, assert_bitwise, run_named, train
+
+from zero3_offload import ConfigError, CpuCompressionMethod, StateError, Zero3CpuOffloadConfig
+from zero3_offload.parameter.codec import ShardCodec
+from zero3_offload.parameter.disk_copies import DiskComputeCopies
+from zero3_offload.stats.timeline import Timeline
+from zero3_offload.storage.record_file import aligned
+
+MODEL = {"d": 64, "n_blocks": 2}
+STEPS = 3
+
+
+def params_on_disk(path: Path, **config: Any) -> dict[str, Any]:
+    return {"offload_param_device": "nvme", "nvme_path": str(path), **config}
+
+
+CASES = {
+    # fp32 copies, the masters and optimizer state on disk too (both tiers, one directory).
+    "both_tiers": {"config": {"offload_optimizer_device": "nvme"}},
+    "adamw_lr_in_backward": {"early_lr": True},
+    "accumulation_clipping": {
+        "micro_steps": 2,
+        "config": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05},
+    },
+    # Decoded on the launcher thread before the all-gather.
+    "bf16_compute_int8_copies": {
+        "config": {"compute_dtype": torch.bfloat16, "cpu_compression": "int8"},
+    },
+    # The stored bytes themselves all-gathered, decoded after.
+    "int8_gather": {"config": {"gather_compression": "int8"}},
+    "no_prefetch": {"config": {"async_prefetch": False}},
+}
+
+
+def spec(case: dict[str, Any], config: dict[str, Any]) -> TrainSpec:
+    base = {k: v for k, v in case.items() if k != "config"}
+    return TrainSpec(steps=STEPS, model=MODEL, config={**case.get("config", {}), **config}, **base)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("nvme-params")
+    calls = {}
+    for name, case in CASES.items():
+        in_memory = {k: v for k, v in case.get("config", {}).items() if "nvme" not in str(v)}
+        calls[f"{name}/ram"] = (train, spec({**case, "config": in_memory}, {}))
+        calls[f"{name}/disk"] = (train, spec(case, params_on_disk(root / name)))
+    return {"root": root, **run_named(2, calls)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gathering_from_disk_is_bitwise_gathering_from_memory(
+    runs: dict[str, Any], case: str
+) -> None:
+    ram, disk = runs[f"{case}/ram"], runs[f"{case}/disk"]
+    assert_bitwise(ram[0]["state"], disk[0]["state"])
+    for r, d in zip(ram, disk, strict=True):
+        assert r["losses"] == d["losses"]
+        assert r["grad_norms"] == d["grad_norms"]
+
+
+def test_memory_holds_only_read_buffers_and_the_file_every_copy(runs: dict[str, Any]) -> None:
+    codec = ShardCodec(CpuCompressionMethod.INT8, torch.bfloat16)
+    for r, d in zip(
+        runs["bf16_compute_int8_copies/ram"], runs["bf16_compute_int8_copies/disk"], strict=True
+    ):
+        shards = [shard for _, _, shard in d["layouts"].values() if shard]
+        records = [aligned(codec.wire_nbytes(s)) for s in shards]
+        assert r["memory"]["compute_copy_bytes"] == sum(codec.wire_nbytes(s) for s in shards)
+        assert d["memory"]["compute_copy_bytes"] == 0
+        assert d["memory"]["disk_tier_file_bytes"] == sum(records)
+        # The read buffers (prefetch depth 2 + read-ahead 2 + 1) and at least one writing
+        # thread's scratch buffer, each the size of the largest record.
+        assert d["memory"]["disk_tier_buffer_bytes"] >= 6 * max(records)
+        assert d["memory"]["disk_tier_buffer_bytes"] % max(records) == 0
+        transfers = d["performance"].transfers
+        # Every copy written when made and after each update; a step makes every cached
+        # read stale, so each step's forward reads every layer at least once.
+        assert transfers["disk_write"].bytes == (STEPS + 1) * sum(records)
+        assert transfers["disk_read"].bytes >= STEPS * sum(records)
+        assert transfers["disk_read"].bytes % 4096 == 0
+    assert not any((runs["root"] / "bf16_compute_int8_copies").iterdir())
+
+
+def test_checkpoints_resume_with_both_tiers_on_disk(tmp_path: Path) -> None:
+    saved = tmp_path / "ckpt"
+    first = run_named(2, {"save": (train, TrainSpec(steps=2, model=MODEL, save_dir=str(saved)))})
+    both = {"offload_optimizer_device": "nvme", **params_on_disk(tmp_path / "tier")}
+    resumed = run_named(
+        2,
+        {
+            name: (
+                train,
+                TrainSpec(steps=2, first_step=2, model=MODEL, config=config, load_dir=str(saved)),
+            )
+            for name, config in (("ram", {}), ("disk", both))
+        },
+    )
+    assert first["save"][0]["losses"]
+    assert_bitwise(resumed["ram"][0]["state"], resumed["disk"][0]["state"])
+    assert [r["losses"] for r in resumed["ram"]] == [r["losses"] for r in resumed["disk"]]
+
+
+# ------------------------------------------------------------ the file, driven directly
+
+
+def copies(path: Path, codec: ShardCodec, layers: dict[str, int], buffers: int = 2):
+    path.mkdir()
+    return DiskComputeCopies(
+        path, codec=codec, layers=layers, buffers=buffers, timeline=Timeline(rank=0)
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype"),
+    [
+        (CpuCompressionMethod.NONE, torch.float32),
+        (CpuCompressionMethod.BF16, torch.float32),
+        (CpuCompressionMethod.INT8, torch.bfloat16),
+    ],
+)
+def test_a_staged_copy_holds_the_encoded_bytes(tmp_path: Path, method, dtype) -> None:
+    codec = ShardCodec(method, dtype, block_size=64)
+    layers = {"a": 1000, "b": 4099, "c": 1}
+    disk = copies(tmp_path / "r", codec, layers)
+    masters = {name: torch.randn(n) for name, n in layers.items()}
+    for name, master in masters.items():
+        disk.write(name, master)
+    try:
+        for name, master in masters.items():
+            expected = codec.empty(master.numel(), device=torch.device("cpu"))
+            codec.encode_(master, expected)
+            staged = disk.stage(name)
+            assert torch.equal(staged.wait().wire(), expected.wire())
+            staged.release()
+        assert disk.file.direct in (True, False)
+        assert disk.file.reads[0] == 3 and disk.file.writes[0] == 3
+    finally:
+        disk.close()
+    assert not (tmp_path / "r" / "params.bin").exists()
+
+
+def test_a_copy_read_before_its_last_write_is_read_again(tmp_path: Path) -> None:
+    codec = ShardCodec(CpuCompressionMethod.NONE, torch.float32)
+    disk = copies(tmp_path / "r", codec, {"a": 2048, "b": 2048})
+    try:
+        disk.write("a", torch.zeros(2048))
+        disk.write("b", torch.zeros(2048))
+        disk.read_ahead(["a", "b"])  # a read-ahead, then an update of "a" (an optimizer step)
+        for entry in disk._entries.values():  # the reads landed (their futures)
+            entry.read.result()
+        disk.write("a", torch.ones(2048))
+        staged = disk.stage("a")
+        assert torch.equal(staged.wait().payload, torch.ones(2048))
+        staged.release()
+        staged = disk.stage("b")  # not written since: the read-ahead is used as it is
+        assert torch.equal(staged.wait().payload, torch.zeros(2048))
+        staged.release()
+        assert disk.file.reads[0] == 3
+    finally:
+        disk.close()
+
+
+def test_read_buffers_are_reused_and_grow_only_for_gathers_in_flight(tmp_path: Path) -> None:
+    codec = ShardCodec(CpuCompressionMethod.NONE, torch.float32)
+    layers = {name: 1024 for name in "abcd"}
+    disk = copies(tmp_path / "r", codec, layers, buffers=2)
+    try:
+        for name in layers:
+            disk.write(name, torch.full((1024,), float(ord(name))))
+        base = disk.buffer_bytes
+        disk.read_ahead(list(layers))  # two buffers: only "a" and "b" are read ahead
+        held = [disk.stage(name) for name in layers]  # four gathers in flight at once
+        for name, staged in zip(layers, held, strict=True):
+            assert torch.equal(staged.wait().payload, torch.full((1024,), float(ord(name))))
+        assert disk.buffer_bytes == base + 2 * 4096
+        with pytest.raises(StateError, match="already being gathered"):
+            disk.stage("a")
+        for staged in held:
+            staged.release()
+        reads = disk.file.reads[0]
+        for name in layers:  # cached: no read
+            staged = disk.stage(name)
+            staged.wait()
+            staged.release()
+        assert disk.file.reads[0] == reads
+    finally:
+        disk.close()
+
+
+def test_config_rules_for_copies_on_disk() -> None:
+    with pytest.raises(ConfigError, match="needs nvme_path"):
+        Zero3CpuOffloadConfig(offload_param_device="nvme")
+    with pytest.raises(ConfigError, match="offload_params"):
+        Zero3CpuOffloadConfig(**params_on_disk(Path("x")), offload_params=False)
+    config = Zero3CpuOffloadConfig(**params_on_disk(Path("x")))
+    assert config.offload_param_device.value == "nvme"
