@@ -7,6 +7,8 @@
         # without --speculative: updates start during backward, undone when clipping applies
     python examples/train_tiny.py --nvme-path /tmp/tier   # same losses: masters and
         # optimizer state in a file per rank under /tmp/tier, streamed for each update
+    python examples/train_tiny.py --nvme-path /tmp/tier --nvme-params   # same losses:
+        # the compute copies in a second file per rank, read ahead of each gather
     torchrun --nproc-per-node 2 examples/train_tiny.py   # joins torchrun's group
 
 Only the public API is used; the model is an ordinary ``nn.Module`` whose
@@ -75,6 +77,7 @@ async def train(
     clipping: float = 0.0,
     speculative: bool = False,
     nvme_path: str | None = None,
+    nvme_params: bool = False,
 ) -> list[float]:
     model = build_model()
     layers = [name for name, _ in model.named_children()]
@@ -91,6 +94,9 @@ async def train(
         # "nvme": fp32 masters and optimizer state in a file per rank under nvme_path,
         # read and written back for each layer's update (same numbers as in memory).
         offload_optimizer_device="cpu" if nvme_path is None else "nvme",
+        # "nvme": the compute copies (what gathers send) in a second file per rank, read
+        # into reused buffers ahead of each gather (same numbers as in memory).
+        offload_param_device="nvme" if nvme_params else "cpu",
         nvme_path=nvme_path,
     )
     per_rank = global_batch // ctx.world_size
@@ -151,7 +157,14 @@ async def main() -> None:
         "--nvme-path",
         help="keep masters and optimizer state in files under this directory (the disk tier)",
     )
+    parser.add_argument(
+        "--nvme-params",
+        action="store_true",
+        help="with --nvme-path, keep the compute copies on disk too (offload_param_device)",
+    )
     args = parser.parse_args()
+    if args.nvme_params and args.nvme_path is None:
+        parser.error("--nvme-params needs --nvme-path")
     ckpt = args.activation_checkpointing
     options = (
         args.steps,
@@ -160,6 +173,7 @@ async def main() -> None:
         args.gradient_clipping,
         args.speculative,
         args.nvme_path,
+        args.nvme_params,
     )
     if "RANK" in os.environ:  # launched by torchrun
         group = await init_process_group_from_env("gloo")  # the config's device is the CPU

@@ -53,6 +53,7 @@ EXPECTED_DEFAULTS = {
     "offload_optimizer_device": OffloadDevice.CPU,
     "offload_param_device": OffloadDevice.CPU,
     "nvme_path": None,
+    "nvme_replace_stale": False,
 }
 
 BOOL_FIELDS = [k for k, v in EXPECTED_DEFAULTS.items() if isinstance(v, bool)]

@@ -81,3 +81,17 @@ async def test_cuda_bf16_compute() -> None:
         await run_ranks(train, 1, spec, backend="nccl"), ref_losses, ref_state
     )
     assert loss_err < 1e-2 and param_err < 5e-3
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_cuda_gathers_from_compute_copies_on_disk_match_memory(
+    tmp_path: Any, compression: str
+) -> None:
+    base = {"device": "cuda", "cpu_compression": compression}
+    disk = {**base, "offload_param_device": "nvme", "nvme_path": str(tmp_path)}
+    ram = await run_ranks(train, 1, TrainSpec(steps=3, config=base), backend="nccl")
+    nvme = await run_ranks(train, 1, TrainSpec(steps=3, config=disk), backend="nccl")
+    assert ram[0]["losses"] == nvme[0]["losses"]
+    for name, value in ram[0]["state"].items():
+        assert torch.equal(value, nvme[0]["state"][name]), name
+    assert not any(tmp_path.iterdir())

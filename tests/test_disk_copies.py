@@ -8,6 +8,7 @@ tests drive the file and its read buffers directly.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,18 @@ import pytest
 import torch
 from helpers import TrainSpec, assert_bitwise, run_named, train
 
-from zero3_offload import ConfigError, CpuCompressionMethod, StateError, Zero3CpuOffloadConfig
+from zero3_offload import (
+    ConfigError,
+    CpuCompressionMethod,
+    DiskTierError,
+    StateError,
+    Zero3CpuOffloadConfig,
+)
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.parameter.disk_copies import DiskComputeCopies
 from zero3_offload.stats.timeline import Timeline
 from zero3_offload.storage.record_file import aligned
+from zero3_offload.testing import RankContext, run_ranks
 
 MODEL = {"d": 64, "n_blocks": 2}
 STEPS = 3
@@ -210,3 +218,29 @@ def test_config_rules_for_copies_on_disk() -> None:
         Zero3CpuOffloadConfig(**params_on_disk(Path("x")), offload_params=False)
     config = Zero3CpuOffloadConfig(**params_on_disk(Path("x")))
     assert config.offload_param_device.value == "nvme"
+
+
+async def truncated_body(ctx: RankContext, path: str) -> str:
+    from helpers import make_batches, make_model
+
+    from zero3_offload import Zero3CpuOffloadManager
+
+    model = make_model(**MODEL)
+    config = Zero3CpuOffloadConfig(**params_on_disk(Path(path)))
+    manager = Zero3CpuOffloadManager(config, ctx.group, model)
+    try:
+        # The file loses its contents under the manager (a failing or replaced disk).
+        os.truncate(Path(path) / f"rank{ctx.rank}" / "params.bin", 0)
+        x, _ = make_batches(1, 4)[0]
+        await manager.forward_pass(x, model.layer_names)
+    except DiskTierError as exc:
+        return str(exc)
+    finally:
+        await manager.close()
+    return "no error"
+
+
+async def test_a_failed_read_raises_a_disk_tier_error_naming_the_file(tmp_path: Path) -> None:
+    [message] = await run_ranks(truncated_body, 1, str(tmp_path), timeout_s=120)
+    assert "params.bin" in message and "read" in message, message
+    assert not any(tmp_path.iterdir())  # close() removed the directory all the same

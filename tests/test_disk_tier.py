@@ -21,6 +21,7 @@ from helpers import TrainSpec, assert_bitwise, run_named, train
 
 from zero3_offload import ConfigError, DiskTierError, Zero3CpuOffloadConfig
 from zero3_offload.memory.budget import disk_record_bytes
+from zero3_offload.storage.rank_directory import RankDirectory
 from zero3_offload.testing import RankContext, run_ranks
 
 MODEL = {"d": 64, "n_blocks": 2}
@@ -130,16 +131,20 @@ def test_checkpoints_move_between_the_tiers(tmp_path: Path) -> None:
         assert [r["losses"] for r in result] == [r["losses"] for r in reference], name
 
 
-async def refused_body(ctx: RankContext, path: str) -> str:
+async def refused_body(ctx: RankContext, path: str, config: dict[str, Any] | None = None) -> str:
     from helpers import make_model
 
     from zero3_offload import Zero3CpuOffloadManager
 
-    config = Zero3CpuOffloadConfig(**on_disk(Path(path)))
     try:
-        Zero3CpuOffloadManager(config, ctx.group, make_model(**MODEL))
+        manager = Zero3CpuOffloadManager(
+            Zero3CpuOffloadConfig(**on_disk(Path(path), **(config or {}))),
+            ctx.group,
+            make_model(**MODEL),
+        )
     except DiskTierError as exc:
         return str(exc)
+    await manager.close()
     return "built"
 
 
@@ -152,6 +157,37 @@ async def test_a_directory_left_behind_is_refused_on_every_rank(tmp_path: Path) 
     # Rank 0's own directory was removed again; the one left behind is untouched.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1"]
     assert (tmp_path / "rank1" / "state.bin").read_bytes() == b"old"
+
+
+REPLACE = {"nvme_replace_stale": True}
+
+
+async def test_a_directory_left_behind_is_replaced_only_when_asked(tmp_path: Path) -> None:
+    for rank in range(2):  # what a crashed run leaves: the tiers' files, its locks free
+        (tmp_path / f"rank{rank}").mkdir()
+        (tmp_path / f"rank{rank}" / "state.bin").write_bytes(b"old")
+        (tmp_path / f"rank{rank}.lock").write_bytes(b"")
+    (tmp_path / "rank1" / "params.bin").write_bytes(b"old")
+    built = await run_ranks(refused_body, 2, str(tmp_path), REPLACE, timeout_s=120)
+    assert built == ["built", "built"]
+    assert not any(tmp_path.iterdir())  # replaced, used, and removed on close()
+    # A file the tiers do not write is never deleted.
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "rank1" / "notes.txt").write_text("mine")
+    messages = await run_ranks(refused_body, 2, str(tmp_path), REPLACE, timeout_s=120)
+    assert "notes.txt" in messages[1] and "not replaced" in messages[1]
+    assert (tmp_path / "rank1" / "notes.txt").read_text() == "mine"
+
+
+async def test_a_directory_a_live_run_holds_is_never_replaced(tmp_path: Path) -> None:
+    held = RankDirectory(tmp_path, 1)  # a live run's claim (this process holds the lock)
+    try:
+        messages = await run_ranks(refused_body, 2, str(tmp_path), REPLACE, timeout_s=120)
+        assert "in use by another run" in messages[1], messages
+        assert held.path.is_dir()
+    finally:
+        held.remove()
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.fixture

@@ -65,6 +65,12 @@ def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tmp_path: Path) -> No
     # wrote every record's master part, a third of it (AdamW's master and two moments).
     assert read > 0 and written * 18 == read * 19
     assert not any(tmp_path.iterdir())  # the ranks' files are gone
+    # The compute copies on disk too: the same losses, more bytes read and written.
+    both = run_example(*steps, "--nvme-path", str(tmp_path), "--nvme-params")
+    assert _losses_and_kept(both) == _losses_and_kept(memory)
+    more = re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", both).groups()
+    assert int(more[0]) > read and int(more[1]) > written
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow

@@ -616,9 +616,14 @@ class Zero3CpuOffloadConfig:
             rule("must be a directory path (a str)", lambda v: isinstance(v, str) and v != "")
         ),
     )
-    """Directory of the ``"nvme"`` tiers: each rank creates ``rank<N>/`` under it, which must
-    not exist yet (a directory left by a crashed run is refused; remove it), and removes it
-    on ``close()``."""
+    """Directory of the ``"nvme"`` tiers: each rank creates ``rank<N>/`` under it (and holds
+    the lock file ``rank<N>.lock`` while it runs), which must not exist yet, and removes both
+    on ``close()``. A directory another run holds is always refused; one a crashed run left
+    is refused unless ``nvme_replace_stale`` is set."""
+    nvme_replace_stale: bool = bool_field(False)
+    """Replace a ``rank<N>/`` directory under ``nvme_path`` that a crashed run left (its lock
+    is free) when it holds only the disk tiers' files; False refuses it (remove it by
+    hand). A directory a live run holds is never replaced."""
 
     def __attrs_post_init__(self) -> None:
         self._check_cross_field()

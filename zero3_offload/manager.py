@@ -996,15 +996,28 @@ class Zero3CpuOffloadManager:
     # -------------------------------------------------------------- lifecycle
 
     async def close(self) -> None:
-        """Release gathered parameters and pending state. Idempotent."""
+        """Release gathered parameters and pending state, and the files and threads the
+        manager holds. Idempotent. After a failure of the group's collectives, the gathers
+        still in flight are dropped (their failure was raised already); everything is
+        released either way.
+
+        Raises:
+            Zero3Error: a gather in flight failed now (everything is released all the same).
+        """
         if self._closed:
             return
-        await self._engine.prefetch.release_all(keep_persistent=False)
-        if self._engine.model_runner is not None:
-            self._engine.model_runner.close()
-        self._state.reset()
-        self._closed = True
-        self._engine.close()
+        try:
+            await self._engine.prefetch.release_all(keep_persistent=False)
+        except Zero3Error:
+            if self._engine.comm.broken is None:
+                raise
+            log.info("close_after_failure", rank=self.rank, failure=str(self._engine.comm.broken))
+        finally:
+            if self._engine.model_runner is not None:
+                self._engine.model_runner.close()
+            self._state.reset()
+            self._closed = True
+            self._engine.close()
 
     async def __aenter__(self) -> Zero3CpuOffloadManager:
         return self

@@ -9,8 +9,10 @@ All in one run, under --nvme-path (a directory on the disk to measure):
    needs for those bytes at the step-1 bandwidths / the tier's wall seconds (goal >= 70 %).
 3. Training: the GPT below on 2 gloo ranks, zero3_offload default with the optimizer state in
    memory and on disk, each also with the learning rate passed to backward_pass (the updates,
-   and so the disk traffic, overlap the backward); step time, peak RSS, the disk traffic of a
-   step per rank (the library's transfers: disk_read / disk_write), losses equal.
+   and so the disk traffic, overlap the backward), and with the compute copies on disk too
+   (offload_param_device nvme: every gather reads its layer's copy); step time, peak RSS, the
+   disk traffic of a step per rank (the library's transfers: disk_read / disk_write), losses
+   equal.
 """
 
 from __future__ import annotations
@@ -211,6 +213,12 @@ def run(args: Any) -> dict[str, Any] | None:
                 WORLD,
                 {**nvme, "lr_in_backward": True},
             ),
+            "nvme_both": System(
+                "state and compute copies on disk",
+                "zero3_offload",
+                WORLD,
+                {**nvme, "offload_param_device": "nvme"},
+            ),
         }
         spec = {"hooks": "suites.nvme:Hooks"}
         result = train.compare(
@@ -275,7 +283,7 @@ def report(payload: dict[str, Any]) -> Report:
         "GB/s in the calls",
         "disk time needed / step time",
     ]
-    pairs = [("nvme", "ram"), ("nvme_lr_bwd", "ram_lr_bwd")]
+    pairs = [("nvme", "ram"), ("nvme_lr_bwd", "ram_lr_bwd"), ("nvme_both", "ram")]
     ratios = []
     for a, b in pairs:
         if a not in summary or b not in summary:

@@ -429,6 +429,11 @@ class Collectives:
         check = self._launcher.check
         return 0 if check is None else check.checked
 
+    @property
+    def broken(self) -> Zero3Error | None:
+        """The failure that ended the group's sequence of collectives (None while usable)."""
+        return self._broken
+
     def _fail(self, exc: Zero3Error) -> Zero3Error:
         if self._broken is None:
             self._broken = exc

@@ -430,7 +430,9 @@ def _open_disk_tiers(
     directory = tier = copies = None
     error: DiskTierError | None = None
     try:
-        directory = RankDirectory(config.nvme_path, comm.rank)
+        directory = RankDirectory(
+            config.nvme_path, comm.rank, replace_stale=config.nvme_replace_stale
+        )
         if optimizer:
             tier = NvmeShardTier(
                 directory.path,
