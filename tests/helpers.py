@@ -191,6 +191,15 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
         assert torch.equal(a[name], b[name]), name
 
 
+def assert_same_training(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    """Two ``train`` runs (every rank's result) ended bitwise equal: final parameters, every
+    loss and every grad norm."""
+    assert_bitwise(a[0]["state"], b[0]["state"])
+    for x, y in zip(a, b, strict=True):
+        assert x["losses"] == y["losses"]
+        assert x["grad_norms"] == y["grad_norms"]
+
+
 def compare(results: list[dict], ref_losses: list[float], ref_state: dict) -> tuple[float, float]:
     """(loss error, parameter error) of a ``train`` run against the reference."""
     world = len(results)

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TrainSpec, assert_bitwise, run_named, train
+from helpers import TrainSpec, assert_bitwise, assert_same_training, run_named, train
+from test_disk_tier import MODEL, STEPS, spec
 
 from zero3_offload import (
     ConfigError,
@@ -28,9 +29,6 @@ from zero3_offload.parameter.disk_copies import DiskComputeCopies
 from zero3_offload.stats.timeline import Timeline
 from zero3_offload.storage.record_file import aligned
 from zero3_offload.testing import RankContext, run_ranks
-
-MODEL = {"d": 64, "n_blocks": 2}
-STEPS = 3
 
 
 def params_on_disk(path: Path, **config: Any) -> dict[str, Any]:
@@ -52,12 +50,12 @@ CASES = {
     # The stored bytes themselves all-gathered, decoded after.
     "int8_gather": {"config": {"gather_compression": "int8"}},
     "no_prefetch": {"config": {"async_prefetch": False}},
+    # Updates during backward undone and redone clipped: the copies are written again.
+    "speculative_clipping": {
+        "early_lr": True,
+        "config": {"speculative_step": True, "gradient_clipping": 0.05},
+    },
 }
-
-
-def spec(case: dict[str, Any], config: dict[str, Any]) -> TrainSpec:
-    base = {k: v for k, v in case.items() if k != "config"}
-    return TrainSpec(steps=STEPS, model=MODEL, config={**case.get("config", {}), **config}, **base)
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_gathering_from_disk_is_bitwise_gathering_from_memory(
     runs: dict[str, Any], case: str
 ) -> None:
-    ram, disk = runs[f"{case}/ram"], runs[f"{case}/disk"]
-    assert_bitwise(ram[0]["state"], disk[0]["state"])
-    for r, d in zip(ram, disk, strict=True):
-        assert r["losses"] == d["losses"]
-        assert r["grad_norms"] == d["grad_norms"]
+    assert_same_training(runs[f"{case}/ram"], runs[f"{case}/disk"])
 
 
 def test_memory_holds_only_read_buffers_and_the_file_every_copy(runs: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import structlog
-from helpers import TrainSpec, assert_bitwise, run_named, train
+from helpers import TrainSpec, assert_bitwise, assert_same_training, run_named, train
 
 from zero3_offload import ConfigError, DiskTierError, Zero3CpuOffloadConfig
 from zero3_offload.memory.budget import disk_record_bytes
@@ -61,11 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_on_disk_is_bitwise_training_in_memory(runs: dict[str, Any], case: str) -> None:
-    ram, disk = runs[f"{case}/ram"], runs[f"{case}/disk"]
-    assert_bitwise(ram[0]["state"], disk[0]["state"])
-    for r, d in zip(ram, disk, strict=True):
-        assert r["losses"] == d["losses"]
-        assert r["grad_norms"] == d["grad_norms"]
+    assert_same_training(runs[f"{case}/ram"], runs[f"{case}/disk"])
 
 
 def test_the_disk_holds_the_state_and_memory_only_the_buffers(runs: dict[str, Any]) -> None:
