@@ -110,11 +110,13 @@ def tier_bandwidth(directory: Path, layers: dict[str, int], disk: dict[str, Any]
     from zero3_offload.comm.worker_threads import WorkerThreads
     from zero3_offload.optimizer_state.disk_tier import NvmeShardTier
     from zero3_offload.stats.timeline import Timeline
+    from zero3_offload.storage.rank_directory import RankDirectory
 
     async def passes() -> list[dict[str, float]]:
         io = WorkerThreads(threads=2, timeline=Timeline(rank=0))
         keys = ("exp_avg", "exp_avg_sq")
-        tier = NvmeShardTier(directory, rank=0, layers=layers, state_keys=keys, buffers=3, io=io)
+        claim = RankDirectory(directory, 0)
+        tier = NvmeShardTier(claim.path, layers=layers, state_keys=keys, buffers=3, io=io)
         masters = {name: torch.empty(0) for name in layers}
         states: dict[str, dict[str, Any]] = {name: {} for name in layers}
         out = []
@@ -122,7 +124,7 @@ def tier_bandwidth(directory: Path, layers: dict[str, int], disk: dict[str, Any]
             for name in layers:
                 tier.write_initial(name, torch.zeros(layers[name]))
             for _ in range(3):
-                reads, writes = tier.reads, tier.writes
+                reads, writes = tier.file.reads, tier.file.writes
                 start = time.perf_counter()
 
                 async def one(name: str) -> None:
@@ -131,8 +133,8 @@ def tier_bandwidth(directory: Path, layers: dict[str, int], disk: dict[str, Any]
 
                 await asyncio.gather(*(one(name) for name in layers))
                 wall = time.perf_counter() - start
-                read = tier.reads[2] - reads[2]
-                written = tier.writes[2] - writes[2]
+                read = tier.file.reads[2] - reads[2]
+                written = tier.file.writes[2] - writes[2]
                 need = read / (disk["read_gbs_median"] * 1e9)
                 need += written / (disk["write_gbs_median"] * 1e9)
                 out.append(
@@ -140,6 +142,7 @@ def tier_bandwidth(directory: Path, layers: dict[str, int], disk: dict[str, Any]
                 )
         finally:
             tier.close()
+            claim.remove()
         return out
 
     runs = asyncio.run(passes())
