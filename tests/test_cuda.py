@@ -95,3 +95,15 @@ async def test_cuda_gathers_from_compute_copies_on_disk_match_memory(
     for name, value in ram[0]["state"].items():
         assert torch.equal(value, nvme[0]["state"][name]), name
     assert not any(tmp_path.iterdir())
+
+
+async def pinned_read_buffers(ctx: RankContext, path: str) -> bool:
+    config = Zero3CpuOffloadConfig(device="cuda", offload_param_device="nvme", nvme_path=path)
+    async with Zero3CpuOffloadManager(config, ctx.group, make_model()) as manager:
+        disk = manager.engine.params.disk
+        assert disk is not None
+        return all(buffer.is_pinned() for buffer in disk._buffers)
+
+
+async def test_cuda_read_buffers_of_copies_on_disk_are_pinned(tmp_path: Any) -> None:
+    assert await run_ranks(pinned_read_buffers, 1, str(tmp_path), backend="nccl") == [True]

@@ -284,3 +284,40 @@ async def test_step_events_carry_each_steps_disk_traffic(tmp_path: Path) -> None
             # construction's writes are not part of the first step's figures.
             assert disk["read_bytes"] == disk["write_bytes"] == records
             assert disk["read_seconds"] > 0 and disk["write_seconds"] > 0
+
+
+async def load_body(ctx: RankContext, path: str, config: dict[str, Any]) -> dict[str, Any]:
+    from helpers import make_model
+
+    from zero3_offload import CheckpointError, Zero3CpuOffloadManager
+
+    cfg = Zero3CpuOffloadConfig(**config)
+    async with Zero3CpuOffloadManager(cfg, ctx.group, make_model(seed=3, **MODEL)) as manager:
+        before = await manager.full_state_dict()
+        try:
+            await manager.load_checkpoint(path)
+            outcome = "loaded"
+        except CheckpointError as exc:
+            outcome = f"CheckpointError: {exc}"
+        return {"outcome": outcome, "before": before, "after": await manager.full_state_dict()}
+
+
+def test_a_streamed_load_resharding_or_refusing_a_truncated_file(tmp_path: Path) -> None:
+    saved = tmp_path / "ckpt"
+    run_named(2, {"save": (train, TrainSpec(steps=2, model=MODEL, save_dir=str(saved)))})
+    [directory] = [p for p in saved.iterdir() if p.is_dir()]
+    # Loaded at another world size, into the disk tier (streamed) and into memory: equal.
+    tier = on_disk(tmp_path / "tier")
+    loads = run_named(
+        1, {t: (load_body, str(directory), c) for t, c in (("ram", {}), ("disk", tier))}
+    )
+    assert loads["ram"][0]["outcome"] == loads["disk"][0]["outcome"] == "loaded"
+    assert_bitwise(loads["ram"][0]["after"], loads["disk"][0]["after"])
+    # A truncated file is refused before anything changes, on every rank.
+    shard = next(p for p in directory.iterdir() if p.name.startswith("rank-00001"))
+    shard.write_bytes(shard.read_bytes()[:-64])
+    results = run_named(2, {"bad": (load_body, str(directory), tier)})["bad"]
+    for result in results:
+        assert result["outcome"].startswith("CheckpointError"), result["outcome"]
+        assert_bitwise(result["before"], result["after"])
+    assert not any((tmp_path / "tier").iterdir())

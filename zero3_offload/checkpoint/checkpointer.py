@@ -205,11 +205,15 @@ class ShardCheckpointer:
         try:
             directory = resolve_checkpoint(path)
             kind = self.config.optimizer.kind
+            # With the disk tier, layer by layer in restore: the state may not fit memory.
+            streamed = self.optimizer.tier is not None
             loaded = await self.workers.run(
                 "checkpoint-read",
                 "",
                 "step",
-                lambda: read_shards(directory, self.layouts, optimizer_kind=kind),
+                lambda: read_shards(
+                    directory, self.layouts, optimizer_kind=kind, streamed=streamed
+                ),
             )
             k = self.config.gradient_accumulation_steps
             done = loaded.meta["calls_since_update"]
@@ -228,7 +232,11 @@ class ShardCheckpointer:
         return directory, loaded
 
     async def restore(self, loaded: LoadedShards) -> int:
-        """Put ``loaded`` into the stores and counters.
+        """Put ``loaded`` into the stores and counters, layer by layer.
+
+        A streamed ``loaded`` (the disk tier) reads each layer here; its files were
+        checked by :meth:`read`, so only an I/O error can fail a read now, and then the
+        layers before it are loaded already: the error says to load again.
 
         Gathered copies of the parameters are stale afterwards: the caller
         releases them first.
@@ -236,12 +244,23 @@ class ShardCheckpointer:
         Returns:
             The micro-steps of the accumulation window the checkpoint was saved in.
         """
-        for layer, master in loaded.masters.items():
+        for layer in loaded.names:
+            # Streamed (with the disk tier): this layer's slices read from the checkpoint now.
+            try:
+                master, state = await self.workers.run(
+                    "checkpoint-read", layer, "step", lambda layer=layer: loaded.layer(layer)
+                )
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"{exc}; the layers before {layer!r} are loaded already: load the "
+                    "checkpoint again"
+                ) from exc
             # With the disk tier: read, replaced, written back.
             async with self.optimizer.resident(layer, write=True):
                 self.params.master(layer).copy_(master)
                 self.params.refresh_compute_copy(layer)
-                self.optimizer.load_layer_state(layer, loaded.optim.get(layer, {}))
+                self.optimizer.load_layer_state(layer, state)
+            del master, state  # not alive while the next layer is read
         meta = loaded.meta
         self.grads.load(loaded.grads, meta["backward_passes"])
         self.stats.optimizer_steps = meta["optimizer_steps"]

@@ -7,7 +7,7 @@ the range it owns now from whichever files hold it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,30 @@ __all__ = ["LoadedShards", "read_shards"]
 
 @attrs.define
 class LoadedShards:
-    """This rank's slices of a checkpoint, read and checked, not yet applied."""
+    """This rank's slices of a checkpoint, read and checked, not yet applied.
+
+    Read eagerly, every layer's master and state are in ``masters`` and ``optim``.
+    Read as a stream (``read_shards(..., streamed=True)``), those are empty and
+    :meth:`layer` reads one layer's slices when asked, so no more than one layer
+    is in memory at a time; the files were checked when this was made.
+    """
 
     masters: dict[str, torch.Tensor]  # layer -> 1D fp32 [new shard_numel]
     optim: dict[str, dict[str, torch.Tensor]]  # layer -> state key -> tensor
     grads: dict[str, torch.Tensor]  # layer -> 1D fp32 (only inside a window)
     meta: dict[str, Any]
+    names: list[str] = attrs.Factory(list)  # the layers with parameters, in order
+    read_layer: Callable[[str], tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
+
+    def layer(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``name``'s master slice and optimizer state (read now when streamed).
+
+        Raises:
+            CheckpointError: a streamed read failed.
+        """
+        if self.read_layer is not None:
+            return self.read_layer(name)
+        return self.masters[name], self.optim.get(name, {})
 
 
 def _check_layout(meta: dict[str, Any], layouts: Mapping[str, LayerLayout], file: Path) -> None:
@@ -50,9 +68,17 @@ def _check_layout(meta: dict[str, Any], layouts: Mapping[str, LayerLayout], file
 
 
 def read_shards(
-    directory: Path, layouts: Mapping[str, LayerLayout], *, optimizer_kind: str
+    directory: Path,
+    layouts: Mapping[str, LayerLayout],
+    *,
+    optimizer_kind: str,
+    streamed: bool = False,
 ) -> LoadedShards:
     """Read this rank's slices (per its current layouts) of the checkpoint in ``directory``.
+
+    With ``streamed``, only the gradient slices are read now; the files are checked
+    (every rank's holds the same tensors, in the saved shapes) and each layer's master
+    and state are read when :meth:`LoadedShards.layer` asks for them.
 
     Raises:
         CheckpointError: for missing, truncated or corrupt files, another model's
@@ -68,13 +94,12 @@ def read_shards(
     world = meta["world_size"]
     reader = ShardReader(directory, world)
     keys = reader.keys(0)
-    masters, optim, grads = {}, {}, {}
-    for name, lay in layouts.items():
-        if not lay.numel:
-            continue
+    with_params = {name: lay for name, lay in layouts.items() if lay.numel}
+
+    def read_layer(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lay = with_params[name]
         old_shard = -(-lay.numel // world)
         span = (lay.shard_start, lay.shard_end)
-        masters[name] = reader.flat_range(f"{name}.master", old_shard, *span)
         state = {}
         for key in sorted(k for k in keys if k.startswith(f"{name}.optim.")):
             field = key.removeprefix(f"{name}.optim.")
@@ -82,7 +107,48 @@ def read_shards(
                 state[field] = reader.scalar(key)
             else:
                 state[field] = reader.flat_range(key, old_shard, *span)
-        optim[name] = state
+        return reader.flat_range(f"{name}.master", old_shard, *span), state
+
+    grads = {}
+    for name, lay in with_params.items():
         if f"{name}.grad" in keys:
-            grads[name] = reader.flat_range(f"{name}.grad", old_shard, *span)
-    return LoadedShards(masters=masters, optim=optim, grads=grads, meta=meta)
+            old_shard = -(-lay.numel // world)
+            grads[name] = reader.flat_range(
+                f"{name}.grad", old_shard, lay.shard_start, lay.shard_end
+            )
+    loaded = LoadedShards(masters={}, optim={}, grads=grads, meta=meta, names=list(with_params))
+    if streamed:
+        _check_shapes(reader, with_params, keys, meta)
+        loaded.read_layer = read_layer
+        return loaded
+    for name in with_params:
+        loaded.masters[name], loaded.optim[name] = read_layer(name)
+    return loaded
+
+
+def _check_shapes(
+    reader: ShardReader,
+    layouts: Mapping[str, LayerLayout],
+    keys: set[str],
+    meta: dict[str, Any],
+) -> None:
+    """Every rank's file holds ``keys`` with the saved shard's shape (a streamed load reads
+    the data later, so what can be checked without reading it is checked now)."""
+    world = reader.world
+    for rank in range(world):
+        if reader.keys(rank) != keys:
+            raise CheckpointError(f"{reader.file(rank)}: holds other tensors than rank 0's file")
+    for name, lay in layouts.items():
+        shape = [-(-lay.numel // world)]
+        flat = [
+            k
+            for k in keys
+            if k.startswith(f"{name}.") and k.split(".optim.")[-1] not in meta["scalar_state"]
+        ]
+        for key in flat:
+            for rank in range(world):
+                if reader.shape(rank, key) != shape:
+                    raise CheckpointError(
+                        f"{reader.file(rank)}: {key} has shape {reader.shape(rank, key)}, "
+                        f"the checkpoint's layout says {shape}"
+                    )

@@ -37,6 +37,17 @@ class ShardReader:
     def keys(self, rank: int) -> set[str]:
         return set(self._open(rank).keys())
 
+    def file(self, rank: int) -> Path:
+        """The file of ``rank``'s shards."""
+        return self._files[rank]
+
+    def shape(self, rank: int, key: str) -> list[int]:
+        """The shape ``rank``'s file gives ``key`` (read from its header)."""
+        try:
+            return list(self._open(rank).get_slice(key).get_shape())
+        except Exception as exc:
+            raise CheckpointError(f"{self._files[rank]}: cannot read {key} ({exc})") from exc
+
     def scalar(self, key: str) -> torch.Tensor:
         try:
             return self._open(0).get_tensor(key)

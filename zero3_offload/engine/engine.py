@@ -203,7 +203,12 @@ def build_engine(
         )
         with_params = [name for name, lay in layouts.items() if lay.numel]
         directory, tier, copies = _open_disk_tiers(
-            config, comm, {name: layouts[name].shard_numel for name in with_params}, codec, timeline
+            config,
+            comm,
+            {name: layouts[name].shard_numel for name in with_params},
+            codec,
+            timeline,
+            pin=pin,
         )
         params = ParameterStore(
             codec=codec,
@@ -418,10 +423,13 @@ def _open_disk_tiers(
     shards: dict[str, int],
     codec: ShardCodec,
     timeline: Timeline,
+    *,
+    pin: bool,
 ) -> tuple[RankDirectory | None, NvmeShardTier | None, DiskComputeCopies | None]:
     """The rank's directory and the files of the tiers on disk, allocated (a collective:
     every rank raises when one could not open its tiers). ``shards``: elements of each
-    layer's shard, for the layers with parameters."""
+    layer's shard, for the layers with parameters; ``pin``: page-lock the compute copies'
+    read buffers (a CUDA device)."""
     optimizer = config.offload_optimizer_device is OffloadDevice.NVME
     params = config.offload_param_device is OffloadDevice.NVME
     if not (optimizer or params):
@@ -449,6 +457,7 @@ def _open_disk_tiers(
                 layers=shards,
                 buffers=_param_read_buffers(config),
                 timeline=timeline,
+                pin=pin,
             )
     except DiskTierError as exc:
         error = exc

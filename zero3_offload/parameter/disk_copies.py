@@ -40,7 +40,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from zero3_offload.errors import StateError
+from zero3_offload.errors import DiskTierError, StateError
 from zero3_offload.parameter.codec import CompressedShard, ShardCodec
 from zero3_offload.stats.timeline import Timeline
 from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned
@@ -93,6 +93,8 @@ class DiskComputeCopies:
             by a gather in flight).
         timeline: where each read is recorded.
         threads: I/O threads for reads.
+        pin: register the read buffers with CUDA as page-locked memory (for a CUDA
+            device: the copy to the device then runs by DMA from the buffer).
 
     Raises:
         DiskTierError: the file cannot be created or allocated.
@@ -107,8 +109,10 @@ class DiskComputeCopies:
         buffers: int,
         timeline: Timeline,
         threads: int = 2,
+        pin: bool = False,
     ) -> None:
         self.codec = codec
+        self._pin = pin
         self._timeline = timeline
         self._records: dict[str, _Record] = {}
         offset = 0
@@ -138,7 +142,12 @@ class DiskComputeCopies:
     def _new_buffer(self) -> int:
         # Page-aligned anonymous mappings, as O_DIRECT needs.
         self._maps.append(mmap.mmap(-1, self._record_bytes))
-        self._buffers.append(torch.frombuffer(self._maps[-1], dtype=torch.uint8))
+        buffer = torch.frombuffer(self._maps[-1], dtype=torch.uint8)
+        if self._pin:
+            code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+            if int(code) != 0:
+                raise DiskTierError(f"cannot pin a read buffer of {buffer.numel()} bytes: {code}")
+        self._buffers.append(buffer)
         return len(self._buffers) - 1
 
     @property
@@ -257,4 +266,8 @@ class DiskComputeCopies:
     def close(self) -> None:
         """Stop the I/O threads, close the file and delete it."""
         self._io.shutdown(wait=True, cancel_futures=True)
+        if self._pin:
+            for buffer in self._buffers:
+                torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            self._pin = False
         self.file.close()
