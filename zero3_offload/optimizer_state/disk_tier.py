@@ -26,8 +26,9 @@ training in memory.
 
 The file lives in the rank's directory, ``nvme_path/rank<N>``, next to the
 compute copies' file when those are on disk too (see [Note: compute copies on
-disk]); the directory is created exclusively (one left by a crashed run is
-refused; the message says to remove it) and removed when the manager closes.
+disk]). The directory is claimed for the run (``storage.rank_directory``: one
+a live run holds is refused, one a crashed run left is refused or, with
+``nvme_replace_stale``, replaced) and removed when the manager closes.
 """
 
 from __future__ import annotations
