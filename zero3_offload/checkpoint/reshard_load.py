@@ -140,10 +140,12 @@ def _check_shapes(
             raise CheckpointError(f"{reader.file(rank)}: holds other tensors than rank 0's file")
     for name, lay in layouts.items():
         shape = [-(-lay.numel // world)]
+        optim = f"{name}.optim."
         flat = [
             k
             for k in keys
-            if k.startswith(f"{name}.") and k.split(".optim.")[-1] not in meta["scalar_state"]
+            if k in (f"{name}.master", f"{name}.grad")
+            or (k.startswith(optim) and k.removeprefix(optim) not in meta["scalar_state"])
         ]
         for key in flat:
             for rank in range(world):
