@@ -238,3 +238,24 @@ async def test_a_failed_read_raises_a_disk_tier_error_naming_the_file(tmp_path: 
     [message] = await run_ranks(truncated_body, 1, str(tmp_path), timeout_s=120)
     assert "params.bin" in message and "read" in message, message
     assert not any(tmp_path.iterdir())  # close() removed the directory all the same
+
+
+def test_module_mode_gathers_units_from_disk_bitwise(tmp_path: Path) -> None:
+    """A transformers model run by its own code (units gathered by hooks), both tiers on
+    disk: the same losses, updates and final parameters as in memory."""
+    pytest.importorskip("transformers")
+    from hf_models import HfSpec, train_hf
+
+    disk = {"offload_optimizer_device": "nvme", **params_on_disk(tmp_path / "tier")}
+    runs = run_named(
+        2,
+        {
+            "ram": (train_hf, HfSpec(micro_steps=4)),
+            "disk": (train_hf, HfSpec(micro_steps=4, config=disk)),
+        },
+    )
+    for ram, on_disk in zip(runs["ram"], runs["disk"], strict=True):
+        assert ram["losses"] == on_disk["losses"]
+        assert ram["stepped"] == on_disk["stepped"]
+    assert_bitwise(runs["ram"][0]["state"], runs["disk"][0]["state"])
+    assert not any((tmp_path / "tier").iterdir())
