@@ -44,7 +44,7 @@ import torch
 
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.errors import StateError
-from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned
+from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned, record_offsets
 
 __all__ = ["NvmeShardTier", "record_bytes"]
 
@@ -103,14 +103,14 @@ class NvmeShardTier:
         self.state_keys = state_keys
         self._io = io
         self._give_back = give_back
-        self._records: dict[str, _Record] = {}
-        offset = 0
-        for name, numel in layers.items():
-            nbytes = record_bytes(numel, state_keys)
-            self._records[name] = _Record(offset, numel, _stride(numel), nbytes)
-            offset += nbytes
+        sizes = {name: record_bytes(numel, state_keys) for name, numel in layers.items()}
+        offsets, end = record_offsets(sizes)
+        self._records = {
+            name: _Record(offsets[name], numel, _stride(numel), sizes[name])
+            for name, numel in layers.items()
+        }
         self.file = RecordFile(
-            directory / "state.bin", offset, holds="masters and optimizer state of this rank"
+            directory / "state.bin", end, holds="masters and optimizer state of this rank"
         )
         largest = max((r.nbytes for r in self._records.values()), default=ALIGN)
         self._buffer_bytes = largest

@@ -43,7 +43,7 @@ import torch
 from zero3_offload.errors import DiskTierError, StateError
 from zero3_offload.parameter.codec import CompressedShard, ShardCodec
 from zero3_offload.stats.timeline import Timeline
-from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned
+from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned, record_offsets
 
 __all__ = ["DiskComputeCopies", "StagedCopy"]
 
@@ -114,15 +114,12 @@ class DiskComputeCopies:
         self.codec = codec
         self._pin = pin
         self._timeline = timeline
-        self._records: dict[str, _Record] = {}
-        offset = 0
-        for name, numel in layers.items():
-            nbytes = aligned(codec.wire_nbytes(numel))
-            self._records[name] = _Record(offset, numel, nbytes)
-            offset += nbytes
-        self.file = RecordFile(
-            directory / "params.bin", offset, holds="compute copies of this rank"
-        )
+        sizes = {name: aligned(codec.wire_nbytes(numel)) for name, numel in layers.items()}
+        offsets, end = record_offsets(sizes)
+        self._records = {
+            name: _Record(offsets[name], numel, sizes[name]) for name, numel in layers.items()
+        }
+        self.file = RecordFile(directory / "params.bin", end, holds="compute copies of this rank")
         self._record_bytes = max((r.nbytes for r in self._records.values()), default=ALIGN)
         self._maps: list[mmap.mmap] = []
         self._buffers: list[torch.Tensor] = []

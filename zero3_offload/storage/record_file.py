@@ -7,12 +7,13 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from zero3_offload.errors import DiskTierError
 from zero3_offload.logging import get_logger
 
-__all__ = ["ALIGN", "RecordFile", "aligned"]
+__all__ = ["ALIGN", "RecordFile", "aligned", "record_offsets"]
 
 log = get_logger(__name__)
 
@@ -22,6 +23,16 @@ ALIGN = 4096  # offsets, lengths and buffer addresses of direct I/O are multiple
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def record_offsets(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Where each record starts when records of ``sizes`` bytes follow one another in
+    order from the start of a file, and the file's size."""
+    offsets, end = {}, 0
+    for name, nbytes in sizes.items():
+        offsets[name] = end
+        end += nbytes
+    return offsets, end
 
 
 class RecordFile:
