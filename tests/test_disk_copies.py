@@ -86,8 +86,8 @@ def test_memory_holds_only_read_buffers_and_the_file_every_copy(runs: dict[str, 
         assert r["memory"]["compute_copy_bytes"] == sum(codec.wire_nbytes(s) for s in shards)
         assert d["memory"]["compute_copy_bytes"] == 0
         assert d["memory"]["disk_tier_file_bytes"] == sum(records)
-        # The read buffers (prefetch depth 2 + read-ahead 2 + 1) and at least one writing
-        # thread's scratch buffer, each the size of the largest record.
+        # The read buffers (prefetch depth 2 + read-ahead 2 + 1) and at least one write's
+        # scratch buffer, each the size of the largest record.
         assert d["memory"]["disk_tier_buffer_bytes"] >= 6 * max(records)
         assert d["memory"]["disk_tier_buffer_bytes"] % max(records) == 0
         transfers = d["performance"].transfers

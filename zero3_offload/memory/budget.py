@@ -90,7 +90,7 @@ def cpu_memory_need(
         device: the compute device.
         disk_tier_buffers: how many reused buffers the optimizer's disk tier has.
         disk_copy_buffers: how many read buffers the compute copies on disk have (the
-            writing threads' scratch buffers are counted once they exist).
+            encoding buffers of writes are counted once they exist).
     """
     cpu = torch.device("cpu")
     master_dev = cpu if config.offload_optimizer_states else device

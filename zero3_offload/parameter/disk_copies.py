@@ -5,7 +5,8 @@ With ``offload_param_device="nvme"`` the compute copies of this rank's shards
 (what an all-gather sends, in the compression format of ``parameter.codec``)
 live in one preallocated file, ``nvme_path/rank<N>/params.bin``: one record per
 layer, 4096-byte aligned, written when a layer's master is set or updated (the
-encoding goes through a page-aligned scratch buffer of the writing thread).
+encoding goes through a page-aligned scratch buffer; there are as many as writes
+ran at once).
 
 A gather needs its layer's copy in memory. The copy is read into one of a few
 reused, page-aligned buffers by I/O threads: the prefetch scheduler asks for
@@ -130,8 +131,9 @@ class DiskComputeCopies:
         self._clock = itertools.count(1)
         self._versions = dict.fromkeys(self._records, 0)
         self._locks = {name: threading.Lock() for name in self._records}
-        self._scratch = threading.local()  # each writing thread's encoding buffer
-        self._scratch_bytes = 0
+        # Page-aligned encoding buffers of writes: as many as writes ran at once.
+        self._spare: list[mmap.mmap] = []
+        self._scratch_count = 0
         self._scratch_lock = threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "zero3-param-read")
         self.phase = "forward"  # recorded with reads; the gatherer sets it
@@ -149,8 +151,8 @@ class DiskComputeCopies:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the read buffers and the writing threads' scratch buffers."""
-        return self._record_bytes * len(self._buffers) + self._scratch_bytes
+        """Bytes of the read buffers and of the writes' encoding buffers."""
+        return self._record_bytes * (len(self._buffers) + self._scratch_count)
 
     def _shard(self, layer: str, buffer: torch.Tensor) -> CompressedShard:
         """The compressed shard of ``layer`` laid out at the start of ``buffer``."""
@@ -171,16 +173,21 @@ class DiskComputeCopies:
             DiskTierError: the write failed.
         """
         record = self._records[layer]
-        scratch = getattr(self._scratch, "map", None)
+        with self._scratch_lock:  # a spare scratch buffer, or a new one per writer at once
+            scratch = self._spare.pop() if self._spare else None
+            if scratch is None:
+                self._scratch_count += 1
         if scratch is None:
-            scratch = self._scratch.map = mmap.mmap(-1, self._record_bytes)
+            scratch = mmap.mmap(-1, self._record_bytes)
+        try:
+            buffer = torch.frombuffer(scratch, dtype=torch.uint8)
+            self.codec.encode_(master, self._shard(layer, buffer))
+            with self._locks[layer]:
+                self.file.write(memoryview(scratch)[: record.nbytes], record.offset)
+                self._versions[layer] += 1
+        finally:
             with self._scratch_lock:
-                self._scratch_bytes += self._record_bytes
-        buffer = torch.frombuffer(scratch, dtype=torch.uint8)
-        self.codec.encode_(master, self._shard(layer, buffer))
-        with self._locks[layer]:
-            self.file.write(memoryview(scratch)[: record.nbytes], record.offset)
-            self._versions[layer] += 1
+                self._spare.append(scratch)
 
     # ------------------------------------------------------------ reads
 
