@@ -640,27 +640,27 @@ class Zero3CpuOffloadConfig:
                     f"{limit}={limit_mb}; lower {budget} or raise {limit}"
                 )
         on_disk = self.offload_optimizer_device is OffloadDevice.NVME
-        copies_on_disk = self.offload_param_device is OffloadDevice.NVME
-        if copies_on_disk and not self.offload_params:
-            raise ConfigError(
-                "offload_param_device='nvme' is invalid with offload_params=False: the disk "
-                "tier holds offloaded compute copies; set it to True"
-            )
-        if copies_on_disk and self.nvme_path is None:
-            raise ConfigError(
-                "offload_param_device='nvme' needs nvme_path: the directory the per-rank "
-                "files are created in"
-            )
-        if on_disk and not self.offload_optimizer_states:
-            raise ConfigError(
-                "offload_optimizer_device='nvme' is invalid with offload_optimizer_states="
-                "False: the disk tier holds offloaded optimizer state; set it to True"
-            )
-        if on_disk and self.nvme_path is None:
-            raise ConfigError(
-                "offload_optimizer_device='nvme' needs nvme_path: the directory the "
-                "per-rank files are created in"
-            )
+        for field, device, needs, holds in (
+            ("offload_param_device", self.offload_param_device, "offload_params", "compute copies"),
+            (
+                "offload_optimizer_device",
+                self.offload_optimizer_device,
+                "offload_optimizer_states",
+                "optimizer state",
+            ),
+        ):
+            if device is not OffloadDevice.NVME:
+                continue
+            if not getattr(self, needs):
+                raise ConfigError(
+                    f"{field}='nvme' is invalid with {needs}=False: the disk tier holds "
+                    f"offloaded {holds}; set it to True"
+                )
+            if self.nvme_path is None:
+                raise ConfigError(
+                    f"{field}='nvme' needs nvme_path: the directory the per-rank files are "
+                    "created in"
+                )
         if on_disk and self.speculative_step:
             raise ConfigError(
                 "speculative_step=True is invalid with offload_optimizer_device='nvme': "

@@ -728,6 +728,7 @@ class Zero3CpuOffloadManager:
         window = state.window_started if state.window_started is not None else ended
         state.window_started = None
         memory = self.get_memory_stats()
+        files = e.disk_files()
         e.step_log.close_step(
             started=window,
             ended=ended,
@@ -740,7 +741,7 @@ class Zero3CpuOffloadManager:
             device_allocated_bytes=memory.device_allocated_bytes,
             memory_pressure=pressure.pressure,
             loss_scale=self.loss_scale,
-            **({"disk": _disk_figures(e.disk_files())} if e.disk_files() else {}),
+            **({"disk": _disk_figures(files)} if files else {}),
         )
         return updated is not None
 

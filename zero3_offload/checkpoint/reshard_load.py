@@ -95,10 +95,11 @@ def read_shards(
     reader = ShardReader(directory, world)
     keys = reader.keys(0)
     with_params = {name: lay for name, lay in layouts.items() if lay.numel}
+    # Each layer's shard length in the saved world (the saved files' tensor length).
+    old_shards = {name: -(-lay.numel // world) for name, lay in with_params.items()}
 
     def read_layer(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        lay = with_params[name]
-        old_shard = -(-lay.numel // world)
+        lay, old_shard = with_params[name], old_shards[name]
         span = (lay.shard_start, lay.shard_end)
         state = {}
         for key in sorted(k for k in keys if k.startswith(f"{name}.optim.")):
@@ -112,13 +113,12 @@ def read_shards(
     grads = {}
     for name, lay in with_params.items():
         if f"{name}.grad" in keys:
-            old_shard = -(-lay.numel // world)
             grads[name] = reader.flat_range(
-                f"{name}.grad", old_shard, lay.shard_start, lay.shard_end
+                f"{name}.grad", old_shards[name], lay.shard_start, lay.shard_end
             )
     loaded = LoadedShards(masters={}, optim={}, grads=grads, meta=meta, names=list(with_params))
     if streamed:
-        _check_shapes(reader, with_params, keys, meta)
+        _check_shapes(reader, old_shards, keys, meta)
         loaded.read_layer = read_layer
         return loaded
     for name in with_params:
@@ -128,18 +128,19 @@ def read_shards(
 
 def _check_shapes(
     reader: ShardReader,
-    layouts: Mapping[str, LayerLayout],
+    old_shards: Mapping[str, int],
     keys: set[str],
     meta: dict[str, Any],
 ) -> None:
-    """Every rank's file holds ``keys`` with the saved shard's shape (a streamed load reads
-    the data later, so what can be checked without reading it is checked now)."""
+    """Every rank's file holds ``keys`` with the saved shard's shape (``old_shards``: each
+    layer's saved shard length; a streamed load reads the data later, so what can be
+    checked without reading it is checked now)."""
     world = reader.world
     for rank in range(world):
         if reader.keys(rank) != keys:
             raise CheckpointError(f"{reader.file(rank)}: holds other tensors than rank 0's file")
-    for name, lay in layouts.items():
-        shape = [-(-lay.numel // world)]
+    for name, old_shard in old_shards.items():
+        shape = [old_shard]
         optim = f"{name}.optim."
         flat = [
             k

@@ -282,7 +282,6 @@ def build_engine(
         if tier is not None:
             params.on_put = None  # only the initial masters: later ones are updated in place
             trim_heap()  # the masters are on disk now: their memory back to the OS
-        if tier is not None:
             tier.file.step_figures()  # the steps' disk figures count from here
         if copies is not None:
             copies.file.step_figures()

@@ -115,9 +115,7 @@ def cpu_memory_need(
         if copies_on_disk:
             largest_copy = max(largest_copy, aligned(codec.wire_nbytes(shard)))
         elif copy_dev.type == "cpu" and not aliased:
-            copies += torch.empty((), dtype=codec.storage_dtype).element_size() * shard
-            if codec.method.value == "int8":
-                copies += _FP32 * codec.num_blocks(shard)
+            copies += codec.wire_nbytes(shard)  # the payload (and int8's scales)
         if config.offload_grads or device.type == "cpu":
             grads += _FP32 * shard
     return CpuMemoryNeed(

@@ -149,13 +149,21 @@ class ShardCodec:
     def empty(self, numel: int, *, device: torch.device, pin: bool = False) -> CompressedShard:
         """A preallocated compressed shard of ``numel`` elements."""
         if self.method is CpuCompressionMethod.INT8:
-            blocks = self.num_blocks(numel)
             packed = torch.empty(
-                4 * blocks + numel, dtype=torch.uint8, device=device, pin_memory=pin
+                self.wire_nbytes(numel), dtype=torch.uint8, device=device, pin_memory=pin
             )
-            return CompressedShard.from_packed(packed, numel, blocks)
+            return self.view(packed, numel)
         payload = torch.empty(numel, dtype=self.storage_dtype, device=device, pin_memory=pin)
         return CompressedShard(payload, None)
+
+    def view(self, buffer: torch.Tensor, numel: int) -> CompressedShard:
+        """The shard of ``numel`` elements laid out at the start of ``buffer`` (1D uint8,
+        at least :meth:`wire_nbytes` long) as :meth:`CompressedShard.wire` lays it out."""
+        if self.method is CpuCompressionMethod.INT8:
+            return CompressedShard.from_packed(
+                buffer[: self.wire_nbytes(numel)], numel, self.num_blocks(numel)
+            )
+        return CompressedShard(buffer[: self.wire_nbytes(numel)].view(self.storage_dtype), None)
 
     def wire_nbytes(self, numel: int) -> int:
         """Bytes :meth:`CompressedShard.wire` has for a shard of ``numel`` elements."""
@@ -218,9 +226,8 @@ class ShardCodec:
             out.copy_(wire.view(self.storage_dtype))
             return
         shard, part = out.numel() // world_size, wire.numel() // world_size
-        blocks = self.num_blocks(shard)
         for r in range(world_size):
-            src = CompressedShard.from_packed(wire[r * part : (r + 1) * part], shard, blocks)
+            src = self.view(wire[r * part : (r + 1) * part], shard)
             self.decode_(src, out[r * shard : (r + 1) * shard])
 
     def decode(self, src: CompressedShard) -> torch.Tensor:

@@ -156,13 +156,7 @@ class DiskComputeCopies:
 
     def _shard(self, layer: str, buffer: torch.Tensor) -> CompressedShard:
         """The compressed shard of ``layer`` laid out at the start of ``buffer``."""
-        numel = self._records[layer].numel
-        codec = self.codec
-        if codec.storage_dtype == torch.int8:
-            blocks = codec.num_blocks(numel)
-            return CompressedShard.from_packed(buffer[: 4 * blocks + numel], numel, blocks)
-        itemsize = torch.empty((), dtype=codec.storage_dtype).element_size()
-        return CompressedShard(buffer[: numel * itemsize].view(codec.storage_dtype), None)
+        return self.codec.view(buffer, self._records[layer].numel)
 
     # ------------------------------------------------------------ writes
 
