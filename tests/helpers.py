@@ -416,7 +416,7 @@ async def train_orders(ctx: RankContext, spec: OrderSpec) -> dict[str, Any]:
             high_water = manager.get_memory_stats().gathered_high_water_bytes
             memory_cycles = manager.get_memory_stats().pressure_checks
             status = manager.get_prefetch_status()
-            depth, persistent = status.current_prefetch_distance, list(status.persistent_layers)
+            depth, persistent = status.depth, list(status.persistent_layers)
             persistence_on = status.persistence_enabled
             freed = await manager.force_memory_optimization()
             after_force = attrs.asdict(manager.get_memory_stats())

@@ -154,7 +154,7 @@ async def pressure(ctx: RankContext) -> dict[str, Any]:
             snapshots.append(
                 {
                     "pressure": memory.last_memory_pressure,
-                    "depth": status.current_prefetch_distance,
+                    "depth": status.depth,
                     "persistence": status.persistence_enabled,
                     "gathered": memory.gathered_param_bytes,
                 }

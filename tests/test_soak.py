@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,14 @@ import torch.nn.functional as F
 import zero3_offload.logging as zlogging
 from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.memory import trim_heap
-from zero3_offload.stats import StepLog, Timeline, Zero3PerformanceStats
+from zero3_offload.stats import (
+    PassClock,
+    Phase,
+    StepCounter,
+    StepLog,
+    Timeline,
+    Zero3PerformanceStats,
+)
 from zero3_offload.testing import RankContext, run_ranks
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
 from zero3_offload.train.model import GPT, GPTShape
@@ -28,27 +36,41 @@ KINDS = ("compute", "gather", "wait")  # recorded per step below, one event per 
 LAYERS = ("embed", "block0", "head")
 
 
-def record_steps(timeline: Timeline, log: StepLog | None, first: int, steps: int) -> None:
+def record_steps(
+    timeline: Timeline,
+    counter: StepCounter,
+    log: tuple[PassClock, StepLog] | None,
+    first: int,
+    steps: int,
+) -> None:
     """``steps`` steps of 1-second events, each step closed as the manager closes one."""
     for step in range(first, first + steps):
+        if log is not None:
+            log[0].start(Phase.FORWARD)  # the step's window opens at its training forward
         for kind in KINDS:
             for layer in LAYERS:
-                timeline.record(kind, layer, "forward", step, step + 1.0, nbytes=10)
+                timeline.add(kind, layer, Phase.FORWARD, step, step + 1.0, nbytes=10)
         if log is not None:
-            log.close_step(started=step, ended=step + 2.0, stepped=True)
+            now = time.perf_counter()
+            log[1].close_step(updating=now, ended=now, stepped=True)
         else:
-            timeline.step += 1
+            counter.close_step(updated=True)
+
+
+def counted_timeline(**kwargs: Any) -> tuple[Timeline, StepCounter]:
+    counter = StepCounter()
+    return Timeline(counter=counter, **kwargs), counter
 
 
 def test_timeline_keeps_the_events_of_the_last_steps_only() -> None:
-    timeline = Timeline()
+    timeline, counter = counted_timeline()
     per_step = len(KINDS) * len(LAYERS)
-    steps = timeline.steps_kept + 100
-    record_steps(timeline, None, 0, steps)
+    steps = timeline.recent_steps + 100
+    record_steps(timeline, counter, None, 0, steps)
     events = timeline.events()
     # Before the bound in steps, every event of the 116 steps was kept (under maxlen).
-    assert len(events) <= timeline.steps_kept * per_step
-    assert {e.step for e in events} == set(range(steps - timeline.steps_kept, steps))
+    assert len(events) <= timeline.recent_steps * per_step
+    assert {e.step for e in events} == set(range(steps - timeline.recent_steps, steps))
     # The run totals still count every event ever recorded.
     n = steps * len(LAYERS)
     assert timeline.totals()["compute"] == (n, n, 10 * n)
@@ -56,30 +78,37 @@ def test_timeline_keeps_the_events_of_the_last_steps_only() -> None:
 
 
 def test_timeline_bound_in_events_applies_whatever_the_steps() -> None:
-    timeline = Timeline(steps_kept=1000, maxlen=50)
-    record_steps(timeline, None, 0, 20)
+    timeline, counter = counted_timeline(recent_steps=1000, maxlen=50)
+    record_steps(timeline, counter, None, 0, 20)
     assert len(timeline.events()) == timeline.maxlen == 50
     assert timeline.events()[-1].step == 19
 
 
 def test_timeline_after_loading_an_earlier_step_drops_the_later_events() -> None:
-    timeline = Timeline(steps_kept=4)
-    record_steps(timeline, None, 0, 10)
-    timeline.step = 2  # a checkpoint of step 2 was loaded
-    timeline.record("compute", "embed", "forward", 0.0, 1.0)
+    timeline, counter = counted_timeline(recent_steps=4)
+    record_steps(timeline, counter, None, 0, 10)
+    # A checkpoint of step 2 was loaded.
+    counter.load_state_dict({"optimizer_steps": 2, "timeline_step": 2, "calls_since_update": 0})
+    timeline.add("compute", "embed", Phase.FORWARD, 0.0, 1.0)
     assert [e.step for e in timeline.events()] == [2]
 
 
 def test_performance_stats_of_a_long_run_are_whole_while_the_timeline_is_bounded() -> None:
-    timeline, stats = Timeline(steps_kept=8), Zero3PerformanceStats()
-    log = StepLog(timeline, stats)
-    record_steps(timeline, log, 0, 200)
-    snap = stats.snapshot(timeline, prefetch={}, prefetch_hit_rate=0.0, gathered_high_water_bytes=0)
+    (timeline, counter), stats = counted_timeline(recent_steps=8), Zero3PerformanceStats()
+    clock = PassClock(stats=stats, timeline=timeline)
+    log = StepLog(timeline=timeline, stats=stats, counter=counter, clock=clock)
+    record_steps(timeline, counter, (clock, log), 0, 200)
+    snap = stats.snapshot(
+        timeline, counter=counter, prefetch={}, prefetch_hit_rate=0.0, gathered_high_water_bytes=0
+    )
     assert len(snap.timeline) <= 8 * len(KINDS) * len(LAYERS)
     assert {e.step for e in snap.timeline} == set(range(192, 200))
     assert snap.total_compute_time == 200 * len(LAYERS)  # every step's, from the run totals
     assert snap.exposed_communication_time == 200 * len(LAYERS)
-    assert snap.total_step_time == 400.0 and len(snap.step_times) == 200
+    # Every step's wall time, from its window's opening to its close.
+    assert len(snap.step_times) == 200 and all(t > 0 for t in snap.step_times)
+    assert snap.total_step_time == pytest.approx(sum(snap.step_times))
+    assert snap.optimizer_steps == counter.updates == 200
 
 
 def open_fds(under: Path) -> int:
@@ -193,4 +222,4 @@ async def test_threads_and_open_fds_stay_flat_after_warmup(tmp_path: Path) -> No
         assert threads[0] == threads[1], (rank, r)
         fds = {f for window in ("first", "last") for _, f in r[window]}
         assert len(fds) == 1, (rank, r)
-        assert r["timeline_steps"] <= Timeline().steps_kept
+        assert r["timeline_steps"] <= Timeline().recent_steps

@@ -1,58 +1,55 @@
-"""The conductor (torsh's ``mod.rs``): orders gathers, compute, reduce-scatters and updates.
+"""The conductor (the Rust module's ``mod.rs``): orders gathers, compute, reduce-scatters and
+updates.
 
 :class:`Zero3CpuOffloadManager` holds an :class:`~zero3_offload.engine.engine.Engine`
 (every component, wired once by ``build_engine``) and a
 :class:`~zero3_offload.engine.step_state.StepState` (the pending forward and the
-accumulation window). It has no algorithm of its own: layouts and shards live
-in ``parameter``, autograd in ``execution``, gradients in ``gradient``, the
-step math in ``optimizer_state``, look-ahead in ``prefetch``, bytes and the
-pressure policy in ``memory``, figures and logs in ``stats``, checkpoints in
-``checkpoint``. See [Note: kept activations] in ``execution.layer_runner`` and
-[Note: optimizer update during backward] in ``optimizer_state.step_runner``.
+early updates). Each public method checks that the manager is open, then orders
+components; the algorithms live in them: the passes in ``execution``
+(``ChainRunner``, ``ModuleRunner``), layouts and shards in ``parameter``,
+gradients in ``gradient``, the step math in ``optimizer_state``, look-ahead in
+``prefetch``, bytes and the pressure policy in ``memory``, figures, logs and the
+step counts in ``stats``, checkpoints and full values in ``checkpoint``. See
+[Note: saved activations] in ``execution.layer_runner`` and [Note: optimizer
+update during backward] in ``optimizer_state.step_runner``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-import anyio.to_thread
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from zero3_offload.config import Zero3CpuOffloadConfig
-from zero3_offload.engine.arguments import check_backward_args, check_lr, resolve_layer_names
 from zero3_offload.engine.engine import Engine, build_engine
 from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.engine.step_state import StepState
-from zero3_offload.errors import CheckpointError, ConfigError, InputError, StateError, Zero3Error
-from zero3_offload.execution.forward_record import ForwardRecord, SavedStep
+from zero3_offload.errors import StateError, Zero3Error
+from zero3_offload.execution.arguments import check_lr, check_step_call
+from zero3_offload.execution.chain_runner import ChainRunner, forward_phase
 from zero3_offload.execution.module_runner import ModuleRunner
-from zero3_offload.gradient.reducer import PendingGradient
 from zero3_offload.logging import get_logger
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
-from zero3_offload.parameter.flat_layout import owned_numel, param_key, total_numel
+from zero3_offload.parameter.flat_layout import owned_numel, total_numel
 from zero3_offload.parameter.meta_init import InitFn, ShardSource, reset_parameters_in_order
-from zero3_offload.prefetch.scheduler import layer_seconds
 from zero3_offload.prefetch.status import PrefetchQueueStatus
-from zero3_offload.stats.performance import TransferStats, Zero3PerformanceStats
-from zero3_offload.storage.record_file import RecordFile
+from zero3_offload.stats.disk_io import disk_step_figures, disk_transfers
+from zero3_offload.stats.layer_seconds import layer_seconds
+from zero3_offload.stats.performance import Zero3PerformanceStats
 
 __all__ = ["Zero3CpuOffloadManager"]
 
 log = get_logger(__name__)
 
 _Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
-T = TypeVar("T")
 
 
 def _flushed(method: _Method) -> _Method:
@@ -258,7 +255,7 @@ class Zero3CpuOffloadManager:
     def steps_completed(self) -> int:
         """Optimizer steps completed (fp16 steps skipped for inf/nan included); restored by
         :meth:`load_checkpoint`."""
-        return self._engine.timeline.step
+        return self._engine.counter.steps
 
     @property
     def loss_scale(self) -> float | None:
@@ -289,29 +286,44 @@ class Zero3CpuOffloadManager:
         shown = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
         grad = "" if torch.is_grad_enabled() else " under no_grad"
         return (
-            f"{name}({', '.join(shown)}){grad} at step {self._engine.timeline.step}, "
-            f"micro-step {self._state.calls_since_update}"
+            f"{name}({', '.join(shown)}){grad} at step {self._engine.counter.steps}, "
+            f"micro-step {self._engine.counter.window_calls}"
         )
 
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("the manager is closed; build a new one")
 
-    def _check_chain(self, call: str) -> None:
-        if self._engine.model_runner is not None:
+    # ----------------------------------------------------------------- passes
+
+    def _chain_runner(self, call: str) -> ChainRunner:
+        self._check_open()
+        runner = self._engine.chain_runner
+        if runner is None:
             raise StateError(
                 f"{call} runs a chain of layers, but this manager runs the model's own code "
                 "(module mode): use `await manager.forward(...)` and `await manager.backward(loss)`"
             )
+        return runner
 
-    # ----------------------------------------------------------------- passes
+    def _module_runner(self, call: str) -> ModuleRunner:
+        self._check_open()
+        runner = self._engine.model_runner
+        if runner is None:
+            raise StateError(
+                f"{call}() runs a whole model's own forward and needs module mode: build the "
+                "manager with units=[...] (transformers models choose theirs); this manager "
+                "trains a chain of layers with forward_pass/backward_pass"
+            )
+        return runner
 
     @_flushed
     async def forward_pass(self, x: torch.Tensor, layer_names: Sequence[str]) -> torch.Tensor:
         """Run ``layer_names`` in order on ``x``; keep what backward needs.
 
         Under ``torch.no_grad()`` (evaluation) nothing is kept: no graph, no
-        inputs, and no backward may follow.
+        inputs, and no backward may follow; the accumulation window's timer does
+        not start either, so the next ``step`` event's seconds leave it out.
 
         Args:
             x: input of the first layer (moved to the device; floating inputs
@@ -323,52 +335,17 @@ class Zero3CpuOffloadManager:
 
         Raises:
             LayerNotFoundError: for a name that is not a layer.
-            InputError: when ``x`` is not a tensor, or on the meta device.
-            LayerExecutionError: when a layer raises; the manager's state is unchanged.
+            InputError: when ``x`` is not a tensor, or on the meta device (nothing
+                changed).
+            LayerExecutionError: when a layer raises; nothing stays gathered or in
+                flight, and the pending forward is the one before.
             CommunicationError: when a gather fails.
         """
-        self._check_open()
-        e, state = self._engine, self._state
-        self._check_chain("forward_pass")
-        names = resolve_layer_names(e.layers, layer_names)
-        if not isinstance(x, torch.Tensor):
-            raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        started = time.perf_counter()
-        if state.window_started is None:
-            state.window_started = started
-        e.gatherer.phase = "forward"
-        h = e.runner.to_compute(x)
-        steps: list[SavedStep | None] = []
-        training = torch.is_grad_enabled()
-        try:
-            # An evaluation forward has its own trace, so it does not disturb
-            # the prediction that a training forward is followed by its backward.
-            await e.prefetch.begin_pass("forward" if training else "inference", names)
-            next_order = e.prefetch.next_after_forward(names) if training else ()
-            for i, name in enumerate(names):
-                module = await e.prefetch.acquire(names, i)
-                t0 = time.perf_counter()
-                h, saved = e.runner.forward(name, module, h, keep=training)
-                steps.append(saved)
-                self._record_compute(name, "forward", t0)
-                e.prefetch.finish_use(names, i, next_order=next_order)
-        except BaseException:
-            await e.prefetch.release_all()  # nothing stays in flight
-            raise
-        state.record = (
-            ForwardRecord(layer_names=names, steps=steps, output_shape=h.shape)
-            if training
-            else None
-        )
-        e.stats.forward_passes += 1
-        e.stats.forward_samples += x.shape[0] if x.dim() else 1
-        e.stats.total_forward_time += time.perf_counter() - started
-        return h
-
-    def _record_compute(self, name: str, phase: str, t0: float) -> None:
-        t1 = time.perf_counter()
-        self._engine.stats.record_layer(name, phase, t1 - t0)
-        self._engine.timeline.record("compute", name, phase, t0, t1)
+        runner = self._chain_runner("forward_pass")
+        names = runner.check_forward(x, layer_names)
+        out, result = await runner.forward(x, names)
+        self._state.forward = result if result.phase.trains else None
+        return out
 
     @_flushed
     async def backward_pass(
@@ -383,7 +360,8 @@ class Zero3CpuOffloadManager:
         Each layer's parameter gradient is reduce-scattered (mean over ranks) so
         this rank keeps the shard it owns; the reduce-scatter of one layer
         overlaps the compute of the next. Gradients are committed only when the
-        whole pass succeeded, unless updates started early (below).
+        whole pass succeeded, unless updates started early (below). The forward
+        is used up whatever happens: after a failure, run a new forward.
 
         Args:
             grad_output: d(this rank's micro-batch mean loss)/d(forward output).
@@ -407,117 +385,24 @@ class Zero3CpuOffloadManager:
             LayerExecutionError: when a layer raises.
             CommunicationError: when a collective fails.
         """
-        self._check_open()
-        e, state = self._engine, self._state
-        self._check_chain("backward_pass")
+        runner, state = self._chain_runner("backward_pass"), self._state
         if state.early_lr is not None:
             raise StateError(
                 "the last backward_pass already updated the layers of this step (its "
                 f"learning_rate={state.early_lr!r}): call optimizer_step({state.early_lr!r}) "
                 "before the next backward_pass"
             )
-        record = check_backward_args(
-            state.record, resolve_layer_names(e.layers, layer_names), grad_output
-        )
-        names = record.layer_names
+        forward = runner.check_backward(state.forward, layer_names, grad_output)
         early_lr = None
         if learning_rate is not None:
             early_lr = check_lr(learning_rate)
-            if not e.steps.can_start_early(names, state.calls_since_update):
+            window_calls = self._engine.counter.window_calls
+            if not self._engine.steps.can_start_early(tuple(forward.layers), window_calls):
                 early_lr = None
-        started = time.perf_counter()
-        e.gatherer.phase = "backward"
-        g: torch.Tensor | None = e.runner.to_compute(grad_output)
-        if self.loss_scale is not None:
-            g = g * self.loss_scale
-        pending: list[PendingGradient] = []
-        landings: list[asyncio.Future[torch.Tensor | None]] = []
-        e.reducer.begin_pass()
-        try:
-            order = names[::-1]
-            await e.prefetch.begin_pass("backward", order)
-            for i, name in enumerate(order):
-                step = len(names) - 1 - i
-                if g is None:
-                    raise StateError(
-                        f"layer {names[step + 1]!r} has a non-floating input, so no gradient "
-                        f"reaches layer {name!r}: it must come first in layer_names"
-                    )
-                module = await e.prefetch.acquire(order, i)
-                has_params = e.layouts[name].numel > 0
-                if has_params:
-                    slot = await e.reducer.prepare(name, module)
-                t0 = time.perf_counter()
-                saved = record.steps[step]
-                record.steps[step] = None  # its activations go as soon as the layer is done
-                assert saved is not None
-                g = e.runner.backward(name, module, saved, g)
-                self._record_compute(name, "backward", t0)
-                # The values go first: the reduce-scatter may receive into their buffer.
-                e.prefetch.finish_use(order, i, keep_grads=True)
-                if has_params:
-                    p = await e.reducer.start_reduce_scatter(name, module, slot)
-                    pending.append(p)
-                    if early_lr is not None:
-                        landing = e.steps.land_and_update(e.reducer, p, early_lr)
-                    else:
-                        landing = e.reducer.finish(p)
-                    landings.append(asyncio.ensure_future(landing))
-            e.reducer.end_pass()
-            waited = time.perf_counter()
-            results = await asyncio.gather(*landings)
-            # Waits for every layer's reduce-scatter (and early update): no single layer's.
-            e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
-            if early_lr is None:
-                await e.grads.commit(zip((p.layer for p in pending), results, strict=True))
-                e.reducer.committed()
-            else:
-                e.grads.count_micro_step()
-        except BaseException as exc:
-            await self._abandon_backward(pending, landings)
-            if e.steps.stepped and isinstance(exc, Zero3Error):
-                raise type(exc)(
-                    f"{exc} (layers {sorted(e.steps.stepped)} were already updated by this "
-                    "backward's early optimizer step)"
-                ) from exc
-            raise
+        state.forward = None  # one backward per forward, whatever happens
+        grad_input, _ = await runner.backward(grad_output, forward, early_lr=early_lr)
         state.early_lr = early_lr
-        state.record = None
-        e.stats.backward_passes += 1
-        e.stats.total_backward_time += time.perf_counter() - started
-        return g
-
-    async def _abandon_backward(
-        self, pending: list[PendingGradient], landings: list[asyncio.Future[torch.Tensor | None]]
-    ) -> None:
-        # Nothing may stay in flight; the caller raises the first error. The
-        # forward's graphs are (partly) consumed: the next backward needs a new forward.
-        # Updates already made stand, speculative ones too (the error names them).
-        self._state.record = None
-        self._engine.steps.keep_updates()
-        self._engine.reducer.committed()  # the pass's uncommitted shards are dropped
-        for task in landings:
-            task.cancel()
-        for task in landings:
-            with contextlib.suppress(BaseException):
-                await task
-        for p in pending:
-            with contextlib.suppress(Zero3Error):
-                await p.collective.wait()
-        with contextlib.suppress(Zero3Error):
-            await self._engine.prefetch.release_all()
-
-    # ------------------------------------------------------------ module mode
-
-    def _module_runner(self, call: str) -> ModuleRunner:
-        runner = self._engine.model_runner
-        if runner is None:
-            raise StateError(
-                f"{call}() runs a whole model's own forward and needs module mode: build the "
-                "manager with units=[...] (transformers models choose theirs); this manager "
-                "trains a chain of layers with forward_pass/backward_pass"
-            )
-        return runner
+        return grad_input
 
     @_flushed
     async def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -527,7 +412,8 @@ class Zero3CpuOffloadManager:
         loop stays free: each unit is gathered when the model reaches it (the
         next ones prefetched in the recorded order) and released after it. A
         training forward (autograd on) keeps what :meth:`backward` needs;
-        under ``torch.no_grad()`` nothing is kept. See [Note: module mode].
+        under ``torch.no_grad()`` nothing is kept and the accumulation window's
+        timer does not start. See [Note: module mode].
 
         Args:
             args: positional arguments of the model (tensors are moved to the device).
@@ -543,21 +429,9 @@ class Zero3CpuOffloadManager:
                 nothing is kept and nothing stays gathered.
             CommunicationError: when a gather fails.
         """
-        self._check_open()
         runner = self._module_runner("forward")
-        e, state = self._engine, self._state
-        training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        started = time.perf_counter()
-        if training and state.window_started is None:
-            state.window_started = started
-        e.gatherer.phase = "forward"
-        args, kwargs = _to_device((args, kwargs), e.device)
-        phase = "forward" if training else "inference"
-        out, unit_pass = await runner.run_forward(phase, args, kwargs)
-        state.unit_forward = unit_pass if training else None
-        e.stats.forward_passes += 1
-        e.stats.forward_samples += _batch_size(args, kwargs)
-        e.stats.total_forward_time += time.perf_counter() - started
+        out, result = await runner.forward(forward_phase(), args, kwargs)
+        self._state.forward = result if result.phase.trains else None
         return out
 
     @_flushed
@@ -581,51 +455,10 @@ class Zero3CpuOffloadManager:
             LayerExecutionError: when the model's backward raised.
             CommunicationError: when a collective fails.
         """
-        self._check_open()
         runner = self._module_runner("backward")
-        e, state = self._engine, self._state
-        forward = state.unit_forward
-        if forward is None:
-            raise StateError(
-                "backward called without a training forward to go back through: call "
-                "`await manager.forward(...)` (outside torch.no_grad()) first; each forward is "
-                "used by one backward"
-            )
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise InputError(
-                "loss must be a scalar tensor, got "
-                + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss))
-            )
-        if loss.grad_fn is None:
-            raise InputError(
-                "loss has no autograd history: compute it from the output of "
-                "`await manager.forward(...)` called outside torch.no_grad()"
-            )
-        started = time.perf_counter()
-        e.gatherer.phase = "backward"
-        scaled = loss * self.loss_scale if self.loss_scale is not None else loss
-        state.unit_forward = None  # one backward per forward, whatever happens
-        unit_pass = None
-        try:
-            unit_pass = await runner.run_backward(scaled, forward)
-            waited = time.perf_counter()
-            results = await asyncio.gather(*unit_pass.landings)
-            e.timeline.record("wait", "*", "backward", waited, time.perf_counter())
-            await e.grads.commit(zip((p.layer for p in unit_pass.pending), results, strict=True))
-            e.reducer.committed()
-        except BaseException:
-            # In flight: the runner's pass if backward itself failed, else the
-            # finished pass whose landings or commit failed.
-            failed = runner.current or unit_pass
-            runner.current = None
-            runner.clear_grads()
-            if failed is not None:
-                await self._abandon_backward(failed.pending, failed.landings)
-            else:
-                await e.prefetch.release_all()
-            raise
-        e.stats.backward_passes += 1
-        e.stats.total_backward_time += time.perf_counter() - started
+        forward = runner.check_backward(self._state.forward, loss)
+        self._state.forward = None  # one backward per forward, whatever happens
+        await runner.backward(loss, forward)
 
     @_flushed
     async def generate(
@@ -651,27 +484,20 @@ class Zero3CpuOffloadManager:
 
         Raises:
             StateError: when the manager is not in module mode.
+            InputError: when ``input_ids`` is not a tensor.
             LayerExecutionError: when the model's code raised.
         """
-        self._check_open()
         runner = self._module_runner("generate")
-        e = self._engine
-        if not isinstance(input_ids, torch.Tensor):
-            raise InputError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if self.world_size > 1:
-            kwargs.setdefault("synced_gpus", True)
-        kwargs = _to_device(kwargs, e.device)
-        e.gatherer.phase = "forward"
-        phase = "generate" if keep_gathered else "inference"
-        out, _ = await runner.run_forward(phase, (input_ids.to(e.device),), kwargs, call="generate")
-        return out
+        return await runner.generate(input_ids, kwargs, keep_gathered=keep_gathered)
 
     @_flushed
     async def optimizer_step(self, learning_rate: float) -> bool:
         """Count a micro-step; at every ``gradient_accumulation_steps``-th, update.
 
         Each rank updates only its own shards (one worker-thread task per layer,
-        running in parallel), then refreshes their compute copies.
+        running in parallel), then refreshes their compute copies. The
+        updating call closes the step (its ``step`` event), also when fp16 loss
+        scaling skipped it.
 
         Args:
             learning_rate: the step's learning rate (>= 0).
@@ -687,61 +513,39 @@ class Zero3CpuOffloadManager:
             StateError: when no backward_pass ran since the last call.
         """
         self._check_open()
-        e, state = self._engine, self._state
-        lr = check_lr(learning_rate)
-        if e.grads.micro_steps <= state.calls_since_update:
-            raise StateError(
-                "optimizer_step called without a backward_pass (module mode: backward) since "
-                "the last call: call forward_pass and backward_pass (forward and backward) for "
-                "each micro-batch first"
-            )
-        if state.early_lr is not None and lr != state.early_lr:
-            raise ConfigError(
-                f"learning_rate={lr!r} differs from the learning_rate={state.early_lr!r} given "
-                "to backward_pass, whose updates already started: pass the same value"
-            )
-        e.stats.micro_steps += 1
-        state.calls_since_update += 1
-        if state.calls_since_update < e.config.gradient_accumulation_steps:
-            await e.prefetch.after_update(())  # parameters unchanged: prefetch the forward
+        engine, state = self._engine, self._state
+        lr = check_step_call(
+            learning_rate,
+            backward_passes=engine.grads.micro_steps,
+            window_calls=engine.counter.window_calls,
+            early_lr=state.early_lr,
+        )
+        if engine.counter.count_call() < engine.config.gradient_accumulation_steps:
+            await engine.prefetch.after_update(())  # parameters unchanged: prefetch the forward
             return False
         started = time.perf_counter()
-        await e.prefetch.drain()  # no gather may read a shard while it is updated
+        await engine.prefetch.drain()  # no gather may read a shard while it is updated
         # The next forward's first layers update first; their gathers start while
         # the other layers update.
         fresh: list[str] = []
-        updated = await e.steps.apply(
+        updated = await engine.steps.apply(
             lr,
-            first=e.prefetch.forward_window(),
-            ready=lambda names: fresh.extend(e.prefetch.launch_updated(names)),
+            first=engine.prefetch.forward_window(),
+            ready=lambda names: fresh.extend(engine.prefetch.launch_updated(names)),
         )
-        e.stats.speculative_rollbacks = e.steps.rollbacks
-        e.grads.clear()
-        state.calls_since_update = 0
+        engine.grads.clear()
         state.early_lr = None
-        if updated is not None:
-            e.stats.optimizer_steps += 1
-        pressure = await e.pressure.check(e.prefetch, e.comm)
-        await e.prefetch.after_update(updated or (), fresh=fresh)
-        ended = time.perf_counter()
-        e.stats.total_optimizer_time += ended - started
-        window = state.window_started if state.window_started is not None else ended
-        state.window_started = None
-        memory = self.get_memory_stats()
-        files = e.disk_files()
-        e.step_log.close_step(
-            started=window,
-            ended=ended,
+        pressure = await engine.pressure.check()
+        await engine.prefetch.after_update(updated or (), fresh=fresh)
+        engine.step_log.close_step(
+            updating=started,
+            ended=time.perf_counter(),
             stepped=updated is not None,
-            prefetch_hit_rate=e.prefetch.metrics.hit_rate(),
-            gathered_high_water_bytes=memory.gathered_high_water_bytes,
-            cpu_memory_used=memory.cpu_memory_used,
-            gpu_memory_used=memory.gpu_memory_used,
-            process_rss_bytes=memory.process_rss_bytes,
-            device_allocated_bytes=memory.device_allocated_bytes,
+            **self.get_memory_stats().step_figures(),
+            prefetch_hit_rate=engine.prefetch.metrics.hit_rate(),
             memory_pressure=pressure.pressure,
             loss_scale=self.loss_scale,
-            **({"disk": _disk_figures(files)} if files else {}),
+            **({"disk": disk_step_figures(files)} if (files := engine.disk_files()) else {}),
         )
         return updated is not None
 
@@ -755,27 +559,7 @@ class Zero3CpuOffloadManager:
             ``{name as in model.named_parameters(): fp32 CPU tensor}``.
         """
         self._check_open()
-        out: dict[str, torch.Tensor] = {}
-        for name in self._engine.layouts:
-            for key, value in await self._full_layer(name):
-                out[key] = value
-        return out
-
-    async def _full_layer(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        """``(full name, fp32 CPU tensor)`` of ``name``'s parameters (a collective)."""
-        e = self._engine
-        layout = e.layouts[name]
-        if not layout.padded_numel:
-            return []
-        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=e.device)
-        async with e.optimizer.resident(name, write=False):  # read from the disk tier
-            await e.comm.all_gather(
-                full, e.params.master(name).to(e.device), what=f"the values of {name!r}"
-            )
-        return [
-            (param_key(name, pname), view.detach().to("cpu", copy=True))
-            for pname, view in layout.unflatten(full)
-        ]
+        return await self._engine.full_state.state_dict()
 
     @_flushed
     async def save_pretrained(
@@ -813,68 +597,35 @@ class Zero3CpuOffloadManager:
                 "save_pretrained needs a transformers model (module mode, with model.config); "
                 "use save_checkpoint or full_state_dict for other models"
             )
-        from zero3_offload.integrations.pretrained_writer import write_pretrained
+        from zero3_offload.integrations.pretrained_save import save_pretrained
 
-        e = self._engine
-        names = list(e.layouts)
-        done: list[str] = []
-        error: BaseException | None = None
-        if self.rank == 0:
-            loop = asyncio.get_running_loop()
-
-            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-                for name in names:
-                    future = asyncio.run_coroutine_threadsafe(self._full_layer(name), loop)
-                    done.append(name)
-                    yield from future.result()
-
-            def write() -> object:
-                return write_pretrained(
-                    directory, model.config, tensors(), max_shard_bytes=max_shard_bytes, dtype=dtype
-                )
-
-            try:
-                await anyio.to_thread.run_sync(write)
-            except Zero3Error as exc:
-                error = exc
-        # Every rank takes part in every gather, also after rank 0 failed.
-        for name in names[len(done) :]:
-            await self._full_layer(name)
-        if not await e.comm.agree(error is None, what="save_pretrained's outcome"):
-            raise CheckpointError(
-                f"save_pretrained to {os.fspath(directory)} failed on rank 0"
-                + (f": {error}" if error is not None else "")
-            ) from error
-        log.info("pretrained_saved", rank=self.rank, path=os.fspath(directory))
-        return Path(directory)
+        return await save_pretrained(
+            directory,
+            model_config=model.config,
+            full_state=self._engine.full_state,
+            comm=self._engine.comm,
+            max_shard_bytes=max_shard_bytes,
+            dtype=dtype,
+        )
 
     def get_performance_stats(self) -> Zero3PerformanceStats:
         """A snapshot of this rank's timings, counts, prefetch metrics and recent timeline."""
-        e = self._engine
-        stats = e.stats.snapshot(
-            e.timeline,
-            prefetch=e.prefetch.metrics.as_dict(),
-            prefetch_hit_rate=e.prefetch.metrics.hit_rate(),
-            gathered_high_water_bytes=e.gatherer.high_water_bytes,
+        engine = self._engine
+        return engine.stats.snapshot(
+            engine.timeline,
+            counter=engine.counter,
+            prefetch=engine.prefetch.metrics.as_dict(),
+            prefetch_hit_rate=engine.prefetch.metrics.hit_rate(),
+            gathered_high_water_bytes=engine.gatherer.high_water_bytes,
+            speculative_rollbacks=engine.steps.rollbacks,
+            disk=disk_transfers(engine.disk_files()),
         )
-        files = e.disk_files()
-        for kind in ("read", "write") if files else ():  # the disk tiers' reads and writes
-            counts = [file.reads if kind == "read" else file.writes for file in files]
-            stats.transfers[f"disk_{kind}"] = TransferStats(
-                transfers=sum(c[0] for c in counts),
-                time=sum(c[1] for c in counts),
-                bytes=sum(c[2] for c in counts),
-            )
-        return stats
 
     def get_memory_stats(self) -> Zero3MemoryStats:
         """Bytes this rank holds now, counted from the tensors."""
-        record, pressure = self._state.record, self._engine.pressure
-        kept = record.activation_bytes() if record is not None else 0
-        if self._state.unit_forward is not None:  # module mode
-            kept = sum(self._state.unit_forward.kept.values())
+        forward, pressure = self._state.forward, self._engine.pressure
         return self._engine.accounting.stats(
-            activation_bytes=kept,
+            activation_bytes=forward.saved_bytes() if forward is not None else 0,
             pressure=pressure.last_pressure,
             pressure_checks=pressure.checks,
         )
@@ -893,10 +644,10 @@ class Zero3CpuOffloadManager:
             Bytes of gathered parameters released.
         """
         self._check_open()
-        e = self._engine
-        before = e.gatherer.reserved_bytes()
-        await e.pressure.free_gathered(e.prefetch)
-        freed = before - e.gatherer.reserved_bytes()
+        gatherer = self._engine.gatherer
+        before = gatherer.reserved_bytes()
+        await self._engine.pressure.free_gathered()
+        freed = before - gatherer.reserved_bytes()
         log.info("memory_optimized", rank=self.rank, freed_bytes=freed)
         return freed
 
@@ -911,11 +662,11 @@ class Zero3CpuOffloadManager:
             The new prefetch depth.
         """
         self._check_open()
-        e = self._engine
-        gather_s, compute_s = layer_seconds(e.timeline.events())
-        agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=e.device)
-        await e.comm.all_reduce_max(agreed, what="the layer timings")
-        depth = e.prefetch.adapt_prefetch_strategy(float(agreed[0]), float(agreed[1]))
+        engine = self._engine
+        gather_s, compute_s = layer_seconds(engine.timeline.events())
+        agreed = torch.tensor([gather_s, compute_s], dtype=torch.float64, device=engine.device)
+        await engine.comm.all_reduce_max(agreed, what="the layer timings")
+        depth = engine.prefetch.adapt_prefetch_strategy(float(agreed[0]), float(agreed[1]))
         log.info(
             "prefetch_adapted",
             rank=self.rank,
@@ -927,14 +678,21 @@ class Zero3CpuOffloadManager:
 
     @_flushed
     async def reset_state(self) -> None:
-        """Drop optimizer state, gradients, loss scale and the pending forward; keep parameters."""
+        """Drop optimizer state, gradients, loss scale, the pending forward and the open
+        accumulation window; keep parameters and the step counts."""
         self._check_open()
-        e = self._engine
-        await e.prefetch.release_all()
-        e.optimizer.reset()
-        e.grads.clear()
-        e.steps.reset()
+        engine = self._engine
+        await engine.prefetch.release_all()
+        engine.optimizer.reset()
+        engine.grads.clear()
+        engine.steps.reset()
+        self._forget_window()
+
+    def _forget_window(self) -> None:
+        """Forget the pending forward, early updates and the open window's progress."""
         self._state.reset()
+        self._engine.counter.reset_window()
+        self._engine.clock.reset()
 
     # ------------------------------------------------------------ checkpoints
 
@@ -962,9 +720,7 @@ class Zero3CpuOffloadManager:
         self._check_open()
         if self._state.early_lr is not None:
             raise StateError("updates of this step already started: call optimizer_step first")
-        return await self._engine.checkpointer.save(
-            path, calls_since_update=self._state.calls_since_update
-        )
+        return await self._engine.checkpointer.save(path)
 
     @_flushed
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
@@ -985,12 +741,12 @@ class Zero3CpuOffloadManager:
                 a pickle) in the directory, or a failure on another rank.
         """
         self._check_open()
-        e = self._engine
-        directory, loaded = await e.checkpointer.read(path)
-        await e.prefetch.release_all(keep_persistent=False)  # gathered copies are stale
-        self._state.reset()
-        e.steps.reset()  # layers updated early in the open window: the load replaces them
-        self._state.calls_since_update = await e.checkpointer.restore(loaded)
+        engine = self._engine
+        directory, loaded = await engine.checkpointer.read(path)
+        await engine.prefetch.release_all(keep_persistent=False)  # gathered copies are stale
+        self._forget_window()
+        engine.steps.reset()  # layers updated early in the open window: the load replaces them
+        await engine.checkpointer.restore(loaded)  # the step counts too
         log.info("checkpoint_loaded", rank=self.rank, path=str(directory))
         return directory
 
@@ -1007,18 +763,17 @@ class Zero3CpuOffloadManager:
         """
         if self._closed:
             return
+        engine = self._engine
         try:
-            await self._engine.prefetch.release_all(keep_persistent=False)
+            await engine.prefetch.release_all(keep_persistent=False)
         except Zero3Error:
-            if self._engine.comm.broken is None:
+            if engine.comm.broken is None:
                 raise
-            log.info("close_after_failure", rank=self.rank, failure=str(self._engine.comm.broken))
+            log.info("close_after_failure", rank=self.rank, failure=str(engine.comm.broken))
         finally:
-            if self._engine.model_runner is not None:
-                self._engine.model_runner.close()
             self._state.reset()
             self._closed = True
-            self._engine.close()
+            engine.close()
 
     async def __aenter__(self) -> Zero3CpuOffloadManager:
         return self
@@ -1030,25 +785,3 @@ class Zero3CpuOffloadManager:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
-
-
-def _to_device(tree: T, device: torch.device) -> T:
-    """``tree`` (arguments, nested) with every tensor moved to ``device``."""
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
-
-
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Rows of the first tensor argument with a dimension (1 when there is none)."""
-    for t in tree_flatten((args, kwargs))[0]:
-        if isinstance(t, torch.Tensor) and t.dim():
-            return int(t.shape[0])
-    return 1
-
-
-def _disk_figures(files: list[RecordFile]) -> dict[str, float]:
-    """The step's bytes and seconds read and written, over the disk tiers' files."""
-    figures: dict[str, float] = {}
-    for file in files:
-        for key, value in file.step_figures().items():
-            figures[key] = figures.get(key, 0) + value
-    return figures

@@ -38,8 +38,8 @@ from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.parameter.store import ParameterStore
-from zero3_offload.stats.performance import Zero3PerformanceStats
-from zero3_offload.stats.timeline import Timeline
+from zero3_offload.stats.phase import Phase
+from zero3_offload.stats.step_counter import StepCounter
 from zero3_offload.version import __version__
 
 __all__ = ["ShardCheckpointer"]
@@ -62,8 +62,7 @@ class ShardCheckpointer:
     steps: StepRunner  # the loss scaler lives there
     comm: Collectives
     workers: WorkerThreads
-    stats: Zero3PerformanceStats  # optimizer_steps is saved and restored
-    timeline: Timeline  # its step counter is saved and restored
+    counter: StepCounter  # the run's step counts: saved and restored
     model_config: dict[str, Any] | None = None  # a transformers model's config, for export
 
     def _layer_tensors(self, layer: str) -> dict[str, torch.Tensor]:
@@ -116,7 +115,7 @@ class ShardCheckpointer:
         async with self.optimizer.resident(layer, write=False):
             yield self._layer_tensors(layer)
 
-    def _metadata(self, scalar_state: list[str], calls_since_update: int) -> dict[str, Any]:
+    def _metadata(self, scalar_state: list[str]) -> dict[str, Any]:
         scaler = self.steps.loss_scaler
         return {
             "format": FORMAT,
@@ -126,21 +125,18 @@ class ShardCheckpointer:
             "layers": layout_metadata(self.layouts),
             "optimizer": self.config.optimizer.to_dict(),
             "scalar_state": scalar_state,
-            "optimizer_steps": self.stats.optimizer_steps,
-            "timeline_step": self.timeline.step,
-            "calls_since_update": calls_since_update,
+            **self.counter.state_dict(),  # optimizer_steps, timeline_step, calls_since_update
             "backward_passes": self.grads.micro_steps,
             "loss_scaler": None if scaler is None else scaler.state_dict(),
             "config": self.config.to_dict(),
             "model_config": self.model_config,
         }
 
-    async def save(self, root: str | os.PathLike[str], *, calls_since_update: int) -> Path:
+    async def save(self, root: str | os.PathLike[str]) -> Path:
         """Write this rank's shards and the run's counters; commit when every rank wrote.
 
         Args:
             root: the checkpoint root directory (created if missing).
-            calls_since_update: micro-steps of the open accumulation window.
 
         Returns:
             The committed checkpoint directory.
@@ -151,7 +147,7 @@ class ShardCheckpointer:
                 loadable, temporary files are removed and training can go on.
         """
         root = Path(root)
-        name = checkpoint_name(self.stats.optimizer_steps, calls_since_update)
+        name = checkpoint_name(self.counter.updates, self.counter.window_calls)
         streamed = self.optimizer.tier is not None  # read from the disk tier layer by layer
         if streamed:
             entries = self._entries()
@@ -159,7 +155,7 @@ class ShardCheckpointer:
         else:
             tensors = self._tensors()
             count = len(tensors)
-        meta = self._metadata(self._scalar_state(), calls_since_update)
+        meta = self._metadata(self._scalar_state())
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size
@@ -168,7 +164,7 @@ class ShardCheckpointer:
             if streamed:
 
                 async def write(fn: Callable[[], None]) -> None:
-                    await self.workers.run("checkpoint-write", "", "step", fn)
+                    await self.workers.run("checkpoint-write", "", Phase.STEP, fn)
 
                 await atomic_save.write_shard_streamed(
                     tmp, entries, self._resident_layer, write, rank, world
@@ -177,7 +173,7 @@ class ShardCheckpointer:
                 await self.workers.run(
                     "checkpoint-write",
                     "",
-                    "step",
+                    Phase.STEP,
                     lambda: atomic_save.write_shard(tmp, tensors, rank, world),
                 )
         except Exception as exc:  # reported to every rank by commit_save, which raises
@@ -210,7 +206,7 @@ class ShardCheckpointer:
             loaded = await self.workers.run(
                 "checkpoint-read",
                 "",
-                "step",
+                Phase.STEP,
                 lambda: read_shards(
                     directory, self.layouts, optimizer_kind=kind, streamed=streamed
                 ),
@@ -231,8 +227,8 @@ class ShardCheckpointer:
         assert loaded is not None
         return directory, loaded
 
-    async def restore(self, loaded: LoadedShards) -> int:
-        """Put ``loaded`` into the stores and counters, layer by layer.
+    async def restore(self, loaded: LoadedShards) -> None:
+        """Put ``loaded`` into the stores and the step counter, layer by layer.
 
         A streamed ``loaded`` (the disk tier) reads each layer here; its files were
         checked by :meth:`read`, so only an I/O error can fail a read now, and then the
@@ -240,15 +236,12 @@ class ShardCheckpointer:
 
         Gathered copies of the parameters are stale afterwards: the caller
         releases them first.
-
-        Returns:
-            The micro-steps of the accumulation window the checkpoint was saved in.
         """
         for layer in loaded.names:
             # Streamed (with the disk tier): this layer's slices read from the checkpoint now.
             try:
                 master, state = await self.workers.run(
-                    "checkpoint-read", layer, "step", lambda layer=layer: loaded.layer(layer)
+                    "checkpoint-read", layer, Phase.STEP, lambda layer=layer: loaded.layer(layer)
                 )
             except CheckpointError as exc:
                 raise CheckpointError(
@@ -263,8 +256,6 @@ class ShardCheckpointer:
             del master, state  # not alive while the next layer is read
         meta = loaded.meta
         self.grads.load(loaded.grads, meta["backward_passes"])
-        self.stats.optimizer_steps = meta["optimizer_steps"]
-        self.timeline.step = meta["timeline_step"]
+        self.counter.load_state_dict(meta)
         if self.steps.loss_scaler is not None and meta["loss_scaler"] is not None:
             self.steps.loss_scaler.load_state_dict(meta["loss_scaler"])
-        return int(meta["calls_since_update"])

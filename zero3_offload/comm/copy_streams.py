@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.timeline import Timeline
 
 __all__ = ["CopyStreams"]
@@ -56,7 +57,7 @@ class CopyStreams:
         with torch.cuda.stream(stream):
             yield
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+    def event_now(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         """An event recorded now on ``stream`` (default: the current stream)."""
         if not self.enabled:
             return None
@@ -79,7 +80,7 @@ class CopyStreams:
         self,
         direction: str,
         layer: str,
-        phase: str,
+        phase: Phase,
         nbytes: int,
         started: torch.cuda.Event | None,
         stream: torch.cuda.Stream | None,
@@ -87,14 +88,14 @@ class CopyStreams:
         """Remember a copy enqueued on ``stream`` since ``started``, to time it later."""
         if started is None:
             return
-        ended = self.record(stream)
+        ended = self.event_now(stream)
         with self._copies_lock:
             self._copies.append(
                 (direction, layer, phase, nbytes, started, ended, time.perf_counter())
             )
 
-    def record_finished_copies(self, timeline: Timeline) -> None:
-        """Record the copies whose events completed, timed by the events.
+    def add_finished_copies(self, timeline: Timeline) -> None:
+        """Add the copies whose events completed to ``timeline``, timed by the events.
 
         Only events already complete are read (``query()``), so timing adds no
         host synchronisation; the rest wait for a later call.
@@ -104,7 +105,7 @@ class CopyStreams:
             self._copies = [c for c in self._copies if c not in done]
         for direction, layer, phase, nbytes, start, end, host in done:
             seconds = start.elapsed_time(end) / 1000.0
-            timeline.record(direction, layer, phase, host, host + seconds, "copy", nbytes=nbytes)
+            timeline.add(direction, layer, phase, host, host + seconds, "copy", nbytes=nbytes)
 
     @staticmethod
     def host_wait(event: torch.cuda.Event | None) -> None:

@@ -17,6 +17,7 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.timeline import Timeline
 
 __all__ = ["WorkerThreads"]
@@ -29,20 +30,20 @@ class WorkerThreads:
 
     Args:
         threads: the limiter's capacity.
-        timeline: where each run is recorded (phase, layer, start, end, thread).
+        timeline: where each run is added (phase, layer, start, end, thread).
     """
 
     def __init__(self, *, threads: int, timeline: Timeline) -> None:
         self._limiter = anyio.CapacityLimiter(threads)
         self._timeline = timeline
 
-    async def run(self, kind: str, layer: str, phase: str, fn: Callable[[], T]) -> T:
+    async def run(self, kind: str, layer: str, phase: Phase, fn: Callable[[], T]) -> T:
         """Run ``fn()`` in a worker thread; returns its result.
 
         Args:
             kind: what the work is (e.g. ``"cpu-optimizer"``, ``"compress"``).
             layer: the layer it belongs to.
-            phase: ``"forward"``, ``"backward"`` or ``"step"``.
+            phase: the phase the work belongs to.
             fn: the work.
         """
 
@@ -53,6 +54,6 @@ class WorkerThreads:
             finally:
                 # anyio names every worker alike: the native id tells them apart.
                 worker = f"worker-{threading.get_native_id()}"
-                self._timeline.record(kind, layer, phase, start, time.perf_counter(), worker)
+                self._timeline.add(kind, layer, phase, start, time.perf_counter(), worker)
 
         return await anyio.to_thread.run_sync(timed, limiter=self._limiter)

@@ -1,4 +1,4 @@
-"""The engine: the manager's wired components, its step state, and argument checks."""
+"""The engine: the manager's wired components and its step state."""
 
 from zero3_offload.engine.engine import Engine, build_engine
 from zero3_offload.engine.step_state import StepState

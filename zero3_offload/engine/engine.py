@@ -1,10 +1,12 @@
 """The engine: every component of one manager, wired from its config by :func:`build_engine`.
 
-Components are made once, in dependency order (config -> comm, streams and
-workers -> layouts and stores -> gatherer and layer runner -> prefetch ->
-initial values -> gradients, optimizer, step runner -> memory -> checkpoints);
-the manager then only orders their work. Each component receives exactly the
-others it uses, as keyword arguments.
+Components are made once, in dependency order, by short stage builders: the
+model's split into layers (units), the group's collectives and the stats, the
+disk tiers, the parameters (store, gatherer, prefetch), the initial values, the
+gradients and the optimizer, memory, checkpoints, and the runners. Each
+component receives everything it uses as keyword arguments when it is built;
+nothing is assigned to a component afterwards (``tests/test_architecture.py``
+checks this file). The manager then only orders their work.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero3_offload.checkpoint.checkpointer import ShardCheckpointer
+from zero3_offload.checkpoint.full_state import FullState
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.comm.worker_threads import WorkerThreads
@@ -30,6 +33,8 @@ from zero3_offload.config import (
 from zero3_offload.engine.model_layers import split_layers
 from zero3_offload.engine.model_units import UnitSpec, default_unit_classes, split_units
 from zero3_offload.errors import ConfigError, DiskTierError
+from zero3_offload.execution.chain_runner import ChainRunner
+from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.gradient.buffers import GradientBuffers
@@ -63,7 +68,9 @@ from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.stats.pass_clock import PassClock
 from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.step_counter import StepCounter
 from zero3_offload.stats.step_log import StepLog
 from zero3_offload.stats.timeline import Timeline
 from zero3_offload.storage.rank_directory import RankDirectory
@@ -86,6 +93,9 @@ _DISK_TIER_IO_THREADS = 2
 # Compute copies on disk are read this many layers beyond the gather window (see
 # [Note: compute copies on disk]).
 _PARAM_READ_AHEAD = 2
+# The gather pool holds buffers for the layer in use, the look-ahead and one being
+# released: prefetch_buffer_size + this many of the largest layer.
+_POOL_EXTRA_LAYERS = 2
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -99,38 +109,89 @@ class Engine:
     layouts: dict[str, LayerLayout]  # layer name -> its flat layout
     cpu_need: CpuMemoryNeed  # CPU bytes of the shards, checked against the budget
     stats: Zero3PerformanceStats  # counts and timings of this rank
+    counter: StepCounter  # the run's step counts (one owner; checkpoints restore it)
     timeline: Timeline  # intervals of work, logged as they end
+    clock: PassClock  # the window's start, pass and compute times, for both runners
     step_log: StepLog  # closes steps: step times and the `step` event
     comm: Collectives  # the group's awaitable collectives
     streams: CopyStreams  # side streams of host/device copies (CUDA)
     workers: WorkerThreads  # CPU work off the event loop's thread
     params: ParameterStore  # fp32 master shards and compute copies
     gatherer: ParameterGatherer  # gathers layers on the device, binds, releases
-    runner: LayerRunner  # runs one layer's forward and backward
     prefetch: PrefetchScheduler  # look-ahead gathers under the budget
     reducer: GradientReducer  # reduce-scatters layers' gradients
     gradient_buffers: GradientBuffers  # flat buffers the reduce-scatters read
     grads: GradientStore  # this rank's accumulated gradient shards
     optimizer: ShardOptimizers  # one torch optimizer per layer shard
     steps: StepRunner  # applies updates in worker threads
+    landing: GradientLanding  # lands a backward's reduce-scatters (both modes)
     accounting: MemoryAccounting  # counts bytes held, by kind and place
     pressure: PressurePolicy  # frees gathered memory under pressure
     checkpointer: ShardCheckpointer  # this rank's part of checkpoints
+    full_state: FullState  # full parameter values gathered from the shards
+    chain_runner: ChainRunner | None  # chain mode: forward_pass/backward_pass; else None
     model_runner: ModuleRunner | None  # module mode: runs the model's own code; else None
-    tier: NvmeShardTier | None  # masters and optimizer state on disk; else None
-    directory: RankDirectory | None  # the disk tiers' directory of this rank; else None
+    disk: _DiskTiers  # the disk tiers (each None when in memory)
 
     def disk_files(self) -> list[RecordFile]:
         """The disk tiers' files: the optimizer's, then the compute copies'."""
-        files = [] if self.tier is None else [self.tier.file]
-        if self.params.disk is not None:
-            files.append(self.params.disk.file)
-        return files
+        return self.disk.files()
 
     def close(self) -> None:
-        """Release what outlives the event loop: the disk tiers' files, the group's threads."""
-        _close_disk(self.directory, self.tier, self.params.disk)
+        """Release what outlives the event loop: the model thread, the disk tiers' files,
+        the group's threads."""
+        if self.model_runner is not None:
+            self.model_runner.close()
+        self.disk.close()
         self.comm.close()
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _DiskTiers:
+    """The rank's directory and the files of the tiers on disk (each None when in memory)."""
+
+    directory: RankDirectory | None = None
+    tier: NvmeShardTier | None = None  # masters and optimizer state on disk
+    copies: DiskComputeCopies | None = None  # compute copies on disk
+
+    def files(self) -> list[RecordFile]:
+        files = [] if self.tier is None else [self.tier.file]
+        return files if self.copies is None else [*files, self.copies.file]
+
+    def close(self) -> None:
+        """Close the tiers' files and remove the rank's directory."""
+        if self.tier is not None:
+            self.tier.close()
+        if self.copies is not None:
+            self.copies.close()
+        if self.directory is not None:
+            self.directory.remove()
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Model:
+    """The model split into the layers (units) that are sharded and gathered."""
+
+    layers: dict[str, nn.Module | UnitParams]
+    layouts: dict[str, LayerLayout]
+    unit_params: dict[str, UnitParams] | None  # module mode: unit -> its parameters
+    unit_modules: dict[str, nn.Module]  # module mode: unit -> its submodule (not the root)
+    model: nn.Module | None  # module mode: the whole model
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Basics:
+    """What every stage after the group's collectives builds on."""
+
+    config: Zero3CpuOffloadConfig
+    device: torch.device
+    mapping: Zero3RankMapping
+    stats: Zero3PerformanceStats
+    counter: StepCounter
+    timeline: Timeline
+    comm: Collectives
+    streams: CopyStreams
+    workers: WorkerThreads
 
 
 def build_engine(
@@ -160,24 +221,61 @@ def build_engine(
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={config.device!r} is invalid: CUDA is not available here")
-    cpu = torch.device("cpu")
-    pin = config.pin_cpu_memory and device.type == "cuda"
     mapping = Zero3RankMapping(rank=process_group.rank(), world_size=process_group.size())
-    module_mode = isinstance(model, nn.Module) and (
-        units is not None or bool(default_unit_classes(model))
-    )
-    unit_modules: dict[str, nn.Module] = {}
-    layers: dict[str, nn.Module | UnitParams]
-    if module_mode:
-        assert isinstance(model, nn.Module)
-        unit_params, unit_modules = split_units(model, units)
-        layers = dict(unit_params)
-    else:
-        layers = dict(split_layers(model))
-    layouts = build_layouts(layers, mapping)
+    split = _split_model(model, units, mapping)
+    counter, stats = StepCounter(), Zero3PerformanceStats()
+    timeline = Timeline(rank=mapping.rank, counter=counter)
+    comm = _build_comm(config, process_group, device, stats)
+    disk = _DiskTiers()
+    try:
+        streams = CopyStreams(device)
+        workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
+        codec = ShardCodec(
+            config.compute_copy_compression(),
+            config.compute_dtype,
+            block_size=config.compression_block_size,
+        )
+        disk = _open_disk_tiers(config, comm, split.layouts, codec, timeline, device)
+        cpu_need, params, gatherer, prefetch = _build_parameters(
+            config, comm, split, codec, disk, streams, timeline, device
+        )
+        shard_initial_values(
+            layers=split.layers,
+            layouts=split.layouts,
+            store=params,
+            gatherer=gatherer,
+            comm=comm,
+            device=device,
+            init_fn=init_fn,
+            model=split.model,
+            source=shard_source,
+        )
+        _after_initial_values(disk)
+        basics = _Basics(
+            config=config,
+            device=device,
+            mapping=mapping,
+            stats=stats,
+            counter=counter,
+            timeline=timeline,
+            comm=comm,
+            streams=streams,
+            workers=workers,
+        )
+        return _build_training(basics, split, cpu_need, params, gatherer, prefetch, disk)
+    except BaseException:
+        disk.close()
+        comm.close()  # the heartbeat and the side group of the check
+        raise
 
-    stats = Zero3PerformanceStats()
-    timeline = Timeline(rank=mapping.rank)
+
+def _build_comm(
+    config: Zero3CpuOffloadConfig,
+    process_group: dist.ProcessGroup,
+    device: torch.device,
+    stats: Zero3PerformanceStats,
+) -> Collectives:
+    """The group's collectives (a collective: probes, the heartbeat's start)."""
     comm = Collectives(
         process_group,
         device=device,
@@ -188,224 +286,328 @@ def build_engine(
         if config.shared_memory_collectives
         else None,
     )
-    comm.observer = stats.record_communication
-    directory: RankDirectory | None = None
-    tier: NvmeShardTier | None = None
-    copies: DiskComputeCopies | None = None
-    try:
-        streams = CopyStreams(device)
-        workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
+    comm.observer = stats.add_collective
+    return comm
 
-        codec = ShardCodec(
-            config.compute_copy_compression(),
-            config.compute_dtype,
-            block_size=config.compression_block_size,
-        )
-        with_params = [name for name, lay in layouts.items() if lay.numel]
-        directory, tier, copies = _open_disk_tiers(
-            config,
-            comm,
-            {name: layouts[name].shard_numel for name in with_params},
-            codec,
-            timeline,
-            pin=pin,
-        )
-        params = ParameterStore(
-            codec=codec,
-            master_device=cpu if config.offload_optimizer_states else device,
-            copy_device=cpu if config.offload_params else device,
-            pin=pin,
-            masters_on_disk=config.offload_optimizer_device is OffloadDevice.NVME,
-            disk=copies,
-        )
-        gatherer = ParameterGatherer(
+
+def _split_model(
+    model: nn.Module | Mapping[str, nn.Module],
+    units: Sequence[UnitSpec] | None,
+    mapping: Zero3RankMapping,
+) -> _Model:
+    """The model's layers (chain mode) or units (module mode), and their flat layouts."""
+    module_mode = isinstance(model, nn.Module) and (
+        units is not None or bool(default_unit_classes(model))
+    )
+    if not module_mode:
+        layers: dict[str, nn.Module | UnitParams] = dict(split_layers(model))
+        return _Model(
             layers=layers,
-            layouts=layouts,
-            store=params,
-            comm=comm,
-            device=device,
-            streams=streams,
-            timeline=timeline,
-            compressed_wire=config.gather_compression is not GatherCompressionMethod.NONE,
+            layouts=build_layouts(layers, mapping),
+            unit_params=None,
+            unit_modules={},
+            model=None,
         )
-        runner = LayerRunner(
-            device,
-            config.compute_dtype,
+    assert isinstance(model, nn.Module)
+    unit_params, unit_modules = split_units(model, units)
+    layers = dict(unit_params)
+    return _Model(
+        layers=layers,
+        layouts=build_layouts(layers, mapping),
+        unit_params=dict(unit_params),
+        unit_modules=dict(unit_modules),
+        model=model,
+    )
+
+
+def _build_parameters(
+    config: Zero3CpuOffloadConfig,
+    comm: Collectives,
+    split: _Model,
+    codec: ShardCodec,
+    disk: _DiskTiers,
+    streams: CopyStreams,
+    timeline: Timeline,
+    device: torch.device,
+) -> tuple[CpuMemoryNeed, ParameterStore, ParameterGatherer, PrefetchScheduler]:
+    """The CPU bytes of the shards (checked against the budget first), the parameter store,
+    the gatherer and the prefetch scheduler."""
+    cpu_need = cpu_memory_need(
+        config,
+        [lay.shard_numel for lay in split.layouts.values() if lay.numel],
+        device,
+        disk_tier_buffers=_DISK_TIER_BUFFERS,
+        disk_copy_buffers=_param_read_buffers(config),
+    )
+    check_cpu_budget(cpu_need, config.cpu_memory_budget)
+    cpu = torch.device("cpu")
+    pin = config.pin_cpu_memory and device.type == "cuda"
+    params = ParameterStore(
+        codec=codec,
+        master_device=cpu if config.offload_optimizer_states else device,
+        copy_device=cpu if config.offload_params else device,
+        pin=pin,
+        masters_on_disk=disk.tier is not None,
+        disk=disk.copies,
+        # Each initial master goes to the disk tier's file as soon as it is made.
+        on_put=disk.tier.write_initial if disk.tier is not None else None,
+    )
+    gatherer = ParameterGatherer(
+        layers=split.layers,
+        layouts=split.layouts,
+        store=params,
+        comm=comm,
+        device=device,
+        streams=streams,
+        timeline=timeline,
+        compressed_wire=config.gather_compression is not GatherCompressionMethod.NONE,
+        pool_layers=config.prefetch_buffer_size + _POOL_EXTRA_LAYERS,
+        pool_budget=config.gpu_param_memory_budget,
+    )
+    prefetch = PrefetchScheduler(
+        gatherer=gatherer,
+        layers=list(split.layers),
+        numels={name: lay.numel for name, lay in split.layouts.items()},
+        budget=config.gpu_param_memory_budget,
+        depth=config.prefetch_buffer_size if config.async_prefetch else 0,
+        bucket=config.prefetch_bucket_size,
+        persistence_threshold=config.param_persistence_threshold,
+        rank=comm.rank,
+        resident=ROOT_UNIT if ROOT_UNIT in split.layers else None,
+        keep_for_backward=config.keep_gathered_for_backward,
+        # On the CPU, kept layers take the pooled buffers' place (see the note).
+        keep_limit=gatherer.pool_limit if device.type == "cpu" else None,
+        read_ahead=_PARAM_READ_AHEAD if disk.copies is not None else 0,
+    )
+    return cpu_need, params, gatherer, prefetch
+
+
+def _after_initial_values(disk: _DiskTiers) -> None:
+    """The initial values are sharded: the disk tiers' memory back to the OS, their
+    per-step figures counted from here."""
+    if disk.tier is not None:
+        trim_heap()  # the masters are on disk now: their memory back to the OS
+    for file in disk.files():
+        file.step_figures()  # the steps' disk figures count from here
+
+
+def _build_training(
+    basics: _Basics,
+    split: _Model,
+    cpu_need: CpuMemoryNeed,
+    params: ParameterStore,
+    gatherer: ParameterGatherer,
+    prefetch: PrefetchScheduler,
+    disk: _DiskTiers,
+) -> Engine:
+    """The gradients, the optimizer, memory, checkpoints and the runners: the engine."""
+    config, device, comm, workers = basics.config, basics.device, basics.comm, basics.workers
+    stats, counter, timeline = basics.stats, basics.counter, basics.timeline
+    layouts = split.layouts
+    reducer, gradient_buffers, grads = _build_gradients(
+        config, comm, layouts, basics.streams, workers, timeline, device
+    )
+    optimizer, backup, steps = _build_optimizer(config, layouts, params, grads, workers, comm, disk)
+    accounting = MemoryAccounting(
+        params=params,
+        gatherer=gatherer,
+        grads=grads,
+        optimizer=optimizer,
+        backup=backup,
+        gradient_buffers=gradient_buffers,
+        comm=comm,
+        reducer=reducer,
+        total_parameters=total_numel(layouts),
+        owned_parameters=owned_numel(layouts),
+    )
+    clock, landing, chain_runner, model_runner = _build_runners(
+        config, split, gatherer, prefetch, reducer, grads, steps, comm, stats, timeline, device
+    )
+    return Engine(
+        config=config,
+        device=device,
+        mapping=basics.mapping,
+        layers=split.layers,
+        layouts=layouts,
+        cpu_need=cpu_need,
+        stats=stats,
+        counter=counter,
+        timeline=timeline,
+        clock=clock,
+        step_log=StepLog(timeline=timeline, stats=stats, counter=counter, clock=clock),
+        comm=comm,
+        streams=basics.streams,
+        workers=workers,
+        params=params,
+        gatherer=gatherer,
+        prefetch=prefetch,
+        reducer=reducer,
+        gradient_buffers=gradient_buffers,
+        grads=grads,
+        optimizer=optimizer,
+        steps=steps,
+        landing=landing,
+        accounting=accounting,
+        pressure=_build_pressure(config, accounting, gatherer, prefetch, comm),
+        checkpointer=ShardCheckpointer(
+            config=config,
+            layouts=layouts,
+            params=params,
+            grads=grads,
+            optimizer=optimizer,
+            steps=steps,
+            comm=comm,
+            workers=workers,
+            counter=counter,
+            model_config=_model_config(split.model),
+        ),
+        full_state=FullState(
+            layouts=layouts, params=params, optimizer=optimizer, comm=comm, device=device
+        ),
+        chain_runner=chain_runner,
+        model_runner=model_runner,
+        disk=disk,
+    )
+
+
+def _build_optimizer(
+    config: Zero3CpuOffloadConfig,
+    layouts: dict[str, LayerLayout],
+    params: ParameterStore,
+    grads: GradientStore,
+    workers: WorkerThreads,
+    comm: Collectives,
+    disk: _DiskTiers,
+) -> tuple[ShardOptimizers, SpeculationBackup, StepRunner]:
+    """The per-shard optimizers, the speculative updates' backup and the step runner."""
+    optimizer = ShardOptimizers(
+        config.optimizer,
+        [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
+        device=params.master_device,
+        tier=disk.tier,
+    )
+    backup = SpeculationBackup(optimizer)
+    steps = StepRunner(
+        config=config,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        workers=workers,
+        comm=comm,
+        backup=backup,
+    )
+    return optimizer, backup, steps
+
+
+def _build_pressure(
+    config: Zero3CpuOffloadConfig,
+    accounting: MemoryAccounting,
+    gatherer: ParameterGatherer,
+    prefetch: PrefetchScheduler,
+    comm: Collectives,
+) -> PressurePolicy:
+    """The memory-pressure policy of the config's strategy."""
+    return PressurePolicy(
+        accounting=accounting,
+        gatherer=gatherer,
+        prefetch=prefetch,
+        comm=comm,
+        strategy=config.auto_memory_management,
+        max_gpu_bytes=config.max_gpu_memory_mb * _MIB,
+        max_cpu_bytes=config.max_cpu_memory_mb * _MIB,
+        gpu_param_budget=config.gpu_param_memory_budget,
+    )
+
+
+def _build_gradients(
+    config: Zero3CpuOffloadConfig,
+    comm: Collectives,
+    layouts: dict[str, LayerLayout],
+    streams: CopyStreams,
+    workers: WorkerThreads,
+    timeline: Timeline,
+    device: torch.device,
+) -> tuple[GradientReducer, GradientBuffers, GradientStore]:
+    """The reduce-scatter, its flat buffers and the gradient store."""
+    # Module mode's root unit holds a buffer of its own through the whole
+    # backward (its gradients arrive at both ends), so the pool is sized for
+    # the other units.
+    pooled = [lay.padded_numel for name, lay in layouts.items() if name != ROOT_UNIT]
+    largest = max(pooled or [lay.padded_numel for lay in layouts.values()], default=0)
+    gradient_buffers = GradientBuffers(
+        numel=largest,
+        device=device,
+        depth=_GRADIENT_BUFFERS,
+        wire_dtype=None
+        if config.reduce_dtype is ReduceDtype.FP32
+        else config.reduce_dtype.wire_dtype(),
+    )
+    reducer = GradientReducer(
+        layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
+    )
+    grads = GradientStore(
+        device=torch.device("cpu") if config.offload_grads else device,
+        streams=streams,
+        workers=workers,
+        timeline=timeline,
+        pin=config.pin_cpu_memory and device.type == "cuda",
+    )
+    return reducer, gradient_buffers, grads
+
+
+def _build_runners(
+    config: Zero3CpuOffloadConfig,
+    split: _Model,
+    gatherer: ParameterGatherer,
+    prefetch: PrefetchScheduler,
+    reducer: GradientReducer,
+    grads: GradientStore,
+    steps: StepRunner,
+    comm: Collectives,
+    stats: Zero3PerformanceStats,
+    timeline: Timeline,
+    device: torch.device,
+) -> tuple[PassClock, GradientLanding, ChainRunner | None, ModuleRunner | None]:
+    """What both runners share (the passes' clock, the landing of reduce-scatters) and the
+    runner of the model's mode: a chain of layers, or the model's own code."""
+    clock = PassClock(stats=stats, timeline=timeline)
+    landing = GradientLanding(
+        reducer=reducer, grads=grads, steps=steps, prefetch=prefetch, timeline=timeline
+    )
+    if split.model is None:
+        layer_runner = LayerRunner(
+            device=device,
+            compute_dtype=config.compute_dtype,
             recompute=config.activation_checkpointing,
             gathered_flat=gatherer.gathered_flat,
         )
-        cpu_need = cpu_memory_need(
-            config,
-            [lay.shard_numel for lay in layouts.values() if lay.numel],
-            device,
-            disk_tier_buffers=_DISK_TIER_BUFFERS,
-            disk_copy_buffers=_param_read_buffers(config),
-        )
-        check_cpu_budget(cpu_need, config.cpu_memory_budget)
-        # Enough reusable buffers for what is gathered at once: the layer in use,
-        # the look-ahead, and one being released; never more than the budget.
-        largest_bytes = max((gatherer.nbytes(n) for n in layers), default=0)
-        gatherer.pool_limit = min(
-            config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
-        )
-        # A reduce-scatter by exchange receives into a released gather buffer.
-        comm.take_buffer, comm.give_buffer = gatherer.take_buffer, gatherer.give_buffer
-        prefetch = PrefetchScheduler(
-            gatherer=gatherer,
-            layers=list(layers),
-            numels={name: lay.numel for name, lay in layouts.items()},
-            budget=config.gpu_param_memory_budget,
-            depth=config.prefetch_buffer_size if config.async_prefetch else 0,
-            bucket=config.prefetch_bucket_size,
-            persistence_threshold=config.param_persistence_threshold,
-            rank=mapping.rank,
-            resident=ROOT_UNIT if ROOT_UNIT in layers else None,
-            keep_for_backward=config.keep_gathered_for_backward,
-            # On the CPU, kept layers take the pooled buffers' place (see the note).
-            keep_limit=gatherer.pool_limit if device.type == "cpu" else None,
-        )
-        if copies is not None:
-            prefetch.read_ahead = _PARAM_READ_AHEAD
-        if tier is not None:  # each initial master goes to the file as soon as it is made
-            params.on_put = tier.write_initial
-        shard_initial_values(
-            layers=layers,
-            layouts=layouts,
-            store=params,
-            gatherer=gatherer,
-            comm=comm,
-            device=device,
-            init_fn=init_fn,
-            model=model if module_mode else None,
-            source=shard_source,
-        )
-        if tier is not None:
-            params.on_put = None  # only the initial masters: later ones are updated in place
-            trim_heap()  # the masters are on disk now: their memory back to the OS
-            tier.file.step_figures()  # the steps' disk figures count from here
-        if copies is not None:
-            copies.file.step_figures()
-
-        # Module mode's root unit holds a buffer of its own through the whole
-        # backward (its gradients arrive at both ends), so the pool is sized for
-        # the other units.
-        pooled = [lay.padded_numel for name, lay in layouts.items() if name != ROOT_UNIT]
-        largest = max(pooled or [lay.padded_numel for lay in layouts.values()], default=0)
-        gradient_buffers = GradientBuffers(
-            numel=largest,
-            device=device,
-            depth=_GRADIENT_BUFFERS,
-            wire_dtype=None
-            if config.reduce_dtype is ReduceDtype.FP32
-            else config.reduce_dtype.wire_dtype(),
-        )
-        reducer = GradientReducer(
-            layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
-        )
-        grads = GradientStore(
-            device=cpu if config.offload_grads else device,
-            streams=streams,
-            workers=workers,
-            timeline=timeline,
-            pin=pin,
-        )
-        optimizer = ShardOptimizers(
-            config.optimizer,
-            [(name, params.master(name)) for name in with_params],
-            device=params.master_device,
-            tier=tier,
-        )
-        backup = SpeculationBackup(optimizer)
-        steps = StepRunner(
-            config=config,
-            params=params,
-            grads=grads,
-            optimizer=optimizer,
-            workers=workers,
-            comm=comm,
-            backup=backup,
-        )
-        accounting = MemoryAccounting(
-            params=params,
-            gatherer=gatherer,
-            grads=grads,
-            optimizer=optimizer,
-            backup=backup,
-            gradient_buffers=gradient_buffers,
-            comm=comm,
-            reducer=reducer,
-            total_parameters=total_numel(layouts),
-            owned_parameters=owned_numel(layouts),
-        )
-        pressure = PressurePolicy(
-            accounting=accounting,
-            gatherer=gatherer,
-            strategy=config.auto_memory_management,
-            max_gpu_bytes=config.max_gpu_memory_mb * _MIB,
-            max_cpu_bytes=config.max_cpu_memory_mb * _MIB,
-            gpu_param_budget=config.gpu_param_memory_budget,
-        )
-        checkpointer = ShardCheckpointer(
-            config=config,
-            layouts=layouts,
-            params=params,
-            grads=grads,
-            optimizer=optimizer,
-            steps=steps,
-            comm=comm,
-            workers=workers,
-            stats=stats,
-            timeline=timeline,
-            model_config=_model_config(model) if module_mode else None,
-        )
-        model_runner = None
-        if module_mode:
-            assert isinstance(model, nn.Module)
-            model_runner = ModuleRunner(
-                model=model,
-                units=unit_params,
-                unit_modules=unit_modules,
-                gatherer=gatherer,
-                prefetch=prefetch,
-                reducer=reducer,
-                comm=comm,
-                recompute=config.activation_checkpointing,
-                stats=stats,
-                timeline=timeline,
-            )
-        return Engine(
-            config=config,
-            device=device,
-            mapping=mapping,
-            layers=layers,
-            layouts=layouts,
-            cpu_need=cpu_need,
-            stats=stats,
-            timeline=timeline,
-            step_log=StepLog(timeline, stats),
-            comm=comm,
-            streams=streams,
-            workers=workers,
-            params=params,
-            gatherer=gatherer,
-            runner=runner,
+        chain = ChainRunner(
+            layers=split.layers,  # type: ignore[arg-type]
+            layouts=split.layouts,
+            layer_runner=layer_runner,
             prefetch=prefetch,
             reducer=reducer,
-            gradient_buffers=gradient_buffers,
-            grads=grads,
-            optimizer=optimizer,
+            landing=landing,
             steps=steps,
-            accounting=accounting,
-            pressure=pressure,
-            checkpointer=checkpointer,
-            model_runner=model_runner,
-            tier=tier,
-            directory=directory,
+            clock=clock,
         )
-    except BaseException:
-        _close_disk(directory, tier, copies)
-        comm.close()  # the heartbeat and the side group of the check
-        raise
+        return clock, landing, chain, None
+    assert split.unit_params is not None
+    module = ModuleRunner(
+        model=split.model,
+        units=split.unit_params,
+        unit_modules=split.unit_modules,
+        gatherer=gatherer,
+        prefetch=prefetch,
+        reducer=reducer,
+        landing=landing,
+        steps=steps,
+        comm=comm,
+        clock=clock,
+        device=device,
+        recompute=config.activation_checkpointing,
+    )
+    return clock, landing, None, module
 
 
 def _param_read_buffers(config: Zero3CpuOffloadConfig) -> int:
@@ -419,21 +621,19 @@ def _param_read_buffers(config: Zero3CpuOffloadConfig) -> int:
 def _open_disk_tiers(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
-    shards: dict[str, int],
+    layouts: dict[str, LayerLayout],
     codec: ShardCodec,
     timeline: Timeline,
-    *,
-    pin: bool,
-) -> tuple[RankDirectory | None, NvmeShardTier | None, DiskComputeCopies | None]:
+    device: torch.device,
+) -> _DiskTiers:
     """The rank's directory and the files of the tiers on disk, allocated (a collective:
-    every rank raises when one could not open its tiers). ``shards``: elements of each
-    layer's shard, for the layers with parameters; ``pin``: page-lock the compute copies'
-    read buffers (a CUDA device)."""
+    every rank raises when one could not open its tiers)."""
     optimizer = config.offload_optimizer_device is OffloadDevice.NVME
     params = config.offload_param_device is OffloadDevice.NVME
     if not (optimizer or params):
-        return None, None, None
+        return _DiskTiers()
     assert config.nvme_path is not None
+    shards = {name: lay.shard_numel for name, lay in layouts.items() if lay.numel}
     directory = tier = copies = None
     error: DiskTierError | None = None
     try:
@@ -456,30 +656,18 @@ def _open_disk_tiers(
                 layers=shards,
                 buffers=_param_read_buffers(config),
                 timeline=timeline,
-                pin=pin,
+                # Page-locked read buffers for a CUDA device.
+                pin=config.pin_cpu_memory and device.type == "cuda",
             )
     except DiskTierError as exc:
         error = exc
+    disk = _DiskTiers(directory=directory, tier=tier, copies=copies)
     if not comm.agree_blocking(error is None, what="every rank's disk tier"):
-        _close_disk(directory, tier, copies)
+        disk.close()
         if error is not None:
             raise error
         raise DiskTierError("the disk tier could not be opened on another rank")
-    return directory, tier, copies
-
-
-def _close_disk(
-    directory: RankDirectory | None,
-    tier: NvmeShardTier | None,
-    copies: DiskComputeCopies | None,
-) -> None:
-    """Close the disk tiers' files and remove the rank's directory."""
-    if tier is not None:
-        tier.close()
-    if copies is not None:
-        copies.close()
-    if directory is not None:
-        directory.remove()
+    return disk
 
 
 def _model_config(model: object) -> dict[str, Any] | None:

@@ -1,11 +1,15 @@
-"""Where training stands between the manager's calls: the pending forward and the window."""
+"""Where training stands between the manager's calls: the pending forward and early updates.
+
+The other parts of where a run stands have owners of their own: the step counts
+(``stats.step_counter.StepCounter``: closed steps, updates, the open window's
+calls) and the window's start (``stats.pass_clock.PassClock``).
+"""
 
 from __future__ import annotations
 
 import attrs
 
-from zero3_offload.execution.forward_record import ForwardRecord
-from zero3_offload.execution.module_runner import UnitPass
+from zero3_offload.execution.pass_result import PassResult
 
 __all__ = ["StepState"]
 
@@ -14,21 +18,13 @@ __all__ = ["StepState"]
 class StepState:
     """The manager's state between calls; :meth:`reset` forgets all of it at once."""
 
-    record: ForwardRecord | None = None
-    """What the last training forward keeps for its backward (None: no backward may run)."""
-    unit_forward: UnitPass | None = None
-    """Module mode: the last training forward's pass, which its backward goes through."""
-    calls_since_update: int = 0
-    """``optimizer_step`` calls since the last update (micro-steps of the open window)."""
+    forward: PassResult | None = None
+    """The last training forward, which its backward goes through (None: no backward may
+    run). Either mode: the chain's saved steps, or module mode's units and saved bytes."""
     early_lr: float | None = None
     """Learning rate of the updates the last backward started (None: none started)."""
-    window_started: float | None = None
-    """``time.perf_counter()`` at the first forward of the open accumulation window."""
 
     def reset(self) -> None:
-        """Forget the pending forward, the window's progress and any early update."""
-        self.record = None
-        self.unit_forward = None
-        self.calls_since_update = 0
+        """Forget the pending forward and any early update."""
+        self.forward = None
         self.early_lr = None
-        self.window_started = None

@@ -1,15 +1,15 @@
-"""Running one layer: forward, and backward through its kept graph or by recomputation.
+"""Running one layer: forward, and backward through its saved graph or by recomputation.
 
-[Note: kept activations]
+[Note: saved activations]
 By default (``activation_checkpointing=False``) forward runs each layer with
-autograd on, from a detached leaf copy of its input, and keeps the layer's
+autograd on, from a detached leaf copy of its input, and saves the layer's
 graph until backward, as plain PyTorch, FSDP2 and DeepSpeed do. The graph
 must not keep the layer's gathered parameters alive, though: they are
 released right after the layer ran. So forward runs under
 ``saved_tensors_hooks``: a tensor autograd saves whose storage is the layer's
 gathered flat buffer (a parameter, or a view of one such as ``weight.t()``)
 is packed as its place in that buffer (size, stride, offset), not as the
-tensor; every other saved tensor (the activations) is kept as is. Backward
+tensor; every other saved tensor (the activations) is saved as is. Backward
 gathers the layer again and the unpack hook rebuilds the saved view from the
 new buffer, which has the same layout. Parameter gradients still flow to the
 layer's ``nn.Parameter`` objects (rebound to the new buffer), so
@@ -22,7 +22,7 @@ with). Backward gathers the layer again, reruns its forward from the saved
 input with autograd on and the same RNG state (so dropout draws the same mask),
 and backpropagates the incoming gradient through that one layer. The cost is
 one extra forward per layer (about a third more compute); the saving is that
-only layer inputs are kept between the passes.
+only layer inputs are saved between the passes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from zero3_offload.errors import InputError, LayerExecutionError, StateError, Zero3Error
-from zero3_offload.execution.forward_record import BufferSlot, RngState, SavedStep
+from zero3_offload.execution.buffer_slot import BufferSlot
+from zero3_offload.execution.saved_step import RngState, SavedStep
 from zero3_offload.stats.tensor_bytes import storage_bytes
 
 __all__ = ["LayerRunner"]
@@ -46,16 +47,16 @@ class LayerRunner:
         device: the compute device.
         compute_dtype: dtype of parameters and floating activations.
         recompute: True for [Note: backward by recomputation], False for
-            [Note: kept activations].
+            [Note: saved activations].
         gathered_flat: layer name -> its gathered flat buffer now (raises
             KeyError when the layer is not gathered).
     """
 
     def __init__(
         self,
+        *,
         device: torch.device,
         compute_dtype: torch.dtype,
-        *,
         recompute: bool,
         gathered_flat: Callable[[str], torch.Tensor],
     ) -> None:
@@ -107,22 +108,22 @@ class LayerRunner:
             _check_output(name, out)
             if not keep:
                 return out, None
-            return out, SavedStep(inp=inp, out=None, rng=rng, kept=storage_bytes(inp))
+            return out, SavedStep(inp=inp, out=None, rng=rng, saved=storage_bytes(inp))
         leaf = x.detach().requires_grad_(x.is_floating_point())
-        pack, unpack, kept = self._param_hooks(name)
+        pack, unpack, saved = self._param_hooks(name)
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 out = module(leaf)
         except Exception as exc:
             raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
         _check_output(name, out)
-        kept.update(storage_bytes(leaf))
-        return out.detach(), SavedStep(inp=leaf, out=out, rng=None, kept=kept)
+        saved.update(storage_bytes(leaf))
+        return out.detach(), SavedStep(inp=leaf, out=out, rng=None, saved=saved)
 
     def _param_hooks(
         self, name: str
     ) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor], dict[int, int]]:
-        """Saved-tensor hooks for ``name``'s forward. See [Note: kept activations]."""
+        """Saved-tensor hooks for ``name``'s forward. See [Note: saved activations]."""
         # Where the gathered buffer lives (device, storage pointer, offset), not the
         # buffer itself: autograd keeps these hooks with the graph, and a reference
         # to the buffer here would keep every layer's gathered parameters alive.
@@ -134,7 +135,7 @@ class LayerRunner:
             del flat
         except KeyError:
             pass
-        kept: dict[int, int] = {}  # storage pointer -> bytes, of saved activations
+        saved: dict[int, int] = {}  # storage pointer -> bytes, of saved activations
 
         def pack(t: torch.Tensor) -> object:
             in_flat = (
@@ -146,7 +147,7 @@ class LayerRunner:
             if in_flat:
                 assert where is not None
                 return BufferSlot.of(name, t, where[2])
-            kept.update(storage_bytes(t))
+            saved.update(storage_bytes(t))
             return t
 
         def unpack(saved: object) -> torch.Tensor:
@@ -161,14 +162,14 @@ class LayerRunner:
                 ) from None
             return saved.view(now)
 
-        return pack, unpack, kept
+        return pack, unpack, saved
 
     # ---------------------------------------------------------------- backward
 
     def backward(
         self, name: str, module: nn.Module, step: SavedStep, grad: torch.Tensor
     ) -> torch.Tensor | None:
-        """Backpropagate ``grad`` through ``name``'s forward (kept or recomputed).
+        """Backpropagate ``grad`` through ``name``'s forward (saved or recomputed).
 
         Leaves the parameter gradients in ``param.grad``. The layer must be
         gathered (its parameters bound).

@@ -18,8 +18,8 @@ awaitable on the loop while the model's code waits. The hooks:
   keeps it), and a hook is put on its outputs that acquires it again when
   their gradient arrives (the unit's backward is about to run);
 - saved-tensor hooks over the whole forward: a saved tensor that is a view of
-  a gathered unit's buffer is kept as its place in that buffer (see
-  [Note: kept activations] in ``execution.layer_runner``) and rebuilt from the
+  a gathered unit's buffer is saved as its place in that buffer (see
+  [Note: saved activations] in ``execution.layer_runner``) and rebuilt from the
   buffer gathered again in backward, gathering it first if needed;
 - a post-accumulate-grad hook on every parameter: before backward runs, the
   autograd graph is walked once to count, per unit, the parameters that will
@@ -43,6 +43,9 @@ buffers are freed, so the end of the backward, its peak, holds nothing idle.
 Before each hook returns to the model's code, every collective queued so far
 has been launched (see the launcher in ``comm.collectives``): the model may
 call torch.distributed itself (transformers' ``synced_gpus`` does).
+
+The reduce-scatters land through :class:`GradientLanding`, as in chain mode;
+the passes are timed by the same :class:`PassClock`.
 """
 
 from __future__ import annotations
@@ -61,19 +64,22 @@ import attrs
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from zero3_offload.comm.collectives import Collectives
-from zero3_offload.errors import LayerExecutionError, StateError, Zero3Error
-from zero3_offload.execution.forward_record import BufferSlot
-from zero3_offload.gradient.reducer import GradientReducer, GradientSlot, PendingGradient
+from zero3_offload.errors import InputError, LayerExecutionError, StateError, Zero3Error
+from zero3_offload.execution.buffer_slot import BufferSlot
+from zero3_offload.execution.gradient_landing import GradientLanding
+from zero3_offload.execution.pass_result import PassResult
+from zero3_offload.gradient.reducer import GradientReducer, GradientSlot
+from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
-from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.pass_clock import PassClock
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import storage_bytes
-from zero3_offload.stats.timeline import Timeline
 
 __all__ = ["ModuleRunner", "UnitPass"]
 
@@ -84,25 +90,27 @@ T = TypeVar("T")
 
 @attrs.define
 class UnitPass:
-    """One module-mode pass in progress: the order of units as it runs, and what it keeps."""
+    """One module-mode pass in progress: where each unit is in the order as it runs.
 
-    phase: str  # "forward", "inference", "generate" or "backward"
+    ``result`` is what the pass leaves: the units in the order they were entered,
+    what autograd saved for backward, the reduce-scatters launched.
+    """
+
+    phase: Phase
     predicted: tuple[str, ...]  # the order expected from the trace
-    observed: list[str] = attrs.Factory(list)  # units in the order they were entered
-    on_track: bool = True  # observed is a prefix of predicted so far
+    result: PassResult
+    on_track: bool = True  # result.layers is a prefix of predicted so far
     where: dict[str, tuple[tuple[str, ...], int]] = attrs.Factory(dict)  # unit -> (order, i)
     started: dict[str, float] = attrs.Factory(dict)  # unit -> perf_counter at entry
-    kept: dict[int, int] = attrs.Factory(dict)  # storage pointer -> bytes saved for backward
-    expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to land
+    expected: dict[str, int] = attrs.Factory(dict)  # backward: gradients still to accumulate
     done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
     units_left: int = 0  # backward: non-root units of the forward not done yet
     slots: dict[str, GradientSlot] = attrs.Factory(dict)  # backward: buffers taken at entry
-    pending: list[PendingGradient] = attrs.Factory(list)
-    landings: list[asyncio.Future[torch.Tensor]] = attrs.Factory(list)
 
-    def units(self) -> list[str]:
-        """Distinct units entered, in first-entry order."""
-        return list(dict.fromkeys(self.observed))
+    @property
+    def observed(self) -> list[str]:
+        """Units in the order they were entered."""
+        return self.result.layers
 
 
 class ModuleRunner:
@@ -114,14 +122,16 @@ class ModuleRunner:
         model: the whole model; its own ``forward`` runs.
         units: unit name -> its parameters (the root unit under ``ROOT_UNIT``).
         unit_modules: unit name -> its submodule, for every non-root unit.
-        gatherer: gathers and releases units.
-        prefetch: orders gathers under the budget.
+        gatherer: the gathered units' buffers (saved views point into them).
+        prefetch: gathers and releases units, in the predicted order, under the budget.
         reducer: reduce-scatters units' gradients.
+        landing: lands the reduce-scatters, or abandons a failed backward.
+        steps: the loss scale.
         comm: the group's collectives (flushed before the model's code runs).
+        clock: counts passes and units' compute.
+        device: the compute device (the call's tensors are moved there).
         recompute: wrap every unit's forward in (non-reentrant) activation
             checkpointing.
-        stats: per-layer compute times.
-        timeline: compute intervals.
     """
 
     def __init__(
@@ -133,19 +143,23 @@ class ModuleRunner:
         gatherer: ParameterGatherer,
         prefetch: PrefetchScheduler,
         reducer: GradientReducer,
+        landing: GradientLanding,
+        steps: StepRunner,
         comm: Collectives,
+        clock: PassClock,
+        device: torch.device,
         recompute: bool,
-        stats: Zero3PerformanceStats,
-        timeline: Timeline,
     ) -> None:
         self.model = model
         self._units = units
         self._gatherer = gatherer
         self._prefetch = prefetch
         self._reducer = reducer
+        self._landing = landing
+        self._steps = steps
         self._comm = comm
-        self._stats = stats
-        self._timeline = timeline
+        self._clock = clock
+        self._device = device
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
         self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
         # A new thread's OpenMP pool ignores torch.set_num_threads of other threads:
@@ -159,7 +173,7 @@ class ModuleRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._storages: dict[int, tuple[str, int]] = {}
-        self.current: UnitPass | None = None
+        self._current: UnitPass | None = None  # the pass in progress
         self._handles: list[Any] = [
             model.register_forward_pre_hook(self._root_pre),
             model.register_forward_hook(self._root_post),
@@ -175,13 +189,15 @@ class ModuleRunner:
                 module.forward = functools.partial(_checkpointed, module.forward)
         for unit in units.values():
             for param in unit.parameters():
-                self._handles.append(param.register_post_accumulate_grad_hook(self._grad_landed))
+                self._handles.append(
+                    param.register_post_accumulate_grad_hook(self._grad_accumulated)
+                )
 
     # ------------------------------------------------------- the loop bridge
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (from the model or autograd thread)."""
-        outside = self.current is None or self._loop is None
+        outside = self._current is None or self._loop is None
         if outside or threading.get_ident() == self._loop_thread:
             coro.close()
             raise StateError(
@@ -210,32 +226,69 @@ class ModuleRunner:
 
     # ---------------------------------------------------------------- passes
 
-    async def run_forward(
-        self, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, call: str = "forward"
-    ) -> tuple[Any, UnitPass]:
-        """Run ``model(*args, **kwargs)`` (or ``model.<call>``) on the model thread.
+    async def forward(
+        self, phase: Phase, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, PassResult]:
+        """Run ``model(*args, **kwargs)`` on the model thread (tensors moved to the device).
 
         Args:
-            phase: ``"forward"`` (training: the graph is kept), ``"inference"``
-                (no graph) or ``"generate"`` (units stay gathered between the
-                model's calls while the budget allows).
-            args: positional arguments of the call.
-            kwargs: keyword arguments of the call.
-            call: the model's method to run.
+            phase: ``Phase.FORWARD`` (training: the graph is kept) or
+                ``Phase.INFERENCE`` (no graph).
+            args: positional arguments of the model.
+            kwargs: keyword arguments of the model.
 
         Returns:
-            The call's result and the finished pass.
+            The model's output and the pass's result.
 
         Raises:
             LayerExecutionError: when the model's code raised (the cause is chained).
         """
-        trace = self._prefetch.trace
-        predicted = trace.order(phase)
-        unit_pass = UnitPass(phase=phase, predicted=predicted)
-        await self._prefetch.begin_recorded_pass(predicted, phase=phase)
-        self.current = unit_pass
-        grad = phase == "forward"
-        method = self.model if call == "forward" else getattr(self.model, call)
+        args, kwargs = _to_device((args, kwargs), self._device)
+        started = self._clock.start(phase)
+        out, result = await self._run(phase, self.model, args, kwargs, "forward")
+        result.samples = _batch_size(args, kwargs)
+        self._clock.finish(phase, started, samples=result.samples)
+        return out, result
+
+    async def generate(
+        self, input_ids: torch.Tensor, kwargs: dict[str, Any], *, keep_gathered: bool
+    ) -> Any:
+        """Run ``model.generate(input_ids, **kwargs)`` without autograd on the model thread.
+
+        With ``keep_gathered`` units stay gathered between the model's calls while
+        the budget allows (released at the end); else every decoding step gathers
+        and releases them as an inference forward does. With more than one rank
+        ``synced_gpus=True`` is passed unless given.
+
+        Raises:
+            InputError: when ``input_ids`` is not a tensor.
+            LayerExecutionError: when the model's code raised (the cause is chained).
+        """
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        phase = Phase.GENERATE if keep_gathered else Phase.INFERENCE
+        if self._comm.world_size > 1:
+            # Ranks whose sequences end at different steps keep running forwards together.
+            kwargs.setdefault("synced_gpus", True)
+        args, kwargs = _to_device(((input_ids,), kwargs), self._device)
+        out, _ = await self._run(phase, self.model.generate, args, kwargs, "generate")
+        if phase is Phase.GENERATE:
+            await self._prefetch.release_all()
+        return out
+
+    async def _run(
+        self,
+        phase: Phase,
+        method: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: str,
+    ) -> tuple[Any, PassResult]:
+        predicted = self._prefetch.predicted(phase)
+        unit_pass = UnitPass(phase=phase, predicted=predicted, result=PassResult(phase=phase))
+        await self._prefetch.begin_pass(phase, predicted)
+        self._current = unit_pass
+        grad = phase is Phase.FORWARD
 
         def run() -> Any:
             if not grad:
@@ -250,69 +303,100 @@ class ModuleRunner:
         try:
             out = await self._in_thread(run)
         except Zero3Error:
-            await self._abort()
+            await self.abandon()
             raise
         except Exception as exc:
-            await self._abort()
+            await self.abandon()
             raise LayerExecutionError(f"the model raised in {call}: {exc}") from exc
         except BaseException:
-            await self._abort()
+            await self.abandon()
             raise
-        self.current = None
-        self._prefetch.end_recorded_pass(phase, unit_pass.observed)
-        if phase == "generate":
-            await self._prefetch.release_all()
-        return out, unit_pass
+        self._current = None
+        self._prefetch.end_pass(phase, unit_pass.observed)
+        return out, unit_pass.result
 
-    async def run_backward(self, loss: torch.Tensor, forward: UnitPass) -> UnitPass:
-        """Backpropagate ``loss`` on the model thread; reduce-scatter each unit when complete.
+    def check_backward(self, forward: PassResult | None, loss: object) -> PassResult:
+        """The training forward a backward of ``loss`` goes through (raises on bad input
+        or without one)."""
+        if forward is None:
+            raise StateError(
+                "backward called without a training forward to go back through: call "
+                "`await manager.forward(...)` (outside torch.no_grad()) first; each forward is "
+                "used by one backward"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise InputError(
+                "loss must be a scalar tensor, got "
+                + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss))
+            )
+        if loss.grad_fn is None:
+            raise InputError(
+                "loss has no autograd history: compute it from the output of "
+                "`await manager.forward(...)` called outside torch.no_grad()"
+            )
+        return forward
 
-        The reduce-scatters are launched as units complete; their landings are
-        in the returned pass's ``landings`` (awaited by the caller). On error
-        the pass (with whatever is in flight) is in ``self.current`` for the
-        caller to abandon.
+    async def backward(self, loss: torch.Tensor, forward: PassResult) -> PassResult:
+        """Backpropagate ``loss`` (checked by :meth:`check_backward`) on the model thread.
+
+        Each unit's reduce-scatter is launched as soon as its gradients are
+        complete; the shards are committed when the whole backward succeeded. On
+        failure nothing is committed and nothing stays in flight.
 
         Raises:
             LayerExecutionError: when the model's backward raised.
+            CommunicationError: when a collective fails.
         """
-        trace = self._prefetch.trace
+        started = self._clock.start(Phase.BACKWARD)
+        scaler = self._steps.loss_scaler
+        scaled = loss * scaler.scale if scaler is not None else loss
         forward_units = forward.units()
-        predicted = trace.order("backward") or self._predict_backward(forward_units)
-        unit_pass = UnitPass(phase="backward", predicted=predicted)
-        unit_pass.expected = self._count_gradients(loss)
+        predicted = self._prefetch.predicted(Phase.BACKWARD) or self._predict_backward(
+            forward_units
+        )
+        result = PassResult(phase=Phase.BACKWARD)
+        unit_pass = UnitPass(phase=Phase.BACKWARD, predicted=predicted, result=result)
+        unit_pass.expected = self._count_gradients(scaled)
         unit_pass.units_left = sum(u != self._root for u in forward_units)
         self._reducer.begin_pass()
-        await self._prefetch.begin_recorded_pass(predicted, phase="backward")
-        self.current = unit_pass
-        if self._root is not None and self._root in forward_units:
-            await self._enter(self._root)
-
-        def run() -> None:
-            with warnings.catch_warnings():
-                # A released root parameter (empty values) still accumulates into its
-                # gradient view, which torch reports as a layout mismatch: expected.
-                warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
-                torch.autograd.backward(loss)
-
         try:
-            await self._in_thread(run)
-        except Zero3Error:
+            await self._prefetch.begin_pass(Phase.BACKWARD, predicted)
+            self._current = unit_pass
+            if self._root is not None and self._root in forward_units:
+                await self._enter(self._root)
+            try:
+                await self._in_thread(functools.partial(_backward, scaled))
+            except Zero3Error:
+                raise
+            except Exception as exc:
+                raise LayerExecutionError(f"the model raised in backward: {exc}") from exc
+            # Units whose gradients were not counted complete now, in forward order
+            # (the root last): the same collectives in the same order on every rank.
+            last = [self._root] if self._root in forward_units else []
+            for unit in [*(u for u in forward_units if u != self._root), *last]:
+                if unit not in unit_pass.done:
+                    await self._unit_done(unit)
+            self._current = None
+            self._prefetch.end_pass(Phase.BACKWARD, unit_pass.observed)
+            await self._landing.land(result)
+        except BaseException:
+            await self.abandon(result)
             raise
-        except Exception as exc:
-            raise LayerExecutionError(f"the model raised in backward: {exc}") from exc
-        # Units whose gradients were not counted complete now, in forward order
-        # (the root last): the same collectives in the same order on every rank.
-        last = [self._root] if self._root in forward_units else []
-        for unit in [*(u for u in forward_units if u != self._root), *last]:
-            if unit not in unit_pass.done:
-                await self._unit_done(unit)
-        self.current = None
-        self._prefetch.end_recorded_pass("backward", unit_pass.observed)
-        return unit_pass
+        self._clock.finish(Phase.BACKWARD, started)
+        return result
 
-    async def _abort(self) -> None:
-        self.current = None
-        await self._prefetch.release_all()
+    async def abandon(self, result: PassResult | None = None) -> None:
+        """Drop the pass in progress: nothing of it stays in flight or gathered.
+
+        A failed backward's ``result`` (its reduce-scatters in flight) is abandoned
+        through the landing, and the parameters' gradients it left are dropped.
+        """
+        self._current = None
+        if result is None:
+            await self._prefetch.release_all()
+            return
+        self.clear_grads()
+        await self._landing.abandon(result)
 
     def _predict_backward(self, forward_units: list[str]) -> tuple[str, ...]:
         others = [u for u in reversed(forward_units) if u != self._root]
@@ -340,11 +424,11 @@ class ModuleRunner:
     # ------------------------------------------------------ coroutines (loop)
 
     async def _enter(self, unit: str) -> None:
-        p = self.current
+        p = self._current
         assert p is not None
-        if p.phase == "backward" and unit in p.where:
+        if p.phase is Phase.BACKWARD and unit in p.where:
             if not self._gatherer.is_gathered(unit):
-                await self._gatherer.gather(unit)
+                await self._prefetch.regather(unit)
             return
         i = len(p.observed)
         p.on_track = p.on_track and i < len(p.predicted) and p.predicted[i] == unit
@@ -353,10 +437,10 @@ class ModuleRunner:
         p.where[unit] = (order, i)
         if unit != self._root:
             self._root_segment(p, resume=False)
-            if p.phase == "backward":
+            if p.phase is Phase.BACKWARD:
                 self._release_root_values(p)
         await self._prefetch.acquire(order, i)
-        if p.phase == "backward" and len(self._units[unit]):
+        if p.phase is Phase.BACKWARD and len(self._units[unit]):
             # Autograd accumulates into the flat buffer the reduce-scatter sends
             # (see [Note: gradients in place]). The root's gradients arrive at
             # both ends of the backward: it takes a buffer of its own, not a
@@ -366,32 +450,35 @@ class ModuleRunner:
         p.started[unit] = time.perf_counter()
 
     async def _exit(self, unit: str) -> None:
-        p = self.current
+        p = self._current
         assert p is not None
         order, i = p.where[unit]
-        self._record_compute(unit, p.phase, p.started.pop(unit, None))
-        if p.phase == "generate":
-            self._prefetch.finish_unit(unit, (unit,))  # stays gathered while the budget allows
+        self._add_compute(unit, p.phase, p.started.pop(unit, None))
+        if p.phase is Phase.GENERATE:
+            # Stays gathered while the budget allows.
+            self._prefetch.finish((unit,), 0, next_order=(unit,))
             return
         next_order: tuple[str, ...] = ()
-        last = p.phase == "forward" and p.on_track and i == len(order) - 1
-        follows = p.phase == "forward" and self._prefetch.trace.backward_follows_forward()
+        training = p.phase is Phase.FORWARD
+        last = training and p.on_track and i == len(order) - 1
+        follows = training and self._prefetch.backward_follows_forward()
         if last and follows:
-            trace = self._prefetch.trace
-            next_order = trace.order("backward") or self._predict_backward(p.units())
+            next_order = self._prefetch.predicted(Phase.BACKWARD) or self._predict_backward(
+                p.result.units()
+            )
         if unit == self._root:
             # A backward starts where the forward ended (the LM head): keep the root.
             p.done.add(unit)
-            self._prefetch.finish_unit(unit, (unit,) if follows else ())
+            self._prefetch.finish((unit,), 0, next_order=(unit,) if follows else ())
         else:
-            self._prefetch.finish_use(order, i, next_order=next_order)
+            self._prefetch.finish(order, i, next_order=next_order)
 
     async def _unit_done(self, unit: str) -> None:
         """``unit``'s gradients are complete: launch its reduce-scatter, release it."""
-        p = self.current
+        p = self._current
         assert p is not None
         if unit in p.where:
-            self._record_compute(unit, "backward", p.started.pop(unit, None))
+            self._add_compute(unit, Phase.BACKWARD, p.started.pop(unit, None))
         p.done.add(unit)
         params = self._units[unit]
         if len(params):
@@ -399,14 +486,13 @@ class ModuleRunner:
                 unit, params, in_place=False
             )
             pending = await self._reducer.start_reduce_scatter(unit, params, slot)
-            p.pending.append(pending)
-            p.landings.append(asyncio.ensure_future(self._reducer.finish(pending)))
+            self._landing.start(p.result, pending)
         if unit in p.where:
             order, i = p.where[unit]
             if unit == self._root:
-                self._prefetch.finish_unit(unit, ())
+                self._prefetch.finish((unit,), 0)
             else:
-                self._prefetch.finish_use(order, i)
+                self._prefetch.finish(order, i)
         if unit != self._root:
             p.units_left -= 1
         if p.units_left == 0:
@@ -425,25 +511,23 @@ class ModuleRunner:
         and if they are, unpacking a saved weight gathers the root again.
         """
         root = self._root
-        if root is None or root not in self._prefetch.in_use or root in p.done:
+        if root is None or not self._prefetch.is_in_use(root) or root in p.done:
             return
         # Autograd can accumulate into a released parameter only through a
         # defined .grad: the in-place views of the root's gradient buffer
         # (fp32); other dtypes keep the values until the root is done.
         if all(param.grad is not None for param in self._units[root].parameters()):
-            self._prefetch.finish_unit(root, (), keep_grads=True, pool=False)
+            self._prefetch.finish((root,), 0, keep_grads=True, pool=False)
 
-    def _record_compute(self, unit: str, phase: str, t0: float | None) -> None:
-        p = self.current
+    def _add_compute(self, unit: str, phase: Phase, t0: float | None) -> None:
+        p = self._current
         if unit == self._root and p is not None:
             # The root runs around the other units: its compute is the time
-            # outside them, recorded as the segments between them.
+            # outside them, added as the segments between them.
             self._root_segment(p, resume=False)
             return
         if t0 is not None:
-            t1 = time.perf_counter()
-            self._stats.record_layer(unit, phase, t1 - t0)
-            self._timeline.record("compute", unit, phase, t0, t1)
+            self._clock.compute(unit, phase, t0)
         if p is not None:
             self._root_segment(p, resume=True)
 
@@ -457,9 +541,7 @@ class ModuleRunner:
             return
         t0 = p.started.pop(root, None)
         if t0 is not None:
-            t1 = time.perf_counter()
-            self._stats.record_layer(root, p.phase, t1 - t0)
-            self._timeline.record("compute", root, p.phase, t0, t1)
+            self._clock.compute(root, p.phase, t0)
 
     # ------------------------------------------------------ hooks (model thread)
 
@@ -468,32 +550,32 @@ class ModuleRunner:
             self._call(self._enter(self._root))
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        p = self.current
-        if self._root is not None and p is not None and p.phase != "backward":
+        p = self._current
+        if self._root is not None and p is not None and p.phase is not Phase.BACKWARD:
             self._call(self._exit(self._root))
 
     def _unit_pre(self, unit: str, module: nn.Module, args: Any) -> None:
         self._call(self._enter(unit))
 
     def _unit_post(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
-        p = self.current
-        if p is None or p.phase == "backward":
+        p = self._current
+        if p is None or p.phase is Phase.BACKWARD:
             return  # a recomputation during backward: the unit stays until it is done
         self._call(self._exit(unit))
-        if p.phase == "forward":
+        if p.phase is Phase.FORWARD:
             hook = functools.partial(self._before_backward, unit)
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                     t.register_hook(hook)
 
     def _before_backward(self, unit: str, grad: torch.Tensor) -> None:
-        p = self.current
-        if p is not None and p.phase == "backward" and unit not in p.where:
+        p = self._current
+        if p is not None and p.phase is Phase.BACKWARD and unit not in p.where:
             self._call(self._enter(unit))
 
-    def _grad_landed(self, param: torch.Tensor) -> None:
-        p = self.current
-        if p is None or p.phase != "backward":
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        p = self._current
+        if p is None or p.phase is not Phase.BACKWARD:
             return
         unit = self._param_unit[id(param)]
         left = p.expected.get(unit)
@@ -509,9 +591,9 @@ class ModuleRunner:
             if found is not None:
                 unit, base = found
                 return BufferSlot.of(unit, t, base)
-            p = self.current
+            p = self._current
             if p is not None:
-                p.kept.update(storage_bytes(t))
+                p.result.saved.update(storage_bytes(t))
         return t
 
     def _unpack(self, saved: object) -> torch.Tensor:
@@ -536,6 +618,28 @@ class ModuleRunner:
             handle.remove()
         self._handles.clear()
         self._executor.shutdown(wait=True)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss``'s backward (on the model thread)."""
+    with warnings.catch_warnings():
+        # A released root parameter (empty values) still accumulates into its
+        # gradient view, which torch reports as a layout mismatch: expected.
+        warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
+        torch.autograd.backward(loss)
+
+
+def _to_device(tree: T, device: torch.device) -> T:
+    """``tree`` (arguments, nested) with every tensor moved to ``device``."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Rows of the first tensor argument with a dimension (1 when there is none)."""
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.dim():
+            return int(t.shape[0])
+    return 1
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

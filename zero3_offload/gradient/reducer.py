@@ -6,7 +6,7 @@ laid out like the parameters (see [Note: flat layout] in
 each rank receives the mean gradient of exactly the slice it owns. The flat
 buffers come from :class:`GradientBuffers`, so backward does not allocate a
 fresh full-layer buffer per layer, while the reduce-scatter of one layer still
-overlaps the compute of the next. (torsh's ``gradient_management.rs`` keeps
+overlaps the compute of the next. (The Rust module's ``gradient_management.rs`` keeps
 every rank's whole gradient and divides by the world size without
 communicating; this is the real collective.) With ``reduce_dtype`` bf16 the
 flat gradient is cast into its slot's bf16 buffer, that is reduce-scattered
@@ -29,6 +29,7 @@ from zero3_offload.comm.collectives import Collectives, PendingCollective
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.parameter.unit_params import UnitParams
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 from zero3_offload.stats.timeline import Timeline
 
@@ -87,8 +88,9 @@ class GradientReducer:
         """Bytes of this pass's gradient shards (in flight or landed) not yet committed."""
         return sum(self._uncommitted.values())
 
-    def committed(self, layer: str | None = None) -> None:
-        """``layer``'s shard (None: every shard of the pass) was committed or dropped."""
+    def forget_pending(self, layer: str | None = None) -> None:
+        """Stop counting ``layer``'s shard (None: every shard of the pass) as pending: it was
+        committed to the gradient store, or dropped."""
         if layer is None:
             self._uncommitted.clear()
         else:
@@ -126,7 +128,7 @@ class GradientReducer:
             slot, flat = self._buffers.fresh(layout.padded_numel)
         else:
             slot, flat = await self._buffers.acquire(layout.padded_numel)
-        self._timeline.record("wait", layer, "backward", waited, time.perf_counter())
+        self._timeline.add("wait", layer, Phase.BACKWARD, waited, time.perf_counter())
         params = dict(module.named_parameters())
         in_place = in_place and all(
             params[s.name].dtype == flat.dtype and params[s.name].device == flat.device
@@ -205,10 +207,10 @@ class GradientReducer:
         """
         await pending.collective.wait()
         self._buffers.free(pending.slot, pending.collective)
-        self._timeline.record(
+        self._timeline.add(
             "reduce-scatter",
             pending.layer,
-            "backward",
+            Phase.BACKWARD,
             pending.started,
             time.perf_counter(),
             "comm",

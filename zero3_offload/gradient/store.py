@@ -14,6 +14,7 @@ import torch
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.comm.worker_threads import WorkerThreads
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 from zero3_offload.stats.timeline import Timeline
 
@@ -58,17 +59,22 @@ class GradientStore:
         if shard.device != self.device:
             with self._streams.on(self._streams.d2h):
                 # The d2h stream must see the reduce-scatter's result first.
-                self._streams.wait(self._streams.record(), self._streams.d2h)
-                copy_started = self._streams.record(self._streams.d2h)
+                self._streams.wait(self._streams.event_now(), self._streams.d2h)
+                copy_started = self._streams.event_now(self._streams.d2h)
                 host = torch.empty(
                     shard.numel(), dtype=torch.float32, device=self.device, pin_memory=self._pin
                 )
                 host.copy_(shard, non_blocking=True)
                 if shard.is_cuda:
                     shard.record_stream(self._streams.d2h)
-                event = self._streams.record(self._streams.d2h)
+                event = self._streams.event_now(self._streams.d2h)
                 self._streams.track_copy(
-                    "d2h", layer, "backward", tensor_bytes(host), copy_started, self._streams.d2h
+                    "d2h",
+                    layer,
+                    Phase.BACKWARD,
+                    tensor_bytes(host),
+                    copy_started,
+                    self._streams.d2h,
                 )
             shard = host
         held = self._grads.get(layer)
@@ -78,10 +84,10 @@ class GradientStore:
 
         def land() -> torch.Tensor:
             self._streams.host_wait(event)
-            self._streams.record_finished_copies(self._timeline)
+            self._streams.add_finished_copies(self._timeline)
             return shard if held is None else held.add_(shard)
 
-        self._grads[layer] = await self._workers.run("grad-accumulate", layer, "backward", land)
+        self._grads[layer] = await self._workers.run("grad-accumulate", layer, Phase.BACKWARD, land)
 
     async def commit(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Add one backward pass's shards (layer, shard) and count the micro-step."""

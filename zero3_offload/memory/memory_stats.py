@@ -50,9 +50,9 @@ class Zero3MemoryStats:
     full-size optimizer state, and the compute copies, of this rank; not memory. 0
     without either tier."""
     cpu_memory_used: int
-    """Bytes of the kinds above, and of kept activations, that live in CPU memory."""
+    """Bytes of the kinds above, and of saved activations, that live in CPU memory."""
     gpu_memory_used: int
-    """Bytes of the kinds above, and of kept activations, that live on an accelerator."""
+    """Bytes of the kinds above, and of saved activations, that live on an accelerator."""
     process_rss_bytes: int
     """Resident set size of this process (psutil)."""
     device_allocated_bytes: int
@@ -64,7 +64,7 @@ class Zero3MemoryStats:
     owned_parameters: int
     """Elements of this rank's shards (padding included)."""
     activation_bytes: int = 0
-    """Layer inputs and activations the last forward keeps for its backward (distinct
+    """Layer inputs and activations the last training forward saved for its backward (distinct
     storages of the tensors autograd saved, gathered parameters excluded)."""
     pressure_checks: int = 0
     """Memory-pressure checks run so far (one per optimizer update)."""
@@ -72,6 +72,16 @@ class Zero3MemoryStats:
     def total_memory_used(self) -> int:
         """``cpu_memory_used + gpu_memory_used``."""
         return self.cpu_memory_used + self.gpu_memory_used
+
+    def step_figures(self) -> dict[str, int]:
+        """The figures a ``step`` event carries (counted at the end of the step)."""
+        return {
+            "gathered_high_water_bytes": self.gathered_high_water_bytes,
+            "cpu_memory_used": self.cpu_memory_used,
+            "gpu_memory_used": self.gpu_memory_used,
+            "process_rss_bytes": self.process_rss_bytes,
+            "device_allocated_bytes": self.device_allocated_bytes,
+        }
 
     def model_state_bytes(self) -> int:
         """Parameters, gradients and optimizer state held between steps."""

@@ -1,4 +1,4 @@
-"""The memory-pressure policy (torsh's ``memory_management.rs``), on real counters.
+"""The memory-pressure policy (the Rust module's ``memory_management.rs``), on real counters.
 
 [Note: memory pressure]
 Pressure is measured from real counters: on CUDA, ``torch.cuda.memory_allocated``
@@ -16,7 +16,8 @@ cached and persistent layers are released, persistence and keeping layers
 gathered for the backward are suspended and the prefetch depth shrinks by the
 strategy's ``aggressiveness()`` (to at least 1); below 0.8 of the threshold
 they are restored (the gap keeps the policy from flapping around the
-threshold).
+threshold). The policy advises the scheduler through its methods
+(``PrefetchScheduler.suspend`` / ``resume``); it writes no field of another object.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class PressurePolicy:
     Args:
         accounting: this rank's byte counters (RSS, device allocation).
         gatherer: gathered parameters (their bytes on a CPU device; the pool).
+        prefetch: whose gathered layers, persistence and depth the policy changes.
+        comm: the group's collectives (the pressure is agreed over ranks).
         strategy: thresholds and aggressiveness.
         max_gpu_bytes: ``max_gpu_memory_mb`` in bytes.
         max_cpu_bytes: ``max_cpu_memory_mb`` in bytes.
@@ -75,6 +78,8 @@ class PressurePolicy:
         *,
         accounting: MemoryAccounting,
         gatherer: ParameterGatherer,
+        prefetch: PrefetchScheduler,
+        comm: Collectives,
         strategy: AutoMemoryStrategy,
         max_gpu_bytes: int,
         max_cpu_bytes: int,
@@ -82,6 +87,8 @@ class PressurePolicy:
     ) -> None:
         self._accounting = accounting
         self._gatherer = gatherer
+        self._prefetch = prefetch
+        self._comm = comm
         self.strategy = strategy
         self._max_gpu = max_gpu_bytes
         self._max_cpu = max_cpu_bytes
@@ -108,7 +115,8 @@ class PressurePolicy:
         per_sample = (self.history[-1] - self.history[-_TREND_SAMPLES]) / span
         return min(1.0, max(0.0, per_sample * _TREND_SAMPLES))
 
-    async def _sample(self, comm: Collectives) -> tuple[float, float, float, float]:
+    async def _sample(self) -> tuple[float, float, float, float]:
+        comm = self._comm
         dev, cpu = self.local_fractions()
         trend = self._trend()
         local = min(1.0, 0.8 * dev + 0.2 * cpu + 0.1 * trend)
@@ -126,39 +134,33 @@ class PressurePolicy:
             return 0
         return max(1, int(depth * (1.0 - self.strategy.aggressiveness())))
 
-    async def free_gathered(self, prefetch: PrefetchScheduler) -> None:
+    async def free_gathered(self) -> None:
         """Release every gathered layer (persistent ones too) and the gather pool, then
         return freed memory to the allocator and the OS. Call it between passes."""
-        await prefetch.release_all(keep_persistent=False)
+        await self._prefetch.release_all(keep_persistent=False)
         self._gatherer.clear_pool()
         return_freed_memory(self._gatherer.device)
 
-    async def check(self, prefetch: PrefetchScheduler, comm: Collectives) -> MemoryPressure:
-        """Sample pressure (agreed over ranks, a collective) and apply the strategy.
-
-        Args:
-            prefetch: whose gathered layers, persistence and depth the policy changes.
-            comm: the group's collectives.
-        """
-        dev, cpu, trend, pressure = await self._sample(comm)
+    async def check(self) -> MemoryPressure:
+        """Sample pressure (agreed over ranks, a collective) and apply the strategy."""
+        dev, cpu, trend, pressure = await self._sample()
         threshold = self.strategy.pressure_threshold()
+        prefetch, rank = self._prefetch, self._comm.rank
         relieved = False
         if pressure > threshold:
-            await self.free_gathered(prefetch)
-            prefetch.persistence_enabled = False
-            prefetch.set_depth(self.shrunk_depth(prefetch.max_depth))
+            await self.free_gathered()
+            prefetch.suspend(self.shrunk_depth(prefetch.max_depth))
             relieved = True
             log.info(
                 "memory_pressure_relieved",
-                rank=comm.rank,
+                rank=rank,
                 pressure=pressure,
                 threshold=threshold,
                 depth=prefetch.depth,
             )
         elif pressure < _RESTORE_FRACTION * threshold and not prefetch.persistence_enabled:
-            prefetch.persistence_enabled = True
-            prefetch.set_depth(prefetch.max_depth)
-            log.info("memory_pressure_restored", rank=comm.rank, pressure=pressure)
+            prefetch.resume()
+            log.info("memory_pressure_restored", rank=rank, pressure=pressure)
         return MemoryPressure(
             device=dev, cpu=cpu, trend=trend, pressure=pressure, relieved=relieved
         )

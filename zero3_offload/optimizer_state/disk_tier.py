@@ -44,6 +44,7 @@ import torch
 
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.errors import StateError
+from zero3_offload.stats.phase import Phase
 from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned, record_offsets
 
 __all__ = ["NvmeShardTier", "record_bytes"]
@@ -240,7 +241,7 @@ class NvmeShardTier:
         await self._io.run(
             f"nvme-{what}",
             layer,
-            "step",
+            Phase.STEP,
             lambda: self._io_blocking(what, index, record.offset, record.nbytes),
         )
 

@@ -50,6 +50,7 @@ from zero3_offload.optimizer_state.loss_scaler import LossScaler
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.stats.phase import Phase
 
 __all__ = ["StepRunner"]
 
@@ -135,12 +136,12 @@ class StepRunner:
         self.stepped.add(name)
         # With the disk tier: read before, written back after (see [Note: disk tier]).
         async with self._optimizer.resident(name, write=True):
-            await self._workers.run("cpu-optimizer", name, "step", update)
+            await self._workers.run("cpu-optimizer", name, Phase.STEP, update)
             await self._refresh(name)
 
     async def _refresh(self, name: str) -> None:
         await self._workers.run(
-            "compress", name, "step", lambda: self._params.refresh_compute_copy(name)
+            "compress", name, Phase.STEP, lambda: self._params.refresh_compute_copy(name)
         )
 
     async def land_and_update(
@@ -154,7 +155,7 @@ class StepRunner:
         """
         shard = await partitioner.finish(pending)
         await self._grads.commit_layer(pending.layer, shard)
-        partitioner.committed(pending.layer)
+        partitioner.forget_pending(pending.layer)
         if self._needs_validation():
             await self.update_layer(pending.layer, lr, self._grad_scale(), save=True)
             return
@@ -172,7 +173,7 @@ class StepRunner:
 
         async def restore(name: str) -> None:
             restore_state = functools.partial(self._backup.restore, name)
-            await self._workers.run("cpu-optimizer", name, "rollback", restore_state)
+            await self._workers.run("cpu-optimizer", name, Phase.ROLLBACK, restore_state)
             await self._refresh(name)
 
         await asyncio.gather(*(restore(name) for name in names))

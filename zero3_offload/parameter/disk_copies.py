@@ -43,6 +43,7 @@ import torch
 
 from zero3_offload.errors import DiskTierError, StateError
 from zero3_offload.parameter.codec import CompressedShard, ShardCodec
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.timeline import Timeline
 from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned, record_offsets
 
@@ -72,11 +73,12 @@ class StagedCopy:
     _copies: DiskComputeCopies
     _entry: _Entry
     _version: int  # the record's version when the gather was launched
+    _phase: Phase  # the phase of the gather (labels a read made again in wait())
 
     def wait(self) -> CompressedShard:
         """Block until the copy is in memory (read again if it was read before its last
         write) and return it, a view of the buffer. Runs on the launcher thread."""
-        return self._copies._wait(self.layer, self._entry, self._version)
+        return self._copies._wait(self.layer, self._entry, self._version, self._phase)
 
     def release(self) -> None:
         """The gather is done with the buffer (on the event loop)."""
@@ -136,7 +138,6 @@ class DiskComputeCopies:
         self._scratch_count = 0
         self._scratch_lock = threading.Lock()
         self._io = concurrent.futures.ThreadPoolExecutor(threads, "zero3-param-read")
-        self.phase = "forward"  # recorded with reads; the gatherer sets it
 
     def _new_buffer(self) -> int:
         # Page-aligned anonymous mappings, as O_DIRECT needs.
@@ -185,7 +186,7 @@ class DiskComputeCopies:
 
     # ------------------------------------------------------------ reads
 
-    def _read(self, layer: str, index: int) -> int:
+    def _read(self, layer: str, index: int, phase: Phase) -> int:
         """Read ``layer``'s record into buffer ``index`` on this thread; its version."""
         record = self._records[layer]
         start = time.perf_counter()
@@ -193,7 +194,7 @@ class DiskComputeCopies:
             self.file.read(memoryview(self._maps[index])[: record.nbytes], record.offset)
             version = self._versions[layer]
         worker = f"io-{threading.get_native_id()}"
-        self._timeline.record("nvme-read", layer, self.phase, start, time.perf_counter(), worker)
+        self._timeline.add("nvme-read", layer, phase, start, time.perf_counter(), worker)
         return version
 
     def _take(self, *, grow: bool, keep: set[str]) -> int | None:
@@ -210,51 +211,53 @@ class DiskComputeCopies:
             return self._entries.pop(min(idle)[1]).index
         return self._new_buffer() if grow else None
 
-    def _start_read(self, layer: str, index: int) -> _Entry:
-        entry = _Entry(index, self._io.submit(self._read, layer, index), used_at=next(self._clock))
+    def _start_read(self, layer: str, index: int, phase: Phase) -> _Entry:
+        read = self._io.submit(self._read, layer, index, phase)
+        entry = _Entry(index, read, used_at=next(self._clock))
         self._entries[layer] = entry
         return entry
 
-    def read_ahead(self, layers: Iterable[str]) -> None:
+    def read_ahead(self, layers: Iterable[str], phase: Phase) -> None:
         """Start reading ``layers`` (in that order) while buffers are free or hold other
-        layers no gather uses; a layer read or being read already is skipped."""
+        layers no gather uses; a layer read or being read already is skipped. ``phase``
+        labels the reads in the timeline."""
         wanted = [name for name in layers if name in self._records]
         for name in wanted:
             entry = self._entries.get(name)
             if entry is not None:
                 if not entry.in_use and self._stale(name, entry):
-                    entry.read = self._io.submit(self._read, name, entry.index)
+                    entry.read = self._io.submit(self._read, name, entry.index, phase)
                 continue
             index = self._take(grow=False, keep=set(wanted))
             if index is None:
                 return
-            self._start_read(name, index)
+            self._start_read(name, index, phase)
 
     def _stale(self, layer: str, entry: _Entry) -> bool:
         """Whether ``entry`` finished reading ``layer`` before the layer's last write."""
         read = entry.read
         return read.done() and read.exception() is None and read.result() != self._versions[layer]
 
-    def stage(self, layer: str) -> StagedCopy:
-        """``layer``'s copy for a gather launched now: its read, started here unless a
-        read-ahead started it. Release it once the gather's collective completed."""
+    def stage(self, layer: str, phase: Phase) -> StagedCopy:
+        """``layer``'s copy for a gather launched now (in ``phase``): its read, started here
+        unless a read-ahead started it. Release it once the gather's collective completed."""
         entry = self._entries.get(layer)
         if entry is None:
             index = self._take(grow=True, keep=set())
             assert index is not None
-            entry = self._start_read(layer, index)
+            entry = self._start_read(layer, index, phase)
         if entry.in_use:
             raise StateError(f"the compute copy of {layer!r} is already being gathered")
         if self._stale(layer, entry):
-            entry.read = self._io.submit(self._read, layer, entry.index)
+            entry.read = self._io.submit(self._read, layer, entry.index, phase)
         entry.in_use = True
         entry.used_at = next(self._clock)
-        return StagedCopy(layer, self, entry, self._versions[layer])
+        return StagedCopy(layer, self, entry, self._versions[layer], phase)
 
-    def _wait(self, layer: str, entry: _Entry, version: int) -> CompressedShard:
+    def _wait(self, layer: str, entry: _Entry, version: int, phase: Phase) -> CompressedShard:
         if entry.read.result() != version:  # read before the layer's last write
             entry.read = concurrent.futures.Future()
-            entry.read.set_result(self._read(layer, entry.index))
+            entry.read.set_result(self._read(layer, entry.index, phase))
         return self._shard(layer, self._buffers[entry.index])
 
     def _release(self, entry: _Entry) -> None:

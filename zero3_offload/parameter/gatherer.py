@@ -19,6 +19,7 @@ from zero3_offload.comm.collectives import Collectives, PendingCollective
 from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 from zero3_offload.stats.timeline import Timeline
 
@@ -50,7 +51,8 @@ class ParameterGatherer:
     A gather is launched (:meth:`launch`: buffer allocated, copy and decode on
     the h2d stream, all-gather started) and later completed (:meth:`complete`:
     awaited, parameters bound as views). Bytes of launched and gathered
-    buffers together are what the device holds for parameters.
+    buffers together are what the device holds for parameters. Each call names
+    the :class:`Phase` its work belongs to (the timeline's label).
 
     Args:
         layers: layer name -> module; the modules' parameters are rebound.
@@ -63,6 +65,10 @@ class ParameterGatherer:
         compressed_wire: all-gather the compute copies as stored and decode after
             (``gather_compression``; see [Note: compressed gather]). Where the stored
             format is the compute dtype this changes nothing.
+        pool_layers: released CPU buffers are kept for reuse while gathered, in-flight
+            and pooled buffers stay within this many of the largest layer's gather
+            bytes (see :meth:`take_buffer`); 0 pools nothing.
+        pool_budget: and within this many bytes (``gpu_param_memory_budget``).
     """
 
     def __init__(
@@ -76,6 +82,8 @@ class ParameterGatherer:
         streams: CopyStreams,
         timeline: Timeline,
         compressed_wire: bool = False,
+        pool_layers: int = 0,
+        pool_budget: int = 0,
     ) -> None:
         self._layers = layers
         self._layouts = layouts
@@ -84,7 +92,8 @@ class ParameterGatherer:
         self.device = device
         self._streams = streams
         self._timeline = timeline
-        self.phase = "forward"  # recorded with gathers; the manager sets it per pass
+        codec = store.codec
+        self.compressed_wire = compressed_wire and codec.storage_dtype != codec.compute_dtype
         self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
         self._inflight: dict[str, GatherHandle] = {}
         self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
@@ -93,9 +102,10 @@ class ParameterGatherer:
         # CPU, and freed ones are not returned to the OS by glibc anyway. CUDA
         # has its own caching allocator, so nothing is pooled there.
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self.pool_limit = 0  # bytes the pool may hold (build_engine sets it)
-        codec = store.codec
-        self.compressed_wire = compressed_wire and codec.storage_dtype != codec.compute_dtype
+        # Enough reusable buffers for what is gathered at once (the layer in use, the
+        # look-ahead and one being released: pool_layers), never more than the budget.
+        largest = max((self.nbytes(name) for name in layers), default=0)
+        self.pool_limit = min(pool_budget, pool_layers * largest)
 
     def release_views(self, name: str) -> None:
         """Point ``name``'s parameters at empty tensors (used once, after sharding it).
@@ -196,7 +206,7 @@ class ParameterGatherer:
         """Gathered plus in-flight buffer bytes: what the budget limits."""
         return self.gathered_bytes() + self.inflight_bytes()
 
-    def launch(self, name: str) -> GatherHandle:
+    def launch(self, name: str, phase: Phase) -> GatherHandle:
         """Allocate ``name``'s buffer and start its gather; returns at once.
 
         The compute copy is copied to the device and decoded there on the h2d
@@ -212,16 +222,16 @@ class ParameterGatherer:
         pending = wire = None
         started = time.perf_counter()
         if layout.padded_numel and self._store.disk is not None:
-            pending, wire = self._launch_from_disk(name, flat)
+            pending, wire = self._launch_from_disk(name, flat, phase)
         elif layout.padded_numel:
             src = self._store.compute_copy(name)
             what = f"the gather of {name!r}"
             with self._streams.on(self._streams.h2d):
-                copy_started = self._streams.record(self._streams.h2d)
+                copy_started = self._streams.event_now(self._streams.h2d)
                 staged = src.to(self.device, non_blocking=True)
                 if staged is not src:
                     self._streams.track_copy(
-                        "h2d", name, self.phase, src.nbytes(), copy_started, self._streams.h2d
+                        "h2d", name, phase, src.nbytes(), copy_started, self._streams.h2d
                     )
                 if self.compressed_wire:
                     wire = self.take_buffer(self._wire_nbytes(name), torch.uint8)
@@ -243,7 +253,7 @@ class ParameterGatherer:
         return handle
 
     def _launch_from_disk(
-        self, name: str, flat: torch.Tensor
+        self, name: str, flat: torch.Tensor, phase: Phase
     ) -> tuple[PendingCollective, torch.Tensor | None]:
         """Launch ``name``'s gather from its compute copy on disk (see [Note: compute
         copies on disk]): the launcher thread waits for the copy's read, moves it to
@@ -251,8 +261,7 @@ class ParameterGatherer:
         released when the collective has completed."""
         disk, codec = self._store.disk, self._store.codec
         assert disk is not None
-        disk.phase = self.phase
-        staged = disk.stage(name)
+        staged = disk.stage(name, phase)
         what = f"the gather of {name!r}"
         device = self.device
         wire = None
@@ -281,12 +290,11 @@ class ParameterGatherer:
         pending.then(staged.release)
         return pending, wire
 
-    def read_ahead(self, names: Iterable[str]) -> None:
+    def read_ahead(self, names: Iterable[str], phase: Phase) -> None:
         """Start reading ``names``' compute copies from disk for gathers to come (nothing
         when the copies are in memory)."""
         if self._store.disk is not None:
-            self._store.disk.phase = self.phase
-            self._store.disk.read_ahead(names)
+            self._store.disk.read_ahead(names, phase)
 
     def _decode(self, wire: torch.Tensor, flat: torch.Tensor) -> None:
         """Decode a completed compressed all-gather into the gathered buffer.
@@ -305,7 +313,7 @@ class ParameterGatherer:
         self._streams.mark_used_on_current(wire)
         self._store.codec.decode_gathered_(wire, flat, world_size=self._comm.world_size)
 
-    async def complete(self, name: str) -> nn.Module:
+    async def complete(self, name: str, phase: Phase) -> nn.Module:
         """Wait for ``name``'s launched gather and bind its parameters.
 
         Raises:
@@ -322,37 +330,40 @@ class ParameterGatherer:
             self.give_buffer(handle.wire)  # decoded already (see _decode)
         self._streams.mark_used_on_current(handle.flat)
         done = handle.pending.completed_at if handle.pending is not None else None
-        self._timeline.record(
+        self._timeline.add(
             "gather",
             name,
-            self.phase,
+            phase,
             handle.started,
             done if done is not None else time.perf_counter(),
             "comm",
             nbytes=tensor_bytes(handle.flat),
         )
-        self._streams.record_finished_copies(self._timeline)
+        self._streams.add_finished_copies(self._timeline)
         self._gathered[name] = handle.flat
         self._bind(name, handle.flat)
         return self._layers[name]
 
-    async def gather(self, name: str) -> nn.Module:
+    async def gather(self, name: str, phase: Phase) -> nn.Module:
         """Launch (if needed) and complete ``name``'s gather; returns the layer module."""
         if name in self._gathered:
             return self._layers[name]
         start = time.perf_counter()
         if name not in self._inflight:
-            self.launch(name)
-        module = await self.complete(name)
+            self.launch(name, phase)
+        module = await self.complete(name, phase)
         # The compute thread waited this long for the layer: exposed communication.
-        self._timeline.record("wait", name, self.phase, start, time.perf_counter())
+        self._timeline.add("wait", name, phase, start, time.perf_counter())
         return module
 
-    def release(self, name: str, *, keep_grads: bool = False, pool: bool = True) -> None:
+    def release(
+        self, name: str, phase: Phase, *, keep_grads: bool = False, pool: bool = True
+    ) -> None:
         """Free ``name``'s full parameters (no-op if not gathered).
 
         Args:
             name: the layer.
+            phase: the phase the release belongs to (the timeline's label).
             keep_grads: leave the parameters' ``.grad`` (gradients still being
                 accumulated while the values are not needed).
             pool: keep the buffer for the next gather of its size (within the
@@ -364,4 +375,4 @@ class ParameterGatherer:
             if pool:
                 self.give_buffer(flat)
             now = time.perf_counter()
-            self._timeline.record("release", name, self.phase, now, now, nbytes=tensor_bytes(flat))
+            self._timeline.add("release", name, phase, now, now, nbytes=tensor_bytes(flat))

@@ -47,6 +47,8 @@ class ParameterStore:
             tier]), so the compute copy is always a tensor of its own.
         disk: where the compute copies live when they are on disk (see [Note: compute
             copies on disk]); None keeps them in memory.
+        on_put: called as ``on_put(layer, master)`` after each initial master is stored
+            (the disk tier writes it to its file at once); None: nothing.
     """
 
     def __init__(
@@ -58,13 +60,14 @@ class ParameterStore:
         pin: bool = False,
         masters_on_disk: bool = False,
         disk: DiskComputeCopies | None = None,
+        on_put: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.codec = codec
         self.disk = disk
         self.masters_on_disk = masters_on_disk
-        # Called as on_put(layer, master) once a layer's master and compute copy are
-        # stored (the disk tier writes the master there and drops it from memory).
-        self.on_put: Callable[[str, torch.Tensor], None] | None = None
+        # Called as on_put(layer, master) once a layer's initial master and compute copy
+        # are stored (the disk tier writes the master there and drops it from memory).
+        self._on_put = on_put
         self.master_device = master_device
         self.copy_device = copy_device
         self.pin = pin and copy_device.type == "cpu"
@@ -75,7 +78,8 @@ class ParameterStore:
         return self.codec.compute_dtype
 
     def put_master(self, layer: str, master: torch.Tensor) -> None:
-        """Store ``master`` (fp32, 1D) as ``layer``'s shard and encode its compute copy."""
+        """Store ``master`` (fp32, 1D) as ``layer``'s initial shard and encode its compute copy
+        (later values are written into the master in place)."""
         master = master.to(self.master_device, torch.float32)
         if self.disk is not None and master.numel():
             self._shards[layer] = _StoredShard(master, None, False)
@@ -91,8 +95,8 @@ class ParameterStore:
             copy = self.codec.empty(master.numel(), device=self.copy_device, pin=self.pin)
             self._shards[layer] = _StoredShard(master, copy, False)
             self.refresh_compute_copy(layer)
-        if self.on_put is not None and master.numel():
-            self.on_put(layer, master)
+        if self._on_put is not None and master.numel():
+            self._on_put(layer, master)
 
     def master(self, layer: str) -> torch.Tensor:
         """The fp32 master shard of ``layer`` (updated in place by the optimizer)."""

@@ -1,6 +1,7 @@
-"""Prefetch (torsh's ``prefetch.rs``): the trace of pass orders and the look-ahead scheduler."""
+"""Prefetch (the Rust module's ``prefetch.rs``): the trace of pass orders and the look-ahead
+scheduler."""
 
-from zero3_offload.prefetch.scheduler import PrefetchScheduler, layer_seconds
+from zero3_offload.prefetch.scheduler import PrefetchScheduler
 from zero3_offload.prefetch.status import PrefetchMetrics, PrefetchQueueStatus
 from zero3_offload.prefetch.trace import PassTrace
 
@@ -9,5 +10,4 @@ __all__ = [
     "PrefetchMetrics",
     "PrefetchQueueStatus",
     "PrefetchScheduler",
-    "layer_seconds",
 ]

@@ -8,7 +8,9 @@ pass, the trace of earlier passes, layer sizes, the budget, the depth and the
 persistence set. A gather is launched synchronously at a layer boundary (in
 :meth:`PrefetchScheduler.acquire`), never from a background task; only the
 waiting is asynchronous. Depth changes from ``adapt`` or memory pressure come
-from values all-reduced across ranks first.
+from values all-reduced across ranks first. *Depth* is the one word for the
+look-ahead: the config's ``prefetch_buffer_size`` is the configured depth
+(``max_depth``), which memory pressure may lower and ``adapt`` sets (``depth``).
 
 Budget: the bytes of gathered plus in-flight parameter buffers never exceed
 ``gpu_param_memory_budget``. A prefetch that would not fit is not launched
@@ -37,10 +39,17 @@ gather's bytes are counted (``gathered_bytes`` in the prefetch metrics).
 Trace: the layer order of each pass kind (forward, backward) is remembered;
 the next pass's first layers are prefetched from it (the backward of the
 forward just run, the forward after an optimizer step). A pass whose order
-differs from the trace is logged (``prefetch_order_changed``), the trace is
-rebuilt, and prefetches made for the old order are awaited and released
-unused (counted as wasted). Results are the same either way: a layer is always
-gathered before it runs.
+differs from the trace is logged (``prefetch_order_changed``) when it ends, the
+trace is rebuilt, and prefetches made for another order are awaited and released
+unused (counted as wasted) when a pass starts. Results are the same either way:
+a layer is always gathered before it runs.
+
+A pass is one :meth:`PrefetchScheduler.begin_pass` (its kind and the order
+expected: the whole order in chain mode, the trace's prediction in module mode),
+then for each use of a layer :meth:`~PrefetchScheduler.acquire` and
+:meth:`~PrefetchScheduler.finish`, then :meth:`~PrefetchScheduler.end_pass` with
+the order that ran. The pass's :class:`Phase` labels the gathers and releases it
+makes in the timeline.
 """
 
 from __future__ import annotations
@@ -55,9 +64,9 @@ from zero3_offload.logging import get_logger
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.prefetch.status import PrefetchMetrics, PrefetchQueueStatus
 from zero3_offload.prefetch.trace import PassTrace
-from zero3_offload.stats.timeline import TimelineEvent
+from zero3_offload.stats.phase import Phase
 
-__all__ = ["PrefetchScheduler", "choose_kept", "choose_persistent", "layer_seconds"]
+__all__ = ["PrefetchScheduler", "choose_kept", "choose_persistent"]
 
 log = get_logger(__name__)
 
@@ -130,6 +139,9 @@ class PrefetchScheduler:
         keep_for_backward: keep a training forward's tail gathered for its
             backward (see [Note: kept for backward]).
         keep_limit: most bytes kept for a backward (None: the budget decides).
+        read_ahead: layers beyond the gather window whose compute copies are read
+            from disk ahead (see [Note: compute copies on disk]; 0 when the copies
+            are in memory).
 
     Raises:
         MemoryBudgetError: when a single layer (next to ``resident``) is larger
@@ -150,6 +162,7 @@ class PrefetchScheduler:
         resident: str | None = None,
         keep_for_backward: bool = False,
         keep_limit: int | None = None,
+        read_ahead: int = 0,
     ) -> None:
         self.rank = rank
         self.resident = resident
@@ -174,16 +187,17 @@ class PrefetchScheduler:
         self.depth = depth
         self.bucket = bucket
         self.persistent = choose_persistent(self._sizes, numels, persistence_threshold, budget)
+        # False while memory pressure suspends persistence and keeping (see suspend()).
         self.persistence_enabled = True
         self.metrics = PrefetchMetrics()
-        self.trace = PassTrace()
+        self._trace = PassTrace()
         self._queued = 0
-        # Layers beyond the gather window whose compute copies are read from disk ahead
-        # (see [Note: compute copies on disk]; build_engine sets it when they are there).
-        self.read_ahead = 0
+        self._read_ahead = read_ahead
+        # The phase of the pass in progress: labels its gathers and releases.
+        self._phase = Phase.FORWARD
         # Layers acquired and not finished yet (module mode holds several at
         # once, e.g. the root unit around a decoder layer): never evicted.
-        self.in_use: set[str] = set()
+        self._in_use: set[str] = set()
 
     # ------------------------------------------------------------ helpers
 
@@ -194,15 +208,16 @@ class PrefetchScheduler:
         return self.persistence_enabled and name in self.persistent
 
     def _launch(self, name: str) -> None:
-        self._gatherer.launch(name)
+        self._gatherer.launch(name, self._phase)
         self.metrics.gathered_bytes += self._sizes[name]
 
     def _launch_window(self, order: Sequence[str], start: int) -> None:
-        if self.read_ahead:
-            ahead = order[start : start + self.depth + self.read_ahead]
+        if self._read_ahead:
+            ahead = order[start : start + self.depth + self._read_ahead]
             gatherer = self._gatherer
             gatherer.read_ahead(
-                n for n in ahead if not (gatherer.is_gathered(n) or gatherer.is_inflight(n))
+                (n for n in ahead if not (gatherer.is_gathered(n) or gatherer.is_inflight(n))),
+                self._phase,
             )
         self._queued = 0
         window = order[start : start + self.depth]
@@ -222,21 +237,21 @@ class PrefetchScheduler:
     async def _discard(self, names: Iterable[str], *, counter: str) -> None:
         for name in list(names):
             if self._gatherer.is_inflight(name):
-                await self._gatherer.complete(name)
+                await self._gatherer.complete(name, self._phase)
                 setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
-            self._gatherer.release(name)
+            self._release(name)
 
     async def _make_room(self, name: str, order: Sequence[str], i: int) -> None:
         # Evict, in this order, until ``name`` fits: cached layers not needed
         # soon, persistent ones not needed soon, prefetches in flight, anything.
-        soon = set(order[i + 1 : i + 1 + self.depth]) | self.in_use
+        soon = set(order[i + 1 : i + 1 + self.depth]) | self._in_use
         gathered = self._gatherer.gathered_layers()
         cached = [n for n in gathered if n not in soon and not self._keeps(n)]
         persistent = [n for n in gathered if n not in soon and self._keeps(n)]
         for candidate in [*cached, *persistent]:
             if self._fits(name):
                 return
-            self._gatherer.release(candidate)
+            self._release(candidate)
         for handle in self._gatherer.inflight():
             if self._fits(name):
                 return
@@ -244,28 +259,19 @@ class PrefetchScheduler:
         for candidate in self._gatherer.gathered_layers():
             if self._fits(name):
                 return
-            if candidate not in self.in_use:
-                self._gatherer.release(candidate)
+            if candidate not in self._in_use:
+                self._release(candidate)
         if not self._fits(name):
             raise MemoryBudgetError(
                 f"layer {name!r} ({self._sizes[name]} bytes) does not fit "
                 f"gpu_param_memory_budget={self.budget} next to the layers in use "
-                f"{sorted(self.in_use)}: raise the budget"
+                f"{sorted(self._in_use)}: raise the budget"
             )
+
+    def _release(self, name: str, *, keep_grads: bool = False, pool: bool = True) -> None:
+        self._gatherer.release(name, self._phase, keep_grads=keep_grads, pool=pool)
 
     # ------------------------------------------------------------ passes
-
-    def _note_order(self, phase: str, order: tuple[str, ...]) -> None:
-        known = self.trace.observe(phase, order)
-        if known is not None and known != order:
-            self.metrics.trace_rebuilds += 1
-            log.info(
-                "prefetch_order_changed",
-                rank=self.rank,
-                phase=phase,
-                old=list(known),
-                new=list(order),
-            )
 
     async def _drop_stale(self, order: Sequence[str], *, also: set[str] | None = None) -> None:
         soon = set(order[: 1 + self.depth]) | (also or set())
@@ -273,37 +279,32 @@ class PrefetchScheduler:
         await self._discard(stale, counter="wasted")
         for name in self._gatherer.gathered_layers():
             if name not in soon and not self._keeps(name):
-                self._gatherer.release(name)
+                self._release(name)
 
-    async def begin_pass(self, phase: str, order: Sequence[str]) -> None:
-        """Check ``order`` against the trace; drop prefetches made for another order.
+    async def begin_pass(self, phase: Phase, order: Sequence[str]) -> None:
+        """Start a pass of kind ``phase`` expected to run over ``order``.
 
-        A training forward (``phase="forward"``) plans which of its layers stay
-        gathered for the backward; a backward keeps them until each has run.
+        Prefetches made for another start are dropped. A training forward plans
+        which of its layers stay gathered for the backward (see [Note: kept for
+        backward]); a backward keeps them until each has run.
+
+        Args:
+            phase: the kind of pass; it labels the pass's gathers and releases.
+            order: the order expected (chain mode: the order; module mode: the
+                trace's prediction, :meth:`predicted`, possibly empty).
         """
+        self._trace.begin(phase)
+        self._phase = phase.work
         order = tuple(order)
-        self._note_order(phase, order)
-        await self._start(phase, order)
-
-    async def begin_recorded_pass(self, predicted: Sequence[str], *, phase: str = "") -> None:
-        """Start a pass whose order is only known as it runs (module mode).
-
-        Prefetches made for another start than ``predicted`` are dropped; the
-        order is recorded by :meth:`end_recorded_pass`. ``phase`` plans and
-        keeps layers for the backward as :meth:`begin_pass` does.
-        """
-        await self._start(phase, tuple(predicted))
-
-    async def _start(self, phase: str, order: tuple[str, ...]) -> None:
-        kept = self.kept if phase == "backward" else set()
+        kept = self.kept if phase is Phase.BACKWARD else set()
         await self._drop_stale(order, also=kept)
         self.kept = set()
         backward = self.next_after_forward(order)
         # Memory pressure suspends keeping with persistence (see [Note: memory pressure]).
         keeping = self.keep_for_backward and self.persistence_enabled
-        if phase == "forward" and keeping and backward:
+        if phase is Phase.FORWARD and keeping and backward:
             # Module mode's backward runs in autograd's order, which the trace knows.
-            traced = self.trace.order("backward")
+            traced = self._trace.order(Phase.BACKWARD)
             self.kept = choose_kept(
                 traced if set(traced) == set(order) else backward,
                 order,
@@ -314,14 +315,37 @@ class PrefetchScheduler:
                 limit=self.keep_limit,
             )
 
-    def end_recorded_pass(self, phase: str, order: Sequence[str]) -> None:
-        """Record the order a module-mode pass ran in (a change is logged and counted)."""
-        self._note_order(phase, tuple(order))
+    def end_pass(self, phase: Phase, order: Sequence[str]) -> None:
+        """The pass of kind ``phase`` ran over ``order``: the trace learns it (a change is
+        logged and counted)."""
+        order = tuple(order)
+        known = self._trace.end(phase, order)
+        if known is not None and known != order:
+            self.metrics.trace_rebuilds += 1
+            log.info(
+                "prefetch_order_changed",
+                rank=self.rank,
+                phase=phase.value,
+                old=list(known),
+                new=list(order),
+            )
+
+    def predicted(self, phase: Phase) -> tuple[str, ...]:
+        """The order the last pass of kind ``phase`` ran in (empty before the first)."""
+        return self._trace.order(phase)
+
+    def backward_follows_forward(self) -> bool:
+        """Whether the calls so far predict a backward after each training forward."""
+        return self._trace.backward_follows_forward()
+
+    def is_in_use(self, name: str) -> bool:
+        """Whether ``name`` was acquired and not finished yet."""
+        return name in self._in_use
 
     async def acquire(self, order: Sequence[str], i: int) -> nn.Module:
         """Make ``order[i]`` gathered (waiting if needed) and prefetch what follows it."""
         name = order[i]
-        self.in_use.add(name)
+        self._in_use.add(name)
         if self._gatherer.is_gathered(name):
             self.metrics.hits += 1
         elif self._gatherer.is_inflight(name):
@@ -335,59 +359,58 @@ class PrefetchScheduler:
             await self._make_room(name, order, i)
             self._launch(name)
         self._launch_window(order, i + 1)
-        return await self._gatherer.gather(name)
+        return await self._gatherer.gather(name, self._phase)
 
-    def finish_use(
+    async def regather(self, name: str) -> nn.Module:
+        """Gather ``name`` again, in use already, when its buffer was released meanwhile
+        (module mode: a unit whose saved weights backward unpacks after its values were
+        freed)."""
+        return await self._gatherer.gather(name, self._phase)
+
+    def finish(
         self,
         order: Sequence[str],
         i: int,
         *,
         next_order: Sequence[str] = (),
         keep_grads: bool = False,
+        pool: bool = True,
     ) -> None:
-        """After ``order[i]`` ran: release it unless it persists or is needed again soon.
+        """After the use of ``order[i]`` ended: release it unless it persists, is kept for
+        the backward, or is needed again soon.
+
+        A layer used outside the pass's order (module mode's root unit, held around
+        the others) finishes as a pass of its own: ``order=(root,)``, ``i=0``, and
+        ``next_order=(root,)`` when the next pass starts with it.
 
         Args:
             order: this pass's order.
-            i: position of the layer that just ran.
-            next_order: the predicted next pass's order, used at the last layer.
-            keep_grads: leave the parameters' ``.grad`` (their reduce-scatter is not
-                launched yet).
+            i: position of the layer whose use ended.
+            next_order: the predicted next pass's order, used at the last layer: its
+                first layers stay and its window is launched.
+            keep_grads: leave the parameters' ``.grad`` (gradients still being
+                accumulated, or their reduce-scatter not launched yet).
+            pool: keep the released buffer for the next gather of its size (see
+                :meth:`ParameterGatherer.release`).
         """
         name = order[i]
-        self.in_use.discard(name)
+        self._in_use.discard(name)
         upcoming = list(order[i + 1 : i + 1 + self.depth])
         last = i == len(order) - 1
         if last and next_order:
             upcoming = list(next_order[: 1 + self.depth])
         if not (self._keeps(name) or name in upcoming or name in self.kept):
-            self._gatherer.release(name, keep_grads=keep_grads)
+            self._release(name, keep_grads=keep_grads, pool=pool)
         if last and next_order:
             self._launch_window(next_order, 0)
 
-    def finish_unit(
-        self,
-        name: str,
-        upcoming: Sequence[str],
-        *,
-        keep_grads: bool = False,
-        pool: bool = True,
-    ) -> None:
-        """After ``name``'s use ended: release it unless it persists or is in ``upcoming``.
-
-        ``keep_grads`` and ``pool`` are passed to :meth:`ParameterGatherer.release`.
-        """
-        self.in_use.discard(name)
-        if not (self._keeps(name) or name in upcoming):
-            self._gatherer.release(name, keep_grads=keep_grads, pool=pool)
-
     def next_after_forward(self, order: Sequence[str]) -> tuple[str, ...]:
         """The order predicted to follow a forward over ``order`` (its backward, or none)."""
-        return self.trace.next_after_forward(order)
+        return self._trace.next_after_forward(order)
 
     def forward_window(self) -> tuple[str, ...]:
         """The layers the next forward starts with, as far as the depth looks ahead."""
-        return self.trace.order("forward")[: self.depth]
+        return self._trace.order(Phase.FORWARD)[: self.depth]
 
     def launch_updated(self, names: Iterable[str]) -> list[str]:
         """Gather ``names``, just updated, ahead of the next forward; the launched ones.
@@ -395,9 +418,10 @@ class PrefetchScheduler:
         A copy gathered before the update is stale and released first. Called
         at the same point of ``optimizer_step`` on every rank.
         """
+        self._phase = Phase.STEP
         launched = []
         for name in names:
-            self._gatherer.release(name)
+            self._release(name)
             if not self._gatherer.is_inflight(name) and self._fits(name):
                 self._launch(name)
                 self.metrics.requests += 1
@@ -410,13 +434,14 @@ class PrefetchScheduler:
         ``fresh`` names gathers launched after their layer's update
         (:meth:`launch_updated`): they are current and stay.
         """
+        self._phase = Phase.STEP
         fresh = set(fresh)
         stale = [h.layer for h in self._gatherer.inflight() if h.layer not in fresh]
         await self._discard(stale, counter="cancelled")
         for name in updated:
             if name not in fresh:
-                self._gatherer.release(name)
-        forward = self.trace.order("forward")
+                self._release(name)
+        forward = self._trace.order(Phase.FORWARD)
         if forward:
             self._launch_window(forward, 0)
 
@@ -427,16 +452,27 @@ class PrefetchScheduler:
     async def release_all(self, *, keep_persistent: bool = True) -> None:
         """Drain, then release every gathered layer (persistent ones too unless kept)."""
         await self.drain()
-        self.in_use.clear()
+        self._in_use.clear()
         self.kept = set()
         for name in self._gatherer.gathered_layers():
             if not (keep_persistent and self._keeps(name)):
-                self._gatherer.release(name)
+                self._release(name)
 
     # ------------------------------------------------------------ adaptation
 
-    def set_depth(self, depth: int) -> None:
+    def _set_depth(self, depth: int) -> None:
         self.depth = max(0, min(depth, self.max_depth))
+
+    def suspend(self, depth: int) -> None:
+        """Under memory pressure: stop persistence and keeping layers for the backward, and
+        lower the depth to ``depth`` (see [Note: memory pressure])."""
+        self.persistence_enabled = False
+        self._set_depth(depth)
+
+    def resume(self) -> None:
+        """Pressure is gone: persistence, keeping and the configured depth again."""
+        self.persistence_enabled = True
+        self._set_depth(self.max_depth)
 
     def adapt_prefetch_strategy(self, gather_seconds: float, compute_seconds: float) -> int:
         """Set the depth from per-layer gather and compute times (agreed across ranks).
@@ -451,16 +487,15 @@ class PrefetchScheduler:
         """
         if self.max_depth == 0 or compute_seconds <= 0:
             return self.depth
-        self.set_depth(max(1, math.ceil(gather_seconds / compute_seconds)))
+        self._set_depth(max(1, math.ceil(gather_seconds / compute_seconds)))
         return self.depth
 
     def status(self) -> PrefetchQueueStatus:
         return PrefetchQueueStatus(
             queued_requests=self._queued,
             active_operations=len(self._gatherer.inflight()),
-            max_queue_size=self.max_depth,
-            max_concurrent=self.depth,
-            current_prefetch_distance=self.depth,
+            depth=self.depth,
+            max_depth=self.max_depth,
             inflight_bytes=self._gatherer.inflight_bytes(),
             gathered_bytes=self._gatherer.gathered_bytes(),
             budget_bytes=self.budget,
@@ -468,16 +503,3 @@ class PrefetchScheduler:
             persistence_enabled=self.persistence_enabled,
             kept_layers=tuple(sorted(self.kept)),
         )
-
-
-def layer_seconds(events: Sequence[TimelineEvent]) -> tuple[float, float]:
-    """Median per-layer gather and compute seconds from timeline events.
-
-    A gather's interval runs from its launch to the moment its layer needed it,
-    so for prefetched gathers it is an upper bound of the gather's own time.
-    """
-    gathers = sorted(e.end - e.start for e in events if e.kind == "gather")
-    computes = sorted(e.end - e.start for e in events if e.kind == "compute")
-    if not gathers or not computes:
-        return 0.0, 0.0
-    return gathers[len(gathers) // 2], computes[len(computes) // 2]

@@ -35,16 +35,16 @@ class PrefetchMetrics:
 
 @attrs.frozen(kw_only=True)
 class PrefetchQueueStatus:
-    """What the prefetcher holds now (torsh's ``PrefetchQueueStatus``, plus bytes)."""
+    """What the prefetcher holds now (the Rust module's ``PrefetchQueueStatus``, with one word
+    for the look-ahead, *depth*, and bytes)."""
 
     queued_requests: int  # look-ahead layers waiting for budget at the last boundary
     active_operations: int  # gathers in flight
-    max_queue_size: int  # configured look-ahead (prefetch_buffer_size)
-    max_concurrent: int  # gathers that may be in flight at once (= current distance)
-    current_prefetch_distance: int  # layers gathered ahead now
+    depth: int  # layers gathered ahead now (lowered by memory pressure, set by adapt)
+    max_depth: int  # the configured depth (prefetch_buffer_size; 0 without async_prefetch)
     inflight_bytes: int
     gathered_bytes: int
     budget_bytes: int
-    persistent_layers: tuple[str, ...] = ()  # layers kept gathered between uses
+    persistent_layers: tuple[str, ...] = ()  # layers that stay gathered between uses
     persistence_enabled: bool = True  # False while memory pressure suspends persistence
     kept_layers: tuple[str, ...] = ()  # kept gathered from a training forward to its backward

@@ -1,10 +1,11 @@
-"""Performance statistics (torsh's ``stats.rs``), measured with monotonic clocks and CUDA events.
+"""Performance statistics (the Rust module's ``stats.rs``), measured with clocks and CUDA events.
 
 Definitions (all per rank):
 
 - *compute time*: sum of the layers' forward and backward compute intervals on
   the event loop's thread (``time.perf_counter`` around the layer call).
-- *step wall time*: from the first ``forward_pass`` of an accumulation window
+- *step wall time*: from the first training forward (``forward_pass`` or ``forward``
+  with autograd on) of an accumulation window
   to the end of the ``optimizer_step`` that updates.
 - *training efficiency*: compute time / step wall time.
 - *exposed communication*: time the compute thread waited for a gather, a
@@ -18,21 +19,20 @@ Definitions (all per rank):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
+from zero3_offload.stats.phase import Phase
+from zero3_offload.stats.step_counter import StepCounter
 from zero3_offload.stats.timeline import Timeline, TimelineEvent
 
-__all__ = [
-    "CommunicationStats",
-    "LayerTimingStats",
-    "TransferStats",
-    "Zero3PerformanceStats",
-]
+__all__ = ["LayerTimingStats", "OperationStats", "Zero3PerformanceStats"]
 
 
-# Step times kept in memory: enough for a long run's statistics, bounded for a
+# Step times held in memory: enough for a long run's statistics, bounded for a
 # run of millions of steps (80 KB).
-STEP_TIMES_KEPT = 10_000
+STEP_TIMES_HELD = 10_000
 
 
 @attrs.define
@@ -46,21 +46,21 @@ class LayerTimingStats:
 
 
 @attrs.define
-class CommunicationStats:
-    """Operations, seconds and bytes of one kind of collective."""
+class OperationStats:
+    """Count, seconds and bytes of one kind of operation: a collective (``all_gather``,
+    ``reduce_scatter``, ...) or a transfer (``h2d``, ``d2h``, ``disk_read``, ...)."""
 
     operations: int = 0
     time: float = 0.0
     bytes: int = 0
 
-
-@attrs.define
-class TransferStats:
-    """Copies in one direction between host and device."""
-
-    transfers: int = 0
-    time: float = 0.0
-    bytes: int = 0
+    def since(self, earlier: OperationStats) -> OperationStats:
+        """The operations after ``earlier`` (an earlier copy of the same totals)."""
+        return OperationStats(
+            operations=self.operations - earlier.operations,
+            time=self.time - earlier.time,
+            bytes=self.bytes - earlier.bytes,
+        )
 
 
 @attrs.define
@@ -70,7 +70,10 @@ class Zero3PerformanceStats:
     forward_passes: int = 0
     backward_passes: int = 0
     optimizer_steps: int = 0
+    """Steps that updated the parameters (:class:`StepCounter`'s ``updates``; filled in
+    snapshots)."""
     micro_steps: int = 0
+    """``optimizer_step`` calls (:class:`StepCounter`'s ``calls``; filled in snapshots)."""
     total_forward_time: float = 0.0
     total_backward_time: float = 0.0
     total_optimizer_time: float = 0.0
@@ -82,14 +85,15 @@ class Zero3PerformanceStats:
     exposed_communication_time: float = 0.0
     """Sum of the compute thread's waits on gathers, reduce-scatters and copies."""
     step_times: list[float] = attrs.Factory(list)
-    """Wall time of each update step (the last ``STEP_TIMES_KEPT``)."""
-    transfers: dict[str, TransferStats] = attrs.Factory(dict)
+    """Wall time of each closed step (the last ``STEP_TIMES_HELD``)."""
+    transfers: dict[str, OperationStats] = attrs.Factory(dict)
     """``"h2d"`` / ``"d2h"`` copies, and the disk tier's ``"disk_read"`` / ``"disk_write"``:
     count, seconds, bytes."""
     layer_timings: dict[str, LayerTimingStats] = attrs.Factory(dict)
-    communication: dict[str, CommunicationStats] = attrs.Factory(dict)
+    communication: dict[str, OperationStats] = attrs.Factory(dict)
+    """Collectives by op (``all_gather``, ``reduce_scatter``, ...): count, seconds, bytes."""
     timeline: list[TimelineEvent] = attrs.Factory(list)
-    """The intervals of work of the last ``Timeline.steps_kept`` optimizer steps (filled in
+    """The intervals of work of the last ``Timeline.recent_steps`` optimizer steps (filled in
     snapshots from :class:`Timeline`)."""
     prefetch: dict[str, int] = attrs.Factory(dict)
     """Prefetch counters (requests, hits, partial_hits, misses, wasted, cancelled, ...)."""
@@ -98,26 +102,44 @@ class Zero3PerformanceStats:
     gathered_high_water_bytes: int = 0
     """Most bytes of gathered plus in-flight parameter buffers at once."""
     speculative_rollbacks: int = 0
-    """Steps whose speculative updates were undone (clipping applied, or inf/nan found)."""
+    """Steps whose speculative updates were undone (clipping applied, or inf/nan found;
+    filled in snapshots)."""
 
-    def record_layer(self, layer: str, phase: str, seconds: float) -> None:
+    def add_pass(self, phase: Phase, seconds: float, *, samples: int = 0) -> None:
+        """Count one forward (any kind) or backward pass of ``seconds``."""
+        if phase is Phase.BACKWARD:
+            self.backward_passes += 1
+            self.total_backward_time += seconds
+            return
+        self.forward_passes += 1
+        self.forward_samples += samples
+        self.total_forward_time += seconds
+
+    def add_optimizer_time(self, seconds: float) -> None:
+        """Count the seconds of one updating ``optimizer_step``."""
+        self.total_optimizer_time += seconds
+
+    def add_layer_time(self, layer: str, phase: Phase, seconds: float) -> None:
+        """Count one compute interval of ``layer`` (a forward kind, or backward)."""
         timing = self.layer_timings.setdefault(layer, LayerTimingStats())
-        if phase == "forward":
+        if phase.work is Phase.FORWARD:
             timing.forward_executions += 1
             timing.total_forward_time += seconds
         else:
             timing.backward_executions += 1
             timing.total_backward_time += seconds
 
-    def record_communication(self, op: str, seconds: float, nbytes: int) -> None:
-        entry = self.communication.setdefault(op, CommunicationStats())
+    def add_collective(self, op: str, seconds: float, nbytes: int) -> None:
+        """Count one completed collective (the collectives' observer)."""
+        entry = self.communication.setdefault(op, OperationStats())
         entry.operations += 1
         entry.time += seconds
         entry.bytes += nbytes
 
-    def record_step(self, seconds: float) -> None:
+    def add_step_time(self, seconds: float) -> None:
+        """Count one closed step's wall time."""
         self.total_step_time += seconds
-        self.step_times = [*self.step_times[1 - STEP_TIMES_KEPT :], seconds]
+        self.step_times = [*self.step_times[1 - STEP_TIMES_HELD :], seconds]
 
     def training_efficiency(self) -> float:
         """Compute time / step wall time (0 before the first update)."""
@@ -127,28 +149,38 @@ class Zero3PerformanceStats:
         self,
         timeline: Timeline,
         *,
+        counter: StepCounter,
         prefetch: dict[str, int],
         prefetch_hit_rate: float,
         gathered_high_water_bytes: int,
+        speculative_rollbacks: int = 0,
+        disk: Mapping[str, OperationStats] | None = None,
     ) -> Zero3PerformanceStats:
         """An independent copy completed with the timeline's totals and the given figures.
 
         Args:
             timeline: this rank's timeline (compute, wait and copy totals; recent events).
+            counter: the run's step counts.
             prefetch: the prefetcher's counters.
             prefetch_hit_rate: fraction of layer uses whose gather started ahead.
             gathered_high_water_bytes: most gathered plus in-flight parameter bytes.
+            speculative_rollbacks: steps whose speculative updates were undone.
+            disk: the disk tiers' ``disk_read`` / ``disk_write`` totals (none without a tier).
         """
         totals = timeline.totals()
+        copies = {
+            kind: OperationStats(operations=count, time=seconds, bytes=nbytes)
+            for kind, (count, seconds, nbytes) in totals.items()
+            if kind in ("h2d", "d2h")
+        }
         return attrs.evolve(
             self,
+            optimizer_steps=counter.updates,
+            micro_steps=counter.calls,
+            speculative_rollbacks=speculative_rollbacks,
             layer_timings={k: attrs.evolve(v) for k, v in self.layer_timings.items()},
             communication={k: attrs.evolve(v) for k, v in self.communication.items()},
-            transfers={
-                kind: TransferStats(transfers=count, time=seconds, bytes=nbytes)
-                for kind, (count, seconds, nbytes) in totals.items()
-                if kind in ("h2d", "d2h")
-            },
+            transfers={**copies, **(disk or {})},
             step_times=list(self.step_times),
             timeline=timeline.events(),
             prefetch=dict(prefetch),

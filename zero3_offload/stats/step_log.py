@@ -1,10 +1,12 @@
-"""The ``step`` event: one structured log line per optimizer step, with this step's figures.
+"""The ``step`` event: one structured log line per closed step, with this step's figures.
 
 ``zero3-offload analyze`` reads these lines (see ``analyze.logs``). Compute and
 wait seconds are this step's own, the differences of the timeline's run totals
 since the previous ``step`` event, and so are the collectives' operations,
 seconds and bytes (``collectives``, by op, from the performance stats); memory
-figures are those counted at the end of the step.
+figures are those counted at the end of the step. A step is closed by every
+updating ``optimizer_step`` (the ``gradient_accumulation_steps``-th call), also
+when fp16 loss scaling skipped it (``stepped`` false).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 import attrs
 
 from zero3_offload.logging import get_logger
-from zero3_offload.stats.performance import CommunicationStats, Zero3PerformanceStats
+from zero3_offload.stats.pass_clock import PassClock
+from zero3_offload.stats.performance import OperationStats, Zero3PerformanceStats
+from zero3_offload.stats.step_counter import StepCounter
 from zero3_offload.stats.timeline import Timeline, wall_time
 
 __all__ = ["StepLog"]
@@ -23,29 +27,42 @@ log = get_logger(__name__)
 
 
 class StepLog:
-    """Closes a step: records its wall time in the stats and logs its ``step`` event.
+    """Closes a step: counts it, records its wall time and logs its ``step`` event.
 
     Args:
-        timeline: this rank's timeline (its ``step`` counter advances here).
-        stats: this rank's performance stats (the step time is recorded there).
+        timeline: this rank's timeline (compute and wait totals).
+        stats: this rank's performance stats (step and optimizer times add up there).
+        counter: the run's step counts (the step is closed there).
+        clock: the passes' clock (its window is the step's start).
     """
 
-    def __init__(self, timeline: Timeline, stats: Zero3PerformanceStats) -> None:
+    def __init__(
+        self,
+        *,
+        timeline: Timeline,
+        stats: Zero3PerformanceStats,
+        counter: StepCounter,
+        clock: PassClock,
+    ) -> None:
         self._timeline = timeline
         self._stats = stats
+        self._counter = counter
+        self._clock = clock
         self._seen = {"compute": 0.0, "wait": 0.0}  # run totals at the previous step event
-        self._comm_seen: dict[str, CommunicationStats] = {}  # op -> totals at that event
+        self._comm_seen: dict[str, OperationStats] = {}  # op -> totals at that event
 
-    def close_step(self, *, started: float, ended: float, stepped: bool, **figures: Any) -> None:
-        """Log the step that ran from ``started`` to ``ended`` (``time.perf_counter``).
+    def close_step(self, *, updating: float, ended: float, stepped: bool, **figures: Any) -> None:
+        """Close the step whose updates ran from ``updating`` to ``ended``.
 
         Args:
-            started: the first forward of the accumulation window.
-            ended: the end of the updating ``optimizer_step``.
+            updating: ``time.perf_counter()`` when the updating ``optimizer_step`` began.
+            ended: its end; the step itself ran from the window's first training forward.
             stepped: whether the parameters were updated (False: an fp16 skip).
             **figures: further fields of the event (memory bytes, pressure, ...).
         """
-        self._stats.record_step(ended - started)
+        started = self._clock.end_window(ended)
+        self._stats.add_optimizer_time(ended - updating)
+        self._stats.add_step_time(ended - started)
         per_step = {}
         for kind in self._seen:
             total = self._timeline.seconds(kind)
@@ -53,17 +70,17 @@ class StepLog:
             self._seen[kind] = total
         collectives = {}
         for op, now in self._stats.communication.items():
-            seen = self._comm_seen.get(op, CommunicationStats())
+            delta = now.since(self._comm_seen.get(op, OperationStats()))
             collectives[op] = {
-                "operations": now.operations - seen.operations,
-                "seconds": now.time - seen.time,
-                "bytes": now.bytes - seen.bytes,
+                "operations": delta.operations,
+                "seconds": delta.time,
+                "bytes": delta.bytes,
             }
             self._comm_seen[op] = attrs.evolve(now)
         log.info(
             "step",
             rank=self._timeline.rank,
-            step=self._timeline.step,
+            step=self._counter.steps,
             stepped=stepped,
             start=wall_time(started),
             end=wall_time(ended),
@@ -72,4 +89,4 @@ class StepLog:
             collectives=collectives,
             **figures,
         )
-        self._timeline.step += 1
+        self._counter.close_step(updated=stepped)

@@ -1,4 +1,4 @@
-"""Argument and call-order checks of the manager's public methods.
+"""Argument and call-order checks of the runners' passes and the manager's calls.
 
 Every check runs before any state changes, so a call that raises leaves the
 manager as it was.
@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zero3_offload.errors import ConfigError, InputError, LayerNotFoundError, StateError
-from zero3_offload.execution.forward_record import ForwardRecord
+from zero3_offload.execution.pass_result import PassResult
 
-__all__ = ["check_backward_args", "check_lr", "resolve_layer_names"]
+__all__ = ["check_backward_args", "check_lr", "check_step_call", "resolve_layer_names"]
 
 
 def check_lr(learning_rate: object) -> float:
@@ -27,6 +27,33 @@ def check_lr(learning_rate: object) -> float:
             f"learning_rate={learning_rate!r} is invalid: must be a finite number >= 0"
         )
     return float(learning_rate)
+
+
+def check_step_call(
+    learning_rate: object, *, backward_passes: int, window_calls: int, early_lr: float | None
+) -> float:
+    """The learning rate of an ``optimizer_step`` call, if the call may run now.
+
+    Args:
+        learning_rate: the call's learning rate.
+        backward_passes: backward passes accumulated since the last update.
+        window_calls: ``optimizer_step`` calls since the last update.
+        early_lr: the learning rate the last backward's early updates ran with (None:
+            none ran).
+    """
+    lr = check_lr(learning_rate)
+    if backward_passes <= window_calls:
+        raise StateError(
+            "optimizer_step called without a backward_pass (module mode: backward) since "
+            "the last call: call forward_pass and backward_pass (forward and backward) for "
+            "each micro-batch first"
+        )
+    if early_lr is not None and lr != early_lr:
+        raise ConfigError(
+            f"learning_rate={lr!r} differs from the learning_rate={early_lr!r} given "
+            "to backward_pass, whose updates already started: pass the same value"
+        )
+    return lr
 
 
 def resolve_layer_names(
@@ -47,19 +74,19 @@ def resolve_layer_names(
 
 
 def check_backward_args(
-    record: ForwardRecord | None, names: tuple[str, ...], grad_output: object
-) -> ForwardRecord:
-    """The forward record a backward over ``names`` with ``grad_output`` may use."""
-    if record is None:
+    forward: PassResult | None, names: tuple[str, ...], grad_output: object
+) -> PassResult:
+    """The training forward a backward over ``names`` with ``grad_output`` may go through."""
+    if forward is None:
         raise StateError(
             "backward_pass called without a forward_pass to go back through: call "
             "forward_pass(x, layer_names) first (each forward is used by one backward; a "
             "forward under torch.no_grad() keeps nothing for one)"
         )
-    if names != record.layer_names:
+    if list(names) != forward.layers:
         raise StateError(
             f"backward_pass layer_names {list(names)} differ from the last forward_pass's "
-            f"{list(record.layer_names)}: pass the same names"
+            f"{forward.layers}: pass the same names"
         )
     if not isinstance(grad_output, torch.Tensor):
         raise InputError(f"grad_output must be a torch.Tensor, got {type(grad_output).__name__}")
@@ -69,9 +96,10 @@ def check_backward_args(
             f"grad_output has the complex dtype {grad_output.dtype}: the forward output is "
             "real, so its gradient must be real"
         )
-    if grad_output.shape != record.output_shape:
+    if grad_output.shape != forward.output_shape:
+        shape = tuple(forward.output_shape) if forward.output_shape is not None else None
         raise InputError(
             f"grad_output has shape {tuple(grad_output.shape)} but the forward output had "
-            f"shape {tuple(record.output_shape)}: they must be equal"
+            f"shape {shape}: they must be equal"
         )
-    return record
+    return forward

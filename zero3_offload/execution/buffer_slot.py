@@ -1,0 +1,33 @@
+"""A saved tensor's place in its layer's gathered flat buffer."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+__all__ = ["BufferSlot"]
+
+
+@attrs.frozen
+class BufferSlot:
+    """A saved tensor's place in its layer's gathered flat buffer (see [Note: saved activations]
+    in ``execution.layer_runner``).
+
+    Autograd keeps this instead of a parameter (or a view of one), so the
+    buffer can be released between the passes and the view rebuilt from the
+    buffer gathered again, which has the same layout.
+    """
+
+    layer: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements from the buffer's start
+
+    @classmethod
+    def of(cls, layer: str, t: torch.Tensor, base: int) -> BufferSlot:
+        """The slot of ``t``, a view into ``layer``'s buffer starting at storage offset ``base``."""
+        return cls(layer, t.size(), t.stride(), t.storage_offset() - base)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The saved view, rebuilt from ``flat``, the layer's buffer gathered now."""
+        return flat.as_strided(self.size, self.stride, flat.storage_offset() + self.offset)

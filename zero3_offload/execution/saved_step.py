@@ -1,0 +1,35 @@
+"""What a chain-mode training forward saves for the backward of one layer use.
+
+See [Note: saved activations] and [Note: backward by recomputation] in
+``execution.layer_runner``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+__all__ = ["RngState", "SavedStep"]
+
+
+@attrs.frozen
+class RngState:
+    """The generator states a layer's forward ran with (for its recomputation)."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+
+
+@attrs.define
+class SavedStep:
+    """What backward needs from one layer's forward.
+
+    ``inp`` is the layer input (detached; with saved activations a leaf that
+    requires grad when floating). ``out`` is the output with its graph (saved
+    activations) or None (recomputation, then ``rng`` is set).
+    """
+
+    inp: torch.Tensor
+    out: torch.Tensor | None
+    rng: RngState | None
+    saved: dict[int, int]  # storage pointer -> bytes, of what this step saves for backward
