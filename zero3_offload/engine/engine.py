@@ -187,8 +187,8 @@ def build_engine(
         shared_memory_block_bytes=_SHARED_MEMORY_BLOCK
         if config.shared_memory_collectives
         else None,
+        observer=stats.record_communication,
     )
-    comm.observer = stats.record_communication
     directory: RankDirectory | None = None
     tier: NvmeShardTier | None = None
     copies: DiskComputeCopies | None = None
@@ -248,8 +248,6 @@ def build_engine(
         gatherer.pool_limit = min(
             config.gpu_param_memory_budget, (config.prefetch_buffer_size + 2) * largest_bytes
         )
-        # A reduce-scatter by exchange receives into a released gather buffer.
-        comm.take_buffer, comm.give_buffer = gatherer.take_buffer, gatherer.give_buffer
         prefetch = PrefetchScheduler(
             gatherer=gatherer,
             layers=list(layers),
@@ -300,7 +298,12 @@ def build_engine(
             else config.reduce_dtype.wire_dtype(),
         )
         reducer = GradientReducer(
-            layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
+            layouts=layouts,
+            comm=comm,
+            buffers=gradient_buffers,
+            timeline=timeline,
+            # A reduce-scatter by exchange receives into a released gather buffer.
+            lender=gatherer,
         )
         grads = GradientStore(
             device=cpu if config.offload_grads else device,
@@ -460,7 +463,7 @@ def _open_disk_tiers(
             )
     except DiskTierError as exc:
         error = exc
-    if not comm.agree_blocking(error is None, what="every rank's disk tier"):
+    if not comm.start_agree(error is None, what="every rank's disk tier").wait_blocking():
         _close_disk(directory, tier, copies)
         if error is not None:
             raise error
