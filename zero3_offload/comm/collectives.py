@@ -312,14 +312,13 @@ class Collectives:
         )
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
+            key, start = "the heartbeat's key", "the heartbeat's start"
             self.heartbeat = Heartbeat.open(
                 group,
                 device=device,
                 timeout_s=heartbeat_timeout_s,
-                broadcast=lambda t: self.start_broadcast(
-                    t, what="the heartbeat's key"
-                ).wait_blocking(),
-                agree=lambda ok: self.start_agree(ok, what="the heartbeat's start").wait_blocking(),
+                broadcast=lambda t: self.start_broadcast(t, what=key).wait_blocking(),
+                agree=lambda ok: self.start_agree(ok, what=start).wait_blocking(),
             )
             self._wait = attrs.evolve(self._wait, heartbeat=self.heartbeat)
         self.shared_memory: HostSharedMemory | None = None
