@@ -278,3 +278,19 @@ def test_blame_gives_the_backend_error_when_nobody_goes_silent() -> None:
         beat.close()
     assert str(info.value) == f"{LABEL} failed: Connection reset by peer"
     assert waited >= beat.timeout_s + 2 * beat.interval_s  # the whole blame window
+
+
+async def test_a_settled_future_is_read_without_yielding_to_the_loop() -> None:
+    # As before the wait core: awaiting a collective that completed long ago lets no
+    # other task run in between (the order of the loop's tasks stays as it was).
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    setter = threading.Thread(target=future.set_result, args=(7,))
+    setter.start()
+    setter.join()
+    ran = []
+    other = asyncio.create_task(asyncio.sleep(0, result=None))
+    other.add_done_callback(lambda _: ran.append(True))
+    assert await core(Group()).until_done(future, LABEL) == 7
+    assert ran == []  # the other task had no turn
+    await other
+    assert ran == [True]

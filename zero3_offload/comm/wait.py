@@ -104,14 +104,15 @@ class CollectiveWait:
                 future failed (naming a silent rank when the heartbeat finds one).
             RankDivergenceError: when the ranks were about to run different collectives.
         """
-        waited = asyncio.wrap_future(future)
-        waited.add_done_callback(_retrieve)
-        for timeout in self._timeouts(label):
-            await asyncio.wait({waited}, timeout=timeout)
-            if waited.done():
-                break
+        if not future.done():  # a settled one is read without yielding to the loop
+            waited = asyncio.wrap_future(future)
+            waited.add_done_callback(_retrieve)
+            for timeout in self._timeouts(label):
+                await asyncio.wait({waited}, timeout=timeout)
+                if waited.done():  # set from future's own callback: future is settled
+                    break
         try:
-            return waited.result()
+            return future.result()
         except Exception as exc:
             # The blame may wait for the heartbeat's timeout: not on the loop.
             error, cause = await anyio.to_thread.run_sync(self._failure, exc, label)

@@ -39,17 +39,8 @@ class Waiter:
         future = self._work_future(op, work)
         if future is None:
             self._queue.put((work, settle))
-            return
-
-        def on_done(fut: torch.futures.Future) -> None:
-            try:
-                fut.value()
-            except Exception as exc:  # handed to whoever awaits the collective
-                settle(exc)
-            else:
-                settle(None)
-
-        future.add_done_callback(on_done)
+        else:
+            future.add_done_callback(lambda done: _report(done.value, settle))
 
     def _work_future(self, op: str, work: Any) -> torch.futures.Future | None:
         if self._has_future.get(op, True):
@@ -65,10 +56,15 @@ class Waiter:
     def _run(self) -> None:
         while True:
             work, settle = self._queue.get()
-            try:
-                work.wait()
-            except Exception as exc:  # handed to whoever awaits the collective
-                settle(exc)
-            else:
-                settle(None)
+            _report(work.wait, settle)
             del work, settle  # the work holds the op's buffers
+
+
+def _report(wait: Callable[[], object], settle: Callable[[BaseException | None], None]) -> None:
+    """``settle`` with how ``wait()`` ended: None, or the error it raised."""
+    try:
+        wait()
+    except Exception as exc:  # handed to whoever awaits the collective
+        settle(exc)
+    else:
+        settle(None)
