@@ -47,7 +47,10 @@ def _gathered_layer() -> tuple[nn.Module, dict[str, torch.Tensor], LayerRunner]:
     _bind(layer, flat)
     gathered = {"l": flat}
     executor = LayerRunner(
-        torch.device("cpu"), torch.float32, recompute=False, gathered_flat=gathered.__getitem__
+        device=torch.device("cpu"),
+        compute_dtype=torch.float32,
+        recompute=False,
+        gathered_flat=gathered.__getitem__,
     )
     return layer, gathered, executor
 
@@ -66,8 +69,8 @@ def test_kept_graph_rebuilds_parameters_from_the_new_gather() -> None:
     torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
     assert not out.requires_grad
     # Nothing autograd saved refers to the gathered buffer's storage...
-    assert flat.untyped_storage().data_ptr() not in saved.kept
-    assert saved.kept  # ...while the activations are kept.
+    assert flat.untyped_storage().data_ptr() not in saved.saved
+    assert saved.saved  # ...while the activations are saved.
 
     # Release: the old buffer is overwritten; a new gather brings the same values.
     regathered = flat.clone()
@@ -91,7 +94,7 @@ def test_kept_graph_does_not_keep_the_released_buffer_alive() -> None:
     del gathered["l"], flat
     gc.collect()
     assert released.expired(), "the kept graph still holds the released parameter buffer"
-    assert saved.kept
+    assert saved.saved
 
 
 def test_kept_graph_needs_the_layer_gathered() -> None:

@@ -36,9 +36,13 @@ def broadcast_input(rank: int) -> torch.Tensor:
 
 
 async def collectives_body(ctx: RankContext) -> dict:
-    comm = Collectives(ctx.group, device=CPU, timeout_s=60.0)
     seen: list[tuple[str, int]] = []
-    comm.observer = lambda op, seconds, nbytes: seen.append((op, nbytes))
+    comm = Collectives(
+        ctx.group,
+        device=CPU,
+        timeout_s=60.0,
+        observer=lambda op, seconds, nbytes: seen.append((op, nbytes)),
+    )
     rank, world = ctx.rank, ctx.world_size
     out: dict = {}
 
@@ -59,7 +63,8 @@ async def collectives_body(ctx: RankContext) -> dict:
     out["broadcast"] = bcast
 
     blocking = torch.full((2,), float(rank))
-    comm.broadcast_blocking(blocking, src=world - 1)
+    # Waited on this thread, as constructors do: not reported to the observer.
+    comm.start_broadcast(blocking, src=world - 1).wait_blocking()
     out["broadcast_blocking"] = blocking
     out["observed_single"] = list(seen)
 

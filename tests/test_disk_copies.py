@@ -26,6 +26,7 @@ from zero3_offload import (
 )
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.parameter.disk_copies import DiskComputeCopies
+from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.timeline import Timeline
 from zero3_offload.storage.record_file import aligned
 from zero3_offload.testing import RankContext, run_ranks
@@ -147,7 +148,7 @@ def test_a_staged_copy_holds_the_encoded_bytes(tmp_path: Path, method, dtype) ->
         for name, master in masters.items():
             expected = codec.empty(master.numel(), device=torch.device("cpu"))
             codec.encode_(master, expected)
-            staged = disk.stage(name)
+            staged = disk.stage(name, Phase.FORWARD)
             assert torch.equal(staged.wait().wire(), expected.wire())
             staged.release()
         assert disk.file.direct in (True, False)
@@ -163,14 +164,18 @@ def test_a_copy_read_before_its_last_write_is_read_again(tmp_path: Path) -> None
     try:
         disk.write("a", torch.zeros(2048))
         disk.write("b", torch.zeros(2048))
-        disk.read_ahead(["a", "b"])  # a read-ahead, then an update of "a" (an optimizer step)
+        disk.read_ahead(
+            ["a", "b"], Phase.FORWARD
+        )  # a read-ahead, then an update of "a" (an optimizer step)
         for entry in disk._entries.values():  # the reads landed (their futures)
             entry.read.result()
         disk.write("a", torch.ones(2048))
-        staged = disk.stage("a")
+        staged = disk.stage("a", Phase.FORWARD)
         assert torch.equal(staged.wait().payload, torch.ones(2048))
         staged.release()
-        staged = disk.stage("b")  # not written since: the read-ahead is used as it is
+        staged = disk.stage(
+            "b", Phase.FORWARD
+        )  # not written since: the read-ahead is used as it is
         assert torch.equal(staged.wait().payload, torch.zeros(2048))
         staged.release()
         assert disk.file.reads[0] == 3
@@ -186,18 +191,20 @@ def test_read_buffers_are_reused_and_grow_only_for_gathers_in_flight(tmp_path: P
         for name in layers:
             disk.write(name, torch.full((1024,), float(ord(name))))
         base = disk.buffer_bytes
-        disk.read_ahead(list(layers))  # two buffers: only "a" and "b" are read ahead
-        held = [disk.stage(name) for name in layers]  # four gathers in flight at once
+        disk.read_ahead(list(layers), Phase.FORWARD)  # two buffers: only "a" and "b" are read ahead
+        held = [
+            disk.stage(name, Phase.FORWARD) for name in layers
+        ]  # four gathers in flight at once
         for name, staged in zip(layers, held, strict=True):
             assert torch.equal(staged.wait().payload, torch.full((1024,), float(ord(name))))
         assert disk.buffer_bytes == base + 2 * 4096
         with pytest.raises(StateError, match="already being gathered"):
-            disk.stage("a")
+            disk.stage("a", Phase.FORWARD)
         for staged in held:
             staged.release()
         reads = disk.file.reads[0]
         for name in layers:  # cached: no read
-            staged = disk.stage(name)
+            staged = disk.stage(name, Phase.FORWARD)
             staged.wait()
             staged.release()
         assert disk.file.reads[0] == reads

@@ -8,8 +8,8 @@ import time
 
 import structlog
 import torch
-
 from helpers import Block, lm_loss, make_batches, make_model
+
 from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.stats import PassClock, Phase, Timeline, Zero3PerformanceStats
 from zero3_offload.stats.timeline import wall_time

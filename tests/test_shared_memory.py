@@ -96,7 +96,7 @@ async def fallback_body(ctx: RankContext, hostile: str) -> dict[str, Any]:
     assert comm.shared_memory is None  # no block size: the backend only
 
     def broadcast(t: torch.Tensor) -> None:
-        comm.broadcast_blocking(t)
+        comm.start_broadcast(t).wait_blocking()
         if ctx.rank == 1:  # what rank 1 would read on another host
             _, _, token, size = t.tolist()
             if hostile == "token":
@@ -107,7 +107,10 @@ async def fallback_body(ctx: RankContext, hostile: str) -> dict[str, Any]:
                 t[3] = size + 4096
 
     region = HostSharedMemory.open(
-        ctx.group, block_bytes=BLOCK, broadcast=broadcast, agree=comm.agree_blocking
+        ctx.group,
+        block_bytes=BLOCK,
+        broadcast=broadcast,
+        agree=lambda ok: comm.start_agree(ok).wait_blocking(),
     )
     # The group still works through the backend afterwards.
     total = torch.tensor([float(ctx.rank + 1)])

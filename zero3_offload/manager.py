@@ -64,14 +64,11 @@ def _flushed(method: _Method) -> _Method:
     @functools.wraps(method)
     async def wrapper(manager: Zero3CpuOffloadManager, *args: Any, **kwargs: Any) -> Any:
         comm = manager.engine.comm
-        outer, comm.context = comm.context, manager._describe_call(method.__name__, args, kwargs)
-        try:
-            return await method(manager, *args, **kwargs)
-        finally:
+        with comm.call_context(manager._describe_call(method.__name__, args, kwargs)):
             try:
-                await comm.flush()
+                return await method(manager, *args, **kwargs)
             finally:
-                comm.context = outer
+                await comm.flush()
 
     return wrapper  # type: ignore[return-value]
 

@@ -22,75 +22,46 @@ Liveness and agreement (issue-level guarantees of the group): with a
 every wait also watches the other ranks, and a rank that stops answering is
 named within that time, whatever ``timeout_s`` allows a collective (see
 [Note: heartbeat]); with ``verify``, before the first collective of each call
-(each assignment of :attr:`Collectives.context`) the ranks check that they are
-all about to run the same one in the same call (see [Note: divergence check]).
+(each :meth:`Collectives.call_context`) the ranks check that they are all
+about to run the same one in the same call (see [Note: divergence check]).
 After a collective fails, times out or finds a silent rank, the group's
 sequence of collectives is broken: every later collective raises at once.
+Every wait, on the event loop or on another thread, follows the same rules
+(see [Note: one wait] in ``comm.wait``).
 
 Backend differences are settled once per group, by capability, in
 :class:`Collectives`: which tensor-level all-gather / reduce-scatter functions the
 installed torch offers, whether the backend accepts ``ReduceOp.AVG`` for
-reduce-scatter, and whether a CPU group can all-to-all. Nothing else in the
-library looks at the backend's name.
-
-[Note: reduce-scatter by exchange]
-On CPU tensors, a reduce-scatter runs as an ``all_to_all_single`` (each rank
-sends every other rank the slice that rank keeps, and receives every rank's
-copy of its own slice) followed by a local sum over the received slices and
-the division by the world size. gloo's own reduce-scatter took about twice as
-long for the same 12-17 MB layers on 2 ranks (15-21 ms against 7-9 ms) and
-held more memory; on the 27M-parameter GPT of the benchmarks the step went
-from 0.874 to 0.820 s and the peak RSS down by ~60 MiB. The receive buffers
-(one layer's size each) come from the gather pool and go back to it once
-summed. ``backward_pass`` releases a layer's gathered buffer before launching
-its reduce-scatter, so there the exchange receives into that buffer (same
-size in fp32) instead of a buffer of its own; module mode still launches
-first and releases after. The sum runs on the group's waiter thread once the
-exchange completed, not on the event loop, whose thread computes the layers
-(there it cost ~5 ms of each layer's backward). The sum adds the ranks'
-slices in rank order, so the mean is the same on every rank and in every run.
+reduce-scatter, and whether a CPU group can all-to-all (then a CPU
+reduce-scatter runs as one: see [Note: reduce-scatter by exchange] in
+``comm.exchange``). Nothing else in the library looks at the backend's name.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import os
-import random
-import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar, cast
 
-import anyio
 import attrs
 import torch
 import torch.distributed as dist
 
 from zero3_offload.comm.divergence import DivergenceCheck
-from zero3_offload.comm.heartbeat import Heartbeat, default_store
+from zero3_offload.comm.exchange import BufferLender, ExchangeReduceScatter
+from zero3_offload.comm.heartbeat import Heartbeat
 from zero3_offload.comm.launcher import Launcher
 from zero3_offload.comm.shared_memory import HostSharedMemory
+from zero3_offload.comm.wait import CollectiveWait, group_label
 from zero3_offload.comm.waiter import Waiter
-from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3Error
+from zero3_offload.errors import CommunicationError, Zero3Error
 
 __all__ = ["Collectives", "PendingCollective"]
 
-_POLL_S = 0.2  # how often a wait looks at the heartbeat
-# How long a wait gives a collective to complete once the heartbeat reports a rank,
-# before it looks again and raises: a collective whose last peer closed right after
-# it completed settles by then, and so does this rank's beat after a pause of its own.
-_CONFIRM_S = 0.5
-
-
-def _group_label(group: dist.ProcessGroup) -> str:
-    try:
-        backend = dist.get_backend(group)
-    except (ValueError, RuntimeError):  # the group was destroyed meanwhile
-        backend = "destroyed"
-    return f"{backend} group of {group.size()} ranks (this is rank {group.rank()})"
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -136,31 +107,6 @@ def _probe(group: dist.ProcessGroup, device: torch.device) -> _Capabilities:
     )
 
 
-class _ExchangeWork:
-    """The all-to-all of a reduce-scatter by exchange, and the local sum that ends it.
-
-    It offers no future, so the group's waiter thread waits for it and runs the
-    sum there, off the event loop (whose thread computes layers); later waits
-    return at once.
-    """
-
-    def __init__(self, work: Any, reduce: Callable[[], None]) -> None:
-        self._work = work
-        self._reduce: Callable[[], None] | None = reduce
-        self._lock = threading.Lock()
-
-    def get_future(self) -> torch.futures.Future:
-        raise RuntimeError("a reduce-scatter by exchange completes on the waiter thread")
-
-    def wait(self) -> bool:
-        self._work.wait()
-        with self._lock:
-            reduce, self._reduce = self._reduce, None
-        if reduce is not None:
-            reduce()
-        return True
-
-
 class _DoneWork:
     """The record of a collective that ran to completion in its launch (one through
     the host's shared memory)."""
@@ -179,13 +125,14 @@ class _DoneWork:
         return True
 
 
-class PendingCollective:
+class PendingCollective(Generic[T]):
     """A collective handed to the launcher; :meth:`wait` may be awaited any number of times.
 
     Collectives are queued in program order and launched in that order by the
     group's launcher thread, so every rank issues them in the same order
     whatever the event loop schedules; the launch and the waiting are both off
-    the event loop.
+    the event loop. A wait returns the collective's value (an agreement's
+    verdict; None for the others).
     """
 
     def __init__(
@@ -196,15 +143,17 @@ class PendingCollective:
         nbytes: int,
         comm: Collectives,
         what: str = "",
+        value: Callable[[], T] | None = None,
     ) -> None:
         self.op = op
         self.nbytes = nbytes
         self.what = what
         self._launched: concurrent.futures.Future[Any] | None = launched  # -> the backend's Work
         self._comm = comm
+        self._value = value
         self._after: list[Callable[[], object]] = []
         self._started = time.perf_counter()
-        self._done: asyncio.Future[None] | None = None
+        self._done: concurrent.futures.Future[None] | None = None
         self._finished = False
         self.seconds: float | None = None  # launch-to-completion time, once done
         self.completed_at: float | None = None  # time.perf_counter() at completion
@@ -219,59 +168,67 @@ class PendingCollective:
         return bool(launched.result().is_completed())
 
     def then(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` on the event loop right after the collective completes."""
+        """Run ``fn`` right after the collective completes, on the thread that waited
+        for it (the event loop's, for :meth:`wait`)."""
         self._after.append(fn)
 
-    def _completion(self) -> asyncio.Future[None]:
+    def _completion(self) -> concurrent.futures.Future[None]:
+        """Settled, from the launcher, a backend or the waiter thread, once the
+        collective completed or failed."""
         if self._done is None:
-            loop = asyncio.get_running_loop()
-            done: asyncio.Future[None] = loop.create_future()
-            # Mark a late failure as seen: nobody may be awaiting any more (the
-            # wait timed out), and asyncio would log "exception never retrieved".
-            done.add_done_callback(lambda f: f.cancelled() or f.exception())
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
             def settle(exc: BaseException | None) -> None:
-                if done.done():
-                    return
                 if exc is None:
                     done.set_result(None)
                 else:
                     done.set_exception(exc)
 
-            def settle_from_thread(exc: BaseException | None) -> None:
-                # Runs on a backend or waiter thread: hop to the loop, which may
-                # already be closed when a timed-out collective ends late.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(settle, exc)
-
             def on_launched(launched: concurrent.futures.Future[Any]) -> None:
                 # On the launcher thread (or here, when already launched).
                 exc = launched.exception()
                 if isinstance(exc, Zero3Error):  # e.g. the ranks diverged: as it is
-                    settle_from_thread(exc)
+                    settle(exc)
                 elif exc is not None:
-                    settle_from_thread(RuntimeError(f"failed to start: {exc}"))
+                    settle(RuntimeError(f"failed to start: {exc}"))
                 else:
-                    self._comm._when_done(self.op, launched.result(), settle_from_thread)
+                    self._comm._waiter.when_done(self.op, launched.result(), settle)
 
             assert self._launched is not None
             self._launched.add_done_callback(on_launched)
             self._done = done
         return self._done
 
-    async def wait(self) -> None:
-        """Wait for completion without blocking the event loop.
+    def _label(self) -> str:
+        what = f" ({self.what})" if self.what else ""
+        return f"{self.op} of {self.nbytes} bytes{what} on the {group_label(self._comm.group)}"
+
+    async def wait(self) -> T:
+        """Wait for completion without blocking the event loop; returns the value.
 
         Raises:
             CommunicationError: on failure, when ``timeout_s`` passes first, or when
                 the heartbeat finds a rank silent (the message names it).
             RankDivergenceError: when the ranks were about to run different collectives.
         """
-        if self._finished:
-            return
-        what = f" ({self.what})" if self.what else ""
-        label = f"{self.op} of {self.nbytes} bytes{what} on the {_group_label(self._comm.group)}"
-        await self._comm._watch(self._completion(), label)
+        if not self._finished:
+            await self._comm._wait.until_done(self._completion(), self._label())
+            self._finish(observe=True)
+        return self._result()
+
+    def wait_blocking(self) -> T:
+        """:meth:`wait` on this thread, for code that cannot await (constructors, the
+        model's thread): the same rules (see [Note: one wait]). Not reported to the
+        observer: the collectives of set-up are not the training's communication."""
+        if not self._finished:
+            self._comm._wait.until_done_blocking(self._completion(), self._label())
+            self._finish(observe=False)
+        return self._result()
+
+    def _result(self) -> T:
+        return cast(T, None) if self._value is None else self._value()
+
+    def _finish(self, *, observe: bool) -> None:
         if self._finished:  # another waiter finished it meanwhile
             return
         self._finished = True
@@ -284,8 +241,9 @@ class PendingCollective:
         self._launched = None
         self.completed_at = time.perf_counter()
         self.seconds = self.completed_at - self._started
-        if self._comm.observer is not None:
-            self._comm.observer(self.op, self.seconds, self.nbytes)
+        observer = self._comm._observer
+        if observe and observer is not None:
+            observer(self.op, self.seconds, self.nbytes)
         after, self._after = self._after, []  # the callbacks hold the op's tensors
         for fn in after:
             fn()
@@ -310,6 +268,8 @@ class Collectives:
             data of all-gathers and reduce-scatters through a shared-memory region
             with blocks of this many bytes (see [Note: shared-memory collectives]);
             None: through the backend.
+        observer: called as ``observer(op, seconds, nbytes)`` when an awaited
+            collective completes (:meth:`PendingCollective.wait`).
     """
 
     def __init__(
@@ -321,6 +281,7 @@ class Collectives:
         heartbeat_timeout_s: float | None = None,
         verify: bool = False,
         shared_memory_block_bytes: int | None = None,
+        observer: Callable[[str, float, int], None] | None = None,
     ) -> None:
         self.group = group
         self.rank = group.rank()
@@ -329,73 +290,46 @@ class Collectives:
         self.timeout_s = timeout_s
         # What the caller is doing, in words that must agree on every rank (the
         # public call, its arguments, the step): part of every collective's
-        # description; each assignment starts a segment (see [Note: divergence check]).
+        # description; each change starts a segment (see [Note: divergence check]).
         self._context = "setup"
         self._segment = 0
-        # Called as observer(op, seconds, nbytes) when a collective completes.
-        self.observer: Callable[[str, float, int], None] | None = None
-        # op -> whether the backend's Work objects for it offer get_future()
-        # (gloo's reduce-scatter does not); learned on first use.
-        self._has_future: dict[str, bool] = {}
+        self._observer = observer
         self._broken: Zero3Error | None = None  # the failure that ended the sequence
-        # Where reduce-scatters by exchange take their receive buffers and give them
-        # back once summed: fresh ones by default; the engine points them at the
-        # gather pool (see [Note: reduce-scatter by exchange]).
-        self.take_buffer: Callable[[int, torch.dtype], torch.Tensor] = self._fresh_buffer
-        self.give_buffer: Callable[[torch.Tensor], None] = lambda buffer: None
-        self._exchange_inflight = 0  # bytes of receive buffers of exchanges in flight
         self._caps = _probe(group, device)
+        self._exchange = ExchangeReduceScatter(group)
         check = None
         if verify and self.world_size > 1:
             check = DivergenceCheck(group, all_gather=self._caps.all_gather, timeout_s=timeout_s)
         self._launcher = Launcher(f"zero3-launch-{self.rank}", check)
         self._waiter = Waiter(f"zero3-wait-{self.rank}")
+        # The heartbeat's own start-up is waited for without one.
+        self._wait = CollectiveWait(
+            rank=self.rank,
+            timeout_s=timeout_s,
+            heartbeat=None,
+            waiting_for=self._waiting_for,
+            fail=self._fail,
+        )
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
-            self.heartbeat = self._start_heartbeat(heartbeat_timeout_s)
+            key, start = "the heartbeat's key", "the heartbeat's start"
+            self.heartbeat = Heartbeat.open(
+                group,
+                device=device,
+                timeout_s=heartbeat_timeout_s,
+                broadcast=lambda t: self.start_broadcast(t, what=key).wait_blocking(),
+                agree=lambda ok: self.start_agree(ok, what=start).wait_blocking(),
+            )
+            self._wait = attrs.evolve(self._wait, heartbeat=self.heartbeat)
         self.shared_memory: HostSharedMemory | None = None
         if shared_memory_block_bytes is not None and device.type == "cpu" and self.world_size > 1:
             what = "the shared-memory region"
             self.shared_memory = HostSharedMemory.open(
                 group,
                 block_bytes=shared_memory_block_bytes,
-                broadcast=lambda t: self.broadcast_blocking(t, what=what),
-                agree=lambda ok: self.agree_blocking(ok, what=what),
+                broadcast=lambda t: self.start_broadcast(t, what=what).wait_blocking(),
+                agree=lambda ok: self.start_agree(ok, what=what).wait_blocking(),
             )
-
-    def _start_heartbeat(self, timeout_s: float) -> Heartbeat | None:
-        store = default_store()
-        if store is None:
-            return None
-        key = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.int64)
-        self.broadcast_blocking(key.to(self.device), src=0, what="the heartbeat's key", out=key)
-        global_ranks = dist.get_process_group_ranks(self.group)
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        host = None if agent_store or 0 not in global_ranks else global_ranks.index(0)
-        beat = error = None
-        try:
-            beat = Heartbeat(
-                store,
-                rank=self.rank,
-                world_size=self.world_size,
-                key=f"zero3/heartbeat/{int(key.item()):016x}",
-                timeout_s=timeout_s,
-                store_host_rank=host,
-            )
-        except Exception as exc:  # reported on every rank below
-            error = exc
-        # Every rank has published its pid once this collective completes.
-        if not self.agree_blocking(beat is not None, what="the heartbeat's start"):
-            if beat is not None:
-                beat.close()
-            raise CommunicationError(
-                "cannot start the heartbeat: the rendezvous store did not answer on "
-                f"{'this rank' if error is not None else 'another rank'}"
-                + (f" ({type(error).__name__}: {error})" if error is not None else "")
-            ) from error
-        assert beat is not None
-        beat.start()
-        return beat
 
     def close(self) -> None:
         """Stop the heartbeat and the divergence check, and unmap the shared-memory
@@ -413,14 +347,28 @@ class Collectives:
 
     @property
     def context(self) -> str:
-        """What the caller is doing, in words that must agree on every rank (the manager
-        sets it for each public call: the call, its arguments, the step)."""
+        """What the caller is doing, in words that must agree on every rank (see
+        :meth:`call_context`)."""
         return self._context
 
-    @context.setter
-    def context(self, value: str) -> None:
-        # Every assignment starts a segment, whose first collective is checked.
-        self._context = value
+    @contextlib.contextmanager
+    def call_context(self, description: str) -> Iterator[None]:
+        """Describe the collectives started inside as part of ``description`` (the manager
+        enters one for each public call: the call, its arguments, the step).
+
+        Entering and leaving each start a segment, whose first collective is
+        checked (see [Note: divergence check]); the outer description is restored
+        on the way out.
+        """
+        outer = self._context
+        self._begin_segment(description)
+        try:
+            yield
+        finally:
+            self._begin_segment(outer)
+
+    def _begin_segment(self, context: str) -> None:
+        self._context = context
         self._segment += 1
 
     @property
@@ -442,158 +390,30 @@ class Collectives:
     def _usable(self) -> None:
         if self._broken is not None:
             raise CommunicationError(
-                f"no collective can run on the {_group_label(self.group)} after an earlier "
+                f"no collective can run on the {group_label(self.group)} after an earlier "
                 f"failure: {self._broken}"
             )
 
-    async def _watch(self, future: Awaitable[Any], label: str) -> Any:
-        """Await ``future`` while watching the timeout and the heartbeat.
-
-        Raises:
-            CommunicationError: on failure (naming a silent or exited rank when
-                the heartbeat finds one), on timeout, or when a rank goes silent.
-        """
-        task = asyncio.ensure_future(future)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        beat = self.heartbeat
-        while not task.done():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise self._fail(
-                    CommunicationError(
-                        f"{label} did not complete within {self.timeout_s:g} s: "
-                        "a rank may have stopped or skipped this call"
-                    )
-                )
-            step = remaining if beat is None else min(_POLL_S, remaining)
-            await asyncio.wait({task}, timeout=step)
-            if task.done() or beat is None or beat.silent() is None:
-                continue
-            # Confirm once more, a moment later: the collective may have
-            # completed as its last peer closed, or this process was paused.
-            await asyncio.wait({task}, timeout=_CONFIRM_S)
-            silent = beat.silent()
-            if not task.done() and silent is not None:
-                raise self._fail(CommunicationError(self._silence(silent, label)))
-        try:
-            return task.result()
-        except RankDivergenceError as exc:
-            raise self._fail(exc) from None
-        except Exception as exc:
-            # A backend error on a peer's death says little about who died: ask
-            # the heartbeat, which names an exited peer on this host at once and
-            # a remote one once its silence exceeds the heartbeat's timeout.
-            silent = await self._blame()
-            if silent is not None:
-                raise self._fail(CommunicationError(self._silence(silent, label))) from exc
-            if isinstance(exc, Zero3Error):
-                raise self._fail(exc) from None
-            raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
-
-    async def _blame(self) -> str | None:
-        """:meth:`_blame_blocking` in a worker thread (it returns within the heartbeat's
-        timeout and two beats)."""
-        if self.heartbeat is None:
-            return None
-        return await anyio.to_thread.run_sync(self._blame_blocking)
-
-    def _blame_blocking(self) -> str | None:
-        """The heartbeat's finding, waited for until the silence of a rank that stopped
-        just now would exceed the heartbeat's timeout; None if nobody is silent then."""
-        beat = self.heartbeat
-        if beat is None:
-            return None
-        deadline = time.monotonic() + beat.timeout_s + 2 * beat.interval_s
-        while True:
-            silent = beat.silent()
-            if silent is not None or time.monotonic() > deadline:
-                return silent
-            time.sleep(_POLL_S)  # the heartbeat's next round
-
-    def _silence(self, silent: str, label: str) -> str:
+    def _waiting_for(self, label: str) -> str:
+        """What this rank was waiting for, for the message naming a silent rank."""
         # The oldest collective not launched yet is where the ranks parted (the
         # launcher holds it until every rank reaches it); else the one awaited.
         if self._launcher.failed_at is not None or not self._launcher.idle():
-            label = self._launcher.launching()
-        else:
-            label = f"{label} during {self.context}"
-        return (
-            f"{silent}; this rank ({self.rank}) was waiting for {label}. "
-            "The run cannot continue: restart the ranks and resume from the last checkpoint"
-        )
-
-    def _wait_blocking(self, future: concurrent.futures.Future[Any], label: str) -> Any:
-        """:meth:`_watch` for a thread other than the event loop's."""
-        deadline = time.monotonic() + self.timeout_s
-        beat = self.heartbeat
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._fail(
-                    CommunicationError(f"{label} did not complete within {self.timeout_s:g} s")
-                )
-            try:
-                return future.result(timeout=remaining if beat is None else min(_POLL_S, remaining))
-            except concurrent.futures.TimeoutError:
-                pass
-            except RankDivergenceError as exc:
-                raise self._fail(exc) from None
-            except Exception as exc:
-                silent = self._blame_blocking()
-                if silent is not None:
-                    raise self._fail(CommunicationError(self._silence(silent, label))) from exc
-                if isinstance(exc, Zero3Error):
-                    raise self._fail(exc) from None
-                raise self._fail(CommunicationError(f"{label} failed: {exc}")) from exc
-            if beat is not None and beat.silent() is not None:
-                try:
-                    return future.result(timeout=_CONFIRM_S)
-                except concurrent.futures.TimeoutError:
-                    silent = beat.silent()
-                    if silent is not None:
-                        raise self._fail(CommunicationError(self._silence(silent, label))) from None
-
-    def _when_done(
-        self, op: str, work: Any, settle: Callable[[BaseException | None], None]
-    ) -> None:
-        """Call ``settle(None)``, or ``settle(exc)`` on failure, from a backend or waiter
-        thread once ``work`` completes."""
-        future = self._work_future(op, work)
-        if future is None:
-            # This backend gives no future for this op: the group's waiter thread
-            # waits for it (see Waiter).
-            self._waiter.submit(work, settle)
-            return
-
-        def on_done(fut: torch.futures.Future) -> None:
-            try:
-                fut.value()
-            except Exception as exc:
-                settle(exc)
-            else:
-                settle(None)
-
-        future.add_done_callback(on_done)
+            return self._launcher.launching()
+        return f"{label} during {self.context}"
 
     def _description(self, op: str, nbytes: int, what: str) -> str:
         """A collective's description for the divergence check and for errors."""
         return f"{op} of {nbytes} bytes for {what or 'an unnamed use'} during {self.context}"
 
-    def _work_future(self, op: str, work: Any) -> torch.futures.Future | None:
-        if self._has_future.get(op, True):
-            try:
-                future = work.get_future()
-            except RuntimeError:
-                self._has_future[op] = False
-            else:
-                self._has_future[op] = True
-                return future
-        return None
-
     def _start(
-        self, op: str, launch: Callable[[], Any], nbytes: int, what: str
-    ) -> PendingCollective:
+        self,
+        op: str,
+        launch: Callable[[], Any],
+        nbytes: int,
+        what: str,
+        value: Callable[[], T] | None = None,
+    ) -> PendingCollective[T]:
         self._usable()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
@@ -605,7 +425,9 @@ class Collectives:
 
         description = self._description(op, nbytes, what)
         launched = self._launcher.submit(launch_on_stream, description, self._segment)
-        return PendingCollective(op=op, launched=launched, nbytes=nbytes, comm=self, what=what)
+        return PendingCollective(
+            op=op, launched=launched, nbytes=nbytes, comm=self, what=what, value=value
+        )
 
     async def flush(self) -> None:
         """Wait (off the loop) until every collective queued so far has been launched.
@@ -613,14 +435,14 @@ class Collectives:
         Returns at once after a failure: nothing queued will be launched then.
         """
         if self._broken is None and not self._launcher.idle():
-            launched = asyncio.wrap_future(self._launcher.submit(lambda: None))
-            await self._watch(launched, self._launcher.launching())
+            launched = self._launcher.submit(lambda: None)
+            await self._wait.until_done(launched, self._launcher.launching())
 
     def flush_blocking(self) -> None:
         """:meth:`flush` for a thread other than the event loop's."""
         if self._broken is None and not self._launcher.idle():
             launched = self._launcher.submit(lambda: None)
-            self._wait_blocking(launched, self._launcher.launching())
+            self._wait.until_done_blocking(launched, self._launcher.launching())
 
     def start_all_gather(
         self,
@@ -628,7 +450,7 @@ class Collectives:
         shard: torch.Tensor | Callable[[], torch.Tensor],
         *,
         what: str = "",
-    ) -> PendingCollective:
+    ) -> PendingCollective[None]:
         """Launch the gather of every rank's ``shard`` into ``output`` (rank order).
 
         ``shard`` may be a function returning the tensor: it is called on the launcher
@@ -651,56 +473,44 @@ class Collectives:
         )
 
     def start_reduce_scatter_mean(
-        self, output: torch.Tensor, full: torch.Tensor, *, what: str = ""
-    ) -> PendingCollective:
-        """Launch the average of ``full`` over ranks, keeping this rank's slice in ``output``."""
+        self,
+        output: torch.Tensor,
+        full: torch.Tensor,
+        *,
+        what: str = "",
+        lender: BufferLender | None = None,
+    ) -> PendingCollective[None]:
+        """Launch the average of ``full`` over ranks, keeping this rank's slice in ``output``.
+
+        A reduce-scatter by exchange (CPU tensors, see [Note: reduce-scatter by
+        exchange]) receives into a buffer from ``lender`` and gives it back once
+        summed (None: a fresh buffer).
+        """
+        nbytes = full.numel() * full.element_size()
         shm = self.shared_memory
         if shm is not None and full.device.type == "cpu":
             run = functools.partial(shm.reduce_scatter_mean, output, full)
-            return self._start_shared(
-                "reduce_scatter", run, full.numel() * full.element_size(), what
-            )
+            return self._start_shared("reduce_scatter", run, nbytes, what)
         if self._caps.exchange and full.device.type == "cpu":
-            return self._start_exchange_mean(output, full, what)
+            launch, recycle = self._exchange.prepare(output, full, lender)
+            pending = self._start("reduce_scatter", launch, nbytes, what)
+            pending.then(recycle)
+            return pending
         avg = self._caps.reduce_scatter_avg
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         pending = self._start(
             "reduce_scatter",
             lambda: self._caps.reduce_scatter(output, full, op=op, group=self.group, async_op=True),
-            full.numel() * full.element_size(),
+            nbytes,
             what,
         )
         if not avg:
             pending.then(lambda: output.div_(self.world_size))
         return pending
 
-    def _start_exchange_mean(
-        self, output: torch.Tensor, full: torch.Tensor, what: str
-    ) -> PendingCollective:
-        # See [Note: reduce-scatter by exchange].
-        received = self.take_buffer(full.numel(), full.dtype)
-        self._exchange_inflight += received.numel() * received.element_size()
-
-        def reduce() -> None:  # on the waiter thread, off the event loop
-            torch.sum(received.view(self.world_size, -1), dim=0, out=output)
-            output.div_(self.world_size)
-
-        def launch() -> _ExchangeWork:
-            work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
-            return _ExchangeWork(work, reduce)
-
-        pending = self._start("reduce_scatter", launch, full.numel() * full.element_size(), what)
-
-        def recycle() -> None:
-            self._exchange_inflight -= received.numel() * received.element_size()
-            self.give_buffer(received)
-
-        pending.then(recycle)
-        return pending
-
     def _start_shared(
         self, op: str, run: Callable[[], None], nbytes: int, what: str
-    ) -> PendingCollective:
+    ) -> PendingCollective[None]:
         """Queue ``op`` through the host's shared memory: ``run`` moves the data on the
         launcher thread and the collective has completed when its launch returns (see
         [Note: shared-memory collectives])."""
@@ -711,30 +521,42 @@ class Collectives:
 
         return self._start(op, launch, nbytes, what)
 
-    def _fresh_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
     def exchange_buffer_bytes(self) -> int:
         """Bytes of the receive buffers of reduce-scatters by exchange in flight."""
-        return self._exchange_inflight
+        return self._exchange.inflight_bytes()
 
-    def start_all_reduce_sum(self, tensor: torch.Tensor, *, what: str = "") -> PendingCollective:
+    def start_all_reduce_sum(
+        self, tensor: torch.Tensor, *, what: str = ""
+    ) -> PendingCollective[None]:
         """Launch an in-place sum of ``tensor`` over ranks."""
         return self._start_all_reduce(tensor, dist.ReduceOp.SUM, what)
 
     def _start_all_reduce(
-        self, tensor: torch.Tensor, op: dist.ReduceOp, what: str
-    ) -> PendingCollective:
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp,
+        what: str,
+        value: Callable[[], T] | None = None,
+    ) -> PendingCollective[T]:
         return self._start(
             "all_reduce",
             lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
             tensor.numel() * tensor.element_size(),
             what,
+            value,
+        )
+
+    def start_agree(self, ok: bool, *, what: str = "") -> PendingCollective[bool]:
+        """Launch an agreement: its wait returns True when every rank passed ``ok`` (an
+        all-reduce of failure counts)."""
+        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        return self._start_all_reduce(
+            failures, dist.ReduceOp.SUM, what or "an agreement", lambda: failures.item() == 0
         )
 
     def start_broadcast(
         self, tensor: torch.Tensor, *, src: int = 0, what: str = ""
-    ) -> PendingCollective:
+    ) -> PendingCollective[None]:
         """Launch an in-place copy of ``tensor`` from group rank ``src`` to every rank."""
         global_src = dist.get_global_rank(self.group, src)
         return self._start(
@@ -765,67 +587,9 @@ class Collectives:
         await self._start_all_reduce(tensor, dist.ReduceOp.MAX, what).wait()
 
     async def agree(self, ok: bool, *, what: str = "") -> bool:
-        """True when every rank passed ``ok`` (a collective: an all-reduce of failure counts)."""
-        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        await self.all_reduce_sum(failures, what=what or "an agreement")
-        return failures.item() == 0
+        """True when every rank passed ``ok`` (a collective: see :meth:`start_agree`)."""
+        return await self.start_agree(ok, what=what).wait()
 
     async def broadcast(self, tensor: torch.Tensor, *, src: int = 0, what: str = "") -> None:
         """Broadcast ``tensor`` from group rank ``src`` and wait for it."""
         await self.start_broadcast(tensor, src=src, what=what).wait()
-
-    def broadcast_blocking(
-        self,
-        tensor: torch.Tensor,
-        *,
-        src: int = 0,
-        what: str = "",
-        out: torch.Tensor | None = None,
-    ) -> None:
-        """Synchronous broadcast, for constructors that cannot await.
-
-        ``out``, when given, receives a copy of the result (e.g. on the CPU).
-        """
-        global_src = dist.get_global_rank(self.group, src)
-        self._blocking(
-            "broadcast",
-            lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
-            tensor,
-            what,
-        )
-        if out is not None:
-            out.copy_(tensor)
-
-    def agree_blocking(self, ok: bool, *, what: str = "") -> bool:
-        """:meth:`agree` for constructors that cannot await."""
-        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        self._blocking(
-            "all_reduce",
-            lambda: dist.all_reduce(failures, group=self.group, async_op=True),
-            failures,
-            what or "an agreement",
-        )
-        return failures.item() == 0
-
-    def _blocking(
-        self, op: str, launch: Callable[[], Any], tensor: torch.Tensor, what: str
-    ) -> None:
-        """Launch ``op`` through the launcher (behind any collective queued before it) and
-        wait for it on this thread, watching the timeout and the heartbeat."""
-        self._usable()
-        nbytes = tensor.numel() * tensor.element_size()
-        label = f"{op} of {nbytes} bytes on the {_group_label(self.group)}"
-        description = self._description(op, nbytes, what)
-        launched = self._launcher.submit(launch, description, self._segment)
-        work = self._wait_blocking(launched, label)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def settle(exc: BaseException | None) -> None:
-            if exc is None:
-                done.set_result(None)
-            else:
-                done.set_exception(exc)
-
-        self._when_done(op, work, settle)
-        self._wait_blocking(done, label)
-        work.wait()  # orders the current CUDA stream after NCCL's; a no-op on gloo

@@ -27,21 +27,30 @@ process itself: a peer whose process is gone is reported at once, and a
 stopped one (state ``T``, e.g. SIGSTOP) is named as such.
 
 Waits consult :meth:`Heartbeat.silent` while they wait, and confirm a finding
-once more half a second later before they raise (see
-``Collectives``): a collective whose last peer closed or exited just after it
+once more half a second later before they raise (see [Note: one wait] in
+``comm.wait``): a collective whose last peer closed or exited just after it
 completed, or this process resuming from a pause of its own, is then not
-mistaken for silence. The heartbeat never raises by itself.
+mistaken for silence. After a collective failed, :meth:`Heartbeat.wait_silent`
+waits for the finding over the beat thread's rounds (each completed round is
+signalled). The heartbeat never raises by itself.
+
+A group's heartbeat starts with :meth:`Heartbeat.open`, a collective: rank 0
+draws the keys' prefix and broadcasts it, every rank publishes its pid, and the
+ranks agree that every one of them reached the store before any starts beating.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
+import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
+import torch
 import torch.distributed as dist
 
 from zero3_offload.errors import CommunicationError
@@ -171,6 +180,7 @@ class Heartbeat:
         self._key = key
         self._store, self._address = _own_client(store, timeout_s)
         self._lock = threading.Lock()
+        self._rounds = threading.Condition()  # notified after each round, and when beating ends
         self._stop = threading.Event()
         self._peers = {r: _Peer(r) for r in range(world_size) if r != rank}
         self._last_round = time.monotonic()
@@ -184,6 +194,60 @@ class Heartbeat:
         except Exception:
             _drop_client(self._address)
             raise
+
+    @classmethod
+    def open(
+        cls,
+        group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        timeout_s: float,
+        broadcast: Callable[[torch.Tensor], None],
+        agree: Callable[[bool], bool],
+    ) -> Heartbeat | None:
+        """Start ``group``'s heartbeat on every rank; None, on every rank, when torch
+        exposes no store. A collective.
+
+        ``broadcast(tensor)`` copies rank 0's int64 tensor (on ``device``) to every
+        rank in place; ``agree(ok)`` is True when every rank passed True.
+
+        Raises:
+            CommunicationError: when the rendezvous store did not answer on some rank.
+        """
+        store = default_store()
+        if store is None:
+            return None
+        rank = group.rank()
+        key = torch.tensor([random.getrandbits(62) if rank == 0 else 0], dtype=torch.int64)
+        key = key.to(device)
+        broadcast(key)
+        global_ranks = dist.get_process_group_ranks(group)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        host = None if agent_store or 0 not in global_ranks else global_ranks.index(0)
+        beat = error = None
+        try:
+            beat = cls(
+                store,
+                rank=rank,
+                world_size=group.size(),
+                key=f"zero3/heartbeat/{int(key.item()):016x}",
+                timeout_s=timeout_s,
+                store_host_rank=host,
+            )
+        except Exception as exc:  # reported on every rank below
+            error = exc
+        # Every rank has published its pid once this collective completes.
+        if not agree(beat is not None):
+            if beat is not None:
+                beat.close()
+            raise CommunicationError(
+                "cannot start the heartbeat: the rendezvous store did not answer on "
+                f"{'this rank' if error is not None else 'another rank'}"
+                + (f" ({type(error).__name__}: {error})" if error is not None else "")
+            ) from error
+        assert beat is not None
+        beat.start()
+        return beat
 
     def _counter(self, rank: int) -> str:
         return f"{self._key}/beat/{rank}"
@@ -223,18 +287,44 @@ class Heartbeat:
             self._store_error = None
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._round()
-            except Exception as exc:
-                # The store's host is gone or stopped: a TCP store client does not
-                # recover its connection, so beating ends here and silent() reports
-                # the store once its silence exceeds the timeout.
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._round()
+                except Exception as exc:
+                    # The store's host is gone or stopped: a TCP store client does not
+                    # recover its connection, so beating ends here and silent() reports
+                    # the store once its silence exceeds the timeout.
+                    with self._lock:
+                        self._store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    _drop_client(self._address)
+                    return
+                with self._rounds:
+                    self._rounds.notify_all()
+                self._stop.wait(self.interval_s)
+        finally:
+            with self._rounds:
+                self._rounds.notify_all()
+
+    def wait_silent(self, until: float) -> str | None:
+        """:meth:`silent`'s finding, waited for until ``time.monotonic()`` reaches ``until``;
+        None if nobody is silent by then.
+
+        It looks at once (a peer on this host whose process is gone is found
+        then), after each of the beat thread's rounds (a counter that stopped
+        moving, a process that exited meanwhile) and, once the rounds themselves
+        stop, when the store's silence exceeds the timeout.
+        """
+        with self._rounds:
+            while (found := self.silent()) is None:
+                now = time.monotonic()
+                if now >= until:
+                    return None
                 with self._lock:
-                    self._store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                _drop_client(self._address)
-                return
-            self._stop.wait(self.interval_s)
+                    store_due = self._last_round + self.timeout_s - now
+                # A round's notification, or the moment the store's silence is due.
+                self._rounds.wait(min(until - now, max(store_due, 0.0) + 0.01))
+        return found
 
     def _describe(self, peer: _Peer, what: str) -> str:
         where = f"pid {peer.pid} on {peer.host}" if peer.pid is not None else "its process"

@@ -7,12 +7,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 __all__ = ["Waiter"]
 
 
 class Waiter:
-    """One daemon thread per group that waits, in launch order, for the works whose
-    backend gives no future (gloo's reduce-scatter), and reports each completion.
+    """Reports each launched work's completion: through the work's future where the
+    backend gives one, else from one daemon thread per group that waits, in launch
+    order, for the works whose backend gives none (gloo's reduce-scatter).
 
     A daemon thread, not the loop's default executor: after a timeout a wait may
     last until the group's own timeout, and ``asyncio.run()`` joins the default
@@ -25,18 +28,43 @@ class Waiter:
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]]]
         self._queue = queue.SimpleQueue()
+        # op -> whether the backend's Work objects for it offer get_future()
+        # (gloo's reduce-scatter does not); learned on first use.
+        self._has_future: dict[str, bool] = {}
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def submit(self, work: Any, settle: Callable[[BaseException | None], None]) -> None:
-        self._queue.put((work, settle))
+    def when_done(self, op: str, work: Any, settle: Callable[[BaseException | None], None]) -> None:
+        """Call ``settle(None)``, or ``settle(exc)`` on failure, from a backend thread or
+        this waiter's once ``work`` (a launched ``op``) completes."""
+        future = self._work_future(op, work)
+        if future is None:
+            self._queue.put((work, settle))
+        else:
+            future.add_done_callback(lambda done: _report(done.value, settle))
+
+    def _work_future(self, op: str, work: Any) -> torch.futures.Future | None:
+        if self._has_future.get(op, True):
+            try:
+                future = work.get_future()
+            except RuntimeError:
+                self._has_future[op] = False
+            else:
+                self._has_future[op] = True
+                return future
+        return None
 
     def _run(self) -> None:
         while True:
             work, settle = self._queue.get()
-            try:
-                work.wait()
-            except Exception as exc:  # handed to whoever awaits the collective
-                settle(exc)
-            else:
-                settle(None)
+            _report(work.wait, settle)
             del work, settle  # the work holds the op's buffers
+
+
+def _report(wait: Callable[[], object], settle: Callable[[BaseException | None], None]) -> None:
+    """``settle`` with how ``wait()`` ended: None, or the error it raised."""
+    try:
+        wait()
+    except Exception as exc:  # handed to whoever awaits the collective
+        settle(exc)
+    else:
+        settle(None)

@@ -276,7 +276,7 @@ def _build_comm(
     stats: Zero3PerformanceStats,
 ) -> Collectives:
     """The group's collectives (a collective: probes, the heartbeat's start)."""
-    comm = Collectives(
+    return Collectives(
         process_group,
         device=device,
         timeout_s=config.collective_timeout_s,
@@ -285,9 +285,8 @@ def _build_comm(
         shared_memory_block_bytes=_SHARED_MEMORY_BLOCK
         if config.shared_memory_collectives
         else None,
+        observer=stats.add_collective,
     )
-    comm.observer = stats.add_collective
-    return comm
 
 
 def _split_model(
@@ -405,7 +404,7 @@ def _build_training(
     stats, counter, timeline = basics.stats, basics.counter, basics.timeline
     layouts = split.layouts
     reducer, gradient_buffers, grads = _build_gradients(
-        config, comm, layouts, basics.streams, workers, timeline, device
+        config, comm, layouts, gatherer, basics.streams, workers, timeline, device
     )
     optimizer, backup, steps = _build_optimizer(config, layouts, params, grads, workers, comm, disk)
     accounting = MemoryAccounting(
@@ -523,6 +522,7 @@ def _build_gradients(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
     layouts: dict[str, LayerLayout],
+    gatherer: ParameterGatherer,
     streams: CopyStreams,
     workers: WorkerThreads,
     timeline: Timeline,
@@ -543,7 +543,12 @@ def _build_gradients(
         else config.reduce_dtype.wire_dtype(),
     )
     reducer = GradientReducer(
-        layouts=layouts, comm=comm, buffers=gradient_buffers, timeline=timeline
+        layouts=layouts,
+        comm=comm,
+        buffers=gradient_buffers,
+        timeline=timeline,
+        # A reduce-scatter by exchange receives into a released gather buffer.
+        lender=gatherer,
     )
     grads = GradientStore(
         device=torch.device("cpu") if config.offload_grads else device,
@@ -662,7 +667,7 @@ def _open_disk_tiers(
     except DiskTierError as exc:
         error = exc
     disk = _DiskTiers(directory=directory, tier=tier, copies=copies)
-    if not comm.agree_blocking(error is None, what="every rank's disk tier"):
+    if not comm.start_agree(error is None, what="every rank's disk tier").wait_blocking():
         disk.close()
         if error is not None:
             raise error

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zero3_offload.comm.collectives import Collectives, PendingCollective
+from zero3_offload.comm.exchange import BufferLender
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.parameter.unit_params import UnitParams
@@ -67,6 +68,8 @@ class GradientReducer:
         comm: collectives of the group.
         buffers: the flat device buffers gradients are reduce-scattered from.
         timeline: where reduce-scatters and waits are recorded.
+        lender: lends the receive buffers of reduce-scatters by exchange (the gather
+            pool; see [Note: reduce-scatter by exchange]); None: fresh buffers.
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class GradientReducer:
         comm: Collectives,
         buffers: GradientBuffers,
         timeline: Timeline,
+        lender: BufferLender | None = None,
     ) -> None:
         self._layouts = layouts
+        self._lender = lender
         self._comm = comm
         self._buffers = buffers
         self._timeline = timeline
@@ -178,14 +183,18 @@ class GradientReducer:
         what = f"the gradients of {layer!r}"
         if self._buffers.wire_dtype is None:
             sent = flat
-            collective = self._comm.start_reduce_scatter_mean(shard, flat, what=what)
+            collective = self._comm.start_reduce_scatter_mean(
+                shard, flat, what=what, lender=self._lender
+            )
         else:
             # reduce_dtype: the cast gradient is what the collective reads; its mean
             # arrives in the wire dtype and is widened into the fp32 shard.
             sent = self._buffers.wire(prepared.index, flat.numel())
             sent.copy_(flat)
             received = torch.empty_like(shard, dtype=sent.dtype)
-            collective = self._comm.start_reduce_scatter_mean(received, sent, what=what)
+            collective = self._comm.start_reduce_scatter_mean(
+                received, sent, what=what, lender=self._lender
+            )
             collective.then(functools.partial(shard.copy_, received))
         self._uncommitted[layer] = tensor_bytes(shard)
         pending = PendingGradient(

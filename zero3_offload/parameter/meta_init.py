@@ -170,7 +170,7 @@ def shard_initial_values(
             continue
         _materialize(name, module, init_fn)
         flat = layout.flatten(module, dtype=torch.float32).to(device)
-        comm.broadcast_blocking(flat, src=0, what=f"the initial values of {name!r}")
+        comm.start_broadcast(flat, src=0, what=f"the initial values of {name!r}").wait_blocking()
         store.put_master(name, flat[layout.shard_start : layout.shard_end].clone())
         if model is None:
             _broadcast_buffers(module, comm, device)
@@ -187,5 +187,5 @@ def shard_initial_values(
 def _broadcast_buffers(module: nn.Module, comm: Collectives, device: torch.device) -> None:
     for name, buf in module.named_buffers():
         staged = buf.detach().to(device)
-        comm.broadcast_blocking(staged, src=0, what=f"the buffer {name!r}")
+        comm.start_broadcast(staged, src=0, what=f"the buffer {name!r}").wait_blocking()
         buf.data = staged
