@@ -41,7 +41,7 @@ from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.parameter.flat_layout import owned_numel, total_numel
 from zero3_offload.parameter.meta_init import InitFn, ShardSource, reset_parameters_in_order
 from zero3_offload.prefetch.status import PrefetchQueueStatus
-from zero3_offload.stats.disk_io import disk_step_figures, disk_transfers
+from zero3_offload.stats.disk_io import disk_transfers
 from zero3_offload.stats.layer_seconds import layer_seconds
 from zero3_offload.stats.performance import Zero3PerformanceStats
 
@@ -511,12 +511,8 @@ class Zero3CpuOffloadManager:
         """
         self._check_open()
         engine, state = self._engine, self._state
-        lr = check_step_call(
-            learning_rate,
-            backward_passes=engine.grads.micro_steps,
-            window_calls=engine.counter.window_calls,
-            early_lr=state.early_lr,
-        )
+        calls = engine.counter.window_calls
+        lr = check_step_call(learning_rate, engine.grads.micro_steps, calls, state.early_lr)
         if engine.counter.count_call() < engine.config.gradient_accumulation_steps:
             await engine.prefetch.after_update(())  # parameters unchanged: prefetch the forward
             return False
@@ -536,13 +532,12 @@ class Zero3CpuOffloadManager:
         await engine.prefetch.after_update(updated or (), fresh=fresh)
         engine.step_log.close_step(
             updating=started,
-            ended=time.perf_counter(),
             stepped=updated is not None,
-            **self.get_memory_stats().step_figures(),
+            memory=self.get_memory_stats().step_figures(),
+            disk_files=engine.disk_files(),
             prefetch_hit_rate=engine.prefetch.metrics.hit_rate(),
             memory_pressure=pressure.pressure,
             loss_scale=self.loss_scale,
-            **({"disk": disk_step_figures(files)} if (files := engine.disk_files()) else {}),
         )
         return updated is not None
 

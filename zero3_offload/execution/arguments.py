@@ -30,7 +30,7 @@ def check_lr(learning_rate: object) -> float:
 
 
 def check_step_call(
-    learning_rate: object, *, backward_passes: int, window_calls: int, early_lr: float | None
+    learning_rate: object, backward_passes: int, window_calls: int, early_lr: float | None
 ) -> float:
     """The learning rate of an ``optimizer_step`` call, if the call may run now.
 

@@ -11,11 +11,14 @@ when fp16 loss scaling skipped it (``stepped`` false).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from zero3_offload.logging import get_logger
+from zero3_offload.stats.disk_io import CountedFile, disk_step_figures
 from zero3_offload.stats.pass_clock import PassClock
 from zero3_offload.stats.performance import OperationStats, Zero3PerformanceStats
 from zero3_offload.stats.step_counter import StepCounter
@@ -51,15 +54,31 @@ class StepLog:
         self._seen = {"compute": 0.0, "wait": 0.0}  # run totals at the previous step event
         self._comm_seen: dict[str, OperationStats] = {}  # op -> totals at that event
 
-    def close_step(self, *, updating: float, ended: float, stepped: bool, **figures: Any) -> None:
-        """Close the step whose updates ran from ``updating`` to ``ended``.
+    def close_step(
+        self,
+        *,
+        updating: float,
+        stepped: bool,
+        memory: Mapping[str, int] | None = None,
+        disk_files: Sequence[CountedFile] = (),
+        ended: float | None = None,
+        **figures: Any,
+    ) -> None:
+        """Close the step whose updates ran from ``updating`` until now (or ``ended``).
 
         Args:
-            updating: ``time.perf_counter()`` when the updating ``optimizer_step`` began.
-            ended: its end; the step itself ran from the window's first training forward.
+            updating: ``time.perf_counter()`` when the updating ``optimizer_step`` began;
+                the step itself ran from the window's first training forward.
             stepped: whether the parameters were updated (False: an fp16 skip).
-            **figures: further fields of the event (memory bytes, pressure, ...).
+            memory: memory figures counted at the end of the step (fields of the event).
+            disk_files: the disk tiers' files: their reads and writes of this step are the
+                event's ``disk`` field (none without a tier).
+            ended: the end of the step (default: now).
+            **figures: further fields of the event (pressure, loss scale, ...).
         """
+        ended = time.perf_counter() if ended is None else ended
+        if disk_files:
+            figures["disk"] = disk_step_figures(disk_files)
         started = self._clock.end_window(ended)
         self._stats.add_optimizer_time(ended - updating)
         self._stats.add_step_time(ended - started)
@@ -87,6 +106,7 @@ class StepLog:
             seconds=ended - started,
             **per_step,
             collectives=collectives,
+            **(memory or {}),
             **figures,
         )
         self._counter.close_step(updated=stepped)
