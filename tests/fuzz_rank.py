@@ -79,36 +79,40 @@ def fingerprint(session: Session) -> dict[str, str]:
     memory figures are not state: they may differ between equal runs.
     """
     m = session.manager
-    e = m.engine
+    engine = m.engine
     # The step state has no public view (as in test_errors.py): read the components.
     state = m._state
     fp: dict[str, str] = {}
-    for name, layout in e.layouts.items():
+    for name, layout in engine.layouts.items():
         if not layout.numel:
             continue
-        copy = e.params.compute_copy(name)
-        optim = e.optimizer.layer_state(name)
-        fp[f"{name}.master"] = digest(e.params.master(name))
+        copy = engine.params.compute_copy(name)
+        optim = engine.optimizer.layer_state(name)
+        fp[f"{name}.master"] = digest(engine.params.master(name))
         fp[f"{name}.copy"] = digest(copy.payload, copy.scales)
         fp[f"{name}.optim"] = (
             ",".join(sorted(optim)) + ":" + digest(*(optim[k] for k in sorted(optim)))
         )
-        fp[f"{name}.grad"] = digest(e.grads.get(name))
-    record = state.record
-    scaler = e.steps.loss_scaler
+        fp[f"{name}.grad"] = digest(engine.grads.get(name))
+    forward = state.forward
+    scaler = engine.steps.loss_scaler
     fp |= {
-        "micro_steps": str(e.grads.micro_steps),
-        "calls_since_update": str(state.calls_since_update),
+        "micro_steps": str(engine.grads.micro_steps),
+        "calls_since_update": str(engine.counter.window_calls),
         "early_lr": _float(state.early_lr),
-        "stepped": repr(sorted(e.steps.stepped)),
+        "stepped": repr(sorted(engine.steps.stepped)),
         "steps_completed": str(m.steps_completed),
-        "optimizer_steps": str(e.stats.optimizer_steps),
+        "optimizer_steps": str(engine.counter.updates),
         "last_grad_norm": _float(m.last_grad_norm),
         "loss_scaler": "None" if scaler is None else repr(sorted(scaler.state_dict().items())),
         "pending": "None"
-        if record is None
+        if forward is None
         else repr(
-            (record.layer_names, tuple(record.output_shape), [s is None for s in record.steps])
+            (
+                tuple(forward.layers),
+                tuple(forward.output_shape or ()),
+                [s is None for s in forward.steps],
+            )
         ),
         "closed": str(m._closed),
     }

@@ -71,7 +71,7 @@ def read_record(out: str | Path, name: str) -> dict[str, Any] | None:
 
 def _arm(manager: Zero3CpuOffloadManager, spec: FaultSpec, step: list[int]) -> None:
     """Make this rank fault at ``spec``'s point of step ``spec.fault_step``."""
-    e = manager.engine
+    engine = manager.engine
 
     def fault() -> None:
         _record(spec, "fault", {"at": time.time(), "rank": spec.rank, "pid": os.getpid()})
@@ -86,20 +86,21 @@ def _arm(manager: Zero3CpuOffloadManager, spec: FaultSpec, step: list[int]) -> N
         return call
 
     if spec.phase == "forward":
-        e.comm.start_all_gather = armed(  # type: ignore[method-assign]
-            e.comm.start_all_gather, lambda *a, **k: e.gatherer.phase == "forward"
+        engine.comm.start_all_gather = armed(  # type: ignore[method-assign]
+            engine.comm.start_all_gather,
+            lambda *a, **k: engine.comm.context.startswith("forward_pass"),
         )
     elif spec.phase == "backward":
-        e.comm.start_reduce_scatter_mean = armed(  # type: ignore[method-assign]
-            e.comm.start_reduce_scatter_mean, lambda *a, **k: True
+        engine.comm.start_reduce_scatter_mean = armed(  # type: ignore[method-assign]
+            engine.comm.start_reduce_scatter_mean, lambda *a, **k: True
         )
     elif spec.phase == "step":
-        e.comm.start_all_reduce_sum = armed(  # type: ignore[method-assign]
-            e.comm.start_all_reduce_sum, lambda *a, **k: k.get("what") == "the gradient norm"
+        engine.comm.start_all_reduce_sum = armed(  # type: ignore[method-assign]
+            engine.comm.start_all_reduce_sum, lambda *a, **k: k.get("what") == "the gradient norm"
         )
     elif spec.phase == "save":
-        e.workers.run = armed(  # type: ignore[method-assign]
-            e.workers.run, lambda kind, *a, **k: kind == "checkpoint-write"
+        engine.workers.run = armed(  # type: ignore[method-assign]
+            engine.workers.run, lambda kind, *a, **k: kind == "checkpoint-write"
         )
     else:
         raise ValueError(f"unknown phase {spec.phase!r}")

@@ -85,7 +85,7 @@ def test_the_disk_holds_the_state_and_memory_only_the_buffers(runs: dict[str, An
         # and writes it back; full_state_dict reads each once more at the end.
         masters = [record // 3 for record in records]
         for kind in ("disk_read", "disk_write"):
-            assert transfers[kind].transfers == (STEPS + 1) * len(shards)
+            assert transfers[kind].operations == (STEPS + 1) * len(shards)
         assert transfers["disk_read"].bytes == (STEPS + 1) * sum(records)
         assert transfers["disk_write"].bytes == STEPS * sum(records) + sum(masters)
     # close() removed every rank's directory.

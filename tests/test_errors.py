@@ -34,8 +34,8 @@ async def snapshot(manager: Zero3CpuOffloadManager) -> dict[str, Any]:
         "opt": {
             n: {k: v.clone() for k, v in engine.optimizer.layer_state(n).items()} for n in names
         },
-        "record": manager._state.record,
-        "calls": manager._state.calls_since_update,
+        "forward": manager._state.forward,
+        "calls": engine.counter.window_calls,
         "early_lr": manager._state.early_lr,
         "micro": engine.grads.micro_steps,
     }

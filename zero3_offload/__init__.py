@@ -2,6 +2,12 @@
 
 The public API; ``README.md`` has a quickstart and ``docs/architecture.md``
 maps the subpackages.
+
+The package follows the module structure of a Rust module, ``zero_3_cpu_offload`` of
+torsh (https://github.com/cool-japan/torsh, directory
+``crates/torsh-distributed/src/zero_3_cpu_offload/``), and does for real what it
+simulates. Where a docstring says "the Rust module's ``stats.rs``" (or another file),
+it names the file of that directory whose role the Python module has.
 """
 
 from zero3_offload.checkpoint.consolidate import consolidate_checkpoint

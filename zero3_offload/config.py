@@ -1,6 +1,6 @@
 """Configuration of ZeRO-3 with CPU offloading, validated at construction.
 
-Mirrors torsh's ``config.rs``: :class:`Zero3CpuOffloadConfig` with its enums
+Mirrors the Rust module's ``config.rs``: :class:`Zero3CpuOffloadConfig` with its enums
 :class:`CpuCompressionMethod` and :class:`AutoMemoryStrategy`, and the
 optimizer section :class:`OptimizerConfig`; the wire formats of the
 collectives, :class:`GatherCompressionMethod` and :class:`ReduceDtype`, are
@@ -567,8 +567,8 @@ class Zero3CpuOffloadConfig:
     """Layers with fewer parameter elements than this stay gathered between uses, smallest
     first, as many as fit in ``gpu_param_memory_budget`` beside the largest other layer."""
     activation_checkpointing: bool = bool_field(False)
-    """Keep only each layer's input between the passes and recompute the layer's forward
-    in backward (about a third more compute, far fewer activations kept); False keeps
+    """Save only each layer's input between the passes and recompute the layer's forward
+    in backward (about a third more compute, far fewer activations saved); False saves
     every layer's activations for backward, as plain PyTorch does."""
     speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's

@@ -316,9 +316,9 @@ class Zero3CpuOffloadManager:
 
     @_flushed
     async def forward_pass(self, x: torch.Tensor, layer_names: Sequence[str]) -> torch.Tensor:
-        """Run ``layer_names`` in order on ``x``; keep what backward needs.
+        """Run ``layer_names`` in order on ``x``; save what backward needs.
 
-        Under ``torch.no_grad()`` (evaluation) nothing is kept: no graph, no
+        Under ``torch.no_grad()`` (evaluation) nothing is saved: no graph, no
         inputs, and no backward may follow; the accumulation window's timer does
         not start either, so the next ``step`` event's seconds leave it out.
 
@@ -408,8 +408,8 @@ class Zero3CpuOffloadManager:
         The model's code runs on the manager's model thread while the event
         loop stays free: each unit is gathered when the model reaches it (the
         next ones prefetched in the recorded order) and released after it. A
-        training forward (autograd on) keeps what :meth:`backward` needs;
-        under ``torch.no_grad()`` nothing is kept and the accumulation window's
+        training forward (autograd on) saves what :meth:`backward` needs;
+        under ``torch.no_grad()`` nothing is saved and the accumulation window's
         timer does not start. See [Note: module mode].
 
         Args:
@@ -423,7 +423,7 @@ class Zero3CpuOffloadManager:
         Raises:
             StateError: when the manager is not in module mode.
             LayerExecutionError: when the model's code raised (cause chained);
-                nothing is kept and nothing stays gathered.
+                nothing is saved and nothing stays gathered.
             CommunicationError: when a gather fails.
         """
         runner = self._module_runner("forward")
@@ -694,7 +694,7 @@ class Zero3CpuOffloadManager:
 
         Every rank writes its own file; the checkpoint is committed (renamed into
         place, ``latest`` updated) only when all ranks succeeded. A pending
-        forward (activations kept for backward) is not saved. See
+        forward (activations saved for backward) is not part of it. See
         [Note: checkpoint format] in ``checkpoint.format``.
 
         Args:

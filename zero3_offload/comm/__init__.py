@@ -1,6 +1,6 @@
 """Communication: process groups, awaitable collectives, copy streams, worker threads.
 
-These are the parts torsh only simulates (its collectives wait a fixed time).
+These are the parts the Rust module only simulates (its collectives wait a fixed time).
 Here every collective is a real ``torch.distributed`` call whose completion the
 event loop awaits, every host/device copy runs on a CUDA side stream ordered
 by events, and CPU work runs in worker threads.

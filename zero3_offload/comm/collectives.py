@@ -1,4 +1,5 @@
-"""Awaitable collectives over one process group (torsh's ``mod.rs`` only waits where these run).
+"""Awaitable collectives over one process group (the Rust module's ``mod.rs`` only waits
+where these run).
 
 Every collective is launched with ``async_op=True``; its completion is delivered
 to the event loop through the work's future (or, for ops whose backend work

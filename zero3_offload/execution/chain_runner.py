@@ -22,7 +22,7 @@ from torch import nn
 from zero3_offload.errors import InputError, StateError, Zero3Error
 from zero3_offload.execution.arguments import check_backward_args, resolve_layer_names
 from zero3_offload.execution.gradient_landing import GradientLanding
-from zero3_offload.execution.layer_runner import LayerRunner
+from zero3_offload.execution.layer_runner import LayerRunner, check_has_values
 from zero3_offload.execution.pass_result import PassResult
 from zero3_offload.execution.saved_step import SavedStep
 from zero3_offload.gradient.reducer import GradientReducer
@@ -81,6 +81,7 @@ class ChainRunner:
         names = resolve_layer_names(self._layers, layer_names)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        check_has_values(x)
         return names
 
     def check_backward(
@@ -89,7 +90,10 @@ class ChainRunner:
         """The training forward a backward over ``layer_names`` goes through (raises on bad
         input or without one)."""
         names = resolve_layer_names(self._layers, layer_names)
-        return check_backward_args(forward, names, grad_output)
+        checked = check_backward_args(forward, names, grad_output)
+        assert isinstance(grad_output, torch.Tensor)  # checked above
+        check_has_values(grad_output)
+        return checked
 
     async def forward(
         self, x: torch.Tensor, names: tuple[str, ...]

@@ -37,7 +37,7 @@ from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.saved_step import RngState, SavedStep
 from zero3_offload.stats.tensor_bytes import storage_bytes
 
-__all__ = ["LayerRunner"]
+__all__ = ["LayerRunner", "check_has_values"]
 
 
 class LayerRunner:
@@ -71,11 +71,7 @@ class LayerRunner:
         Raises:
             InputError: when ``x`` is on the meta device (it holds no values to copy).
         """
-        if x.is_meta:
-            raise InputError(
-                f"got a tensor of shape {tuple(x.shape)} on the meta device, which holds no "
-                "values: pass a tensor with data (e.g. on the CPU)"
-            )
+        check_has_values(x)
         dtype = self.compute_dtype if x.is_floating_point() else x.dtype
         return x.to(self.device, dtype)
 
@@ -216,6 +212,15 @@ class LayerRunner:
             raise LayerExecutionError(f"layer {name!r} raised in backward: {exc}") from exc
         _check_output(name, out)
         return leaf, out
+
+
+def check_has_values(x: torch.Tensor) -> None:
+    """Raise :class:`InputError` when ``x`` is on the meta device (it holds no values)."""
+    if x.is_meta:
+        raise InputError(
+            f"got a tensor of shape {tuple(x.shape)} on the meta device, which holds no "
+            "values: pass a tensor with data (e.g. on the CPU)"
+        )
 
 
 def _check_output(name: str, out: object) -> None:

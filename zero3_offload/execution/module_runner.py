@@ -232,7 +232,7 @@ class ModuleRunner:
         """Run ``model(*args, **kwargs)`` on the model thread (tensors moved to the device).
 
         Args:
-            phase: ``Phase.FORWARD`` (training: the graph is kept) or
+            phase: ``Phase.FORWARD`` (training: the graph is saved) or
                 ``Phase.INFERENCE`` (no graph).
             args: positional arguments of the model.
             kwargs: keyword arguments of the model.

@@ -1,4 +1,5 @@
-"""Gradients (torsh's ``gradient_management.rs``): reduce-scatter and the gradient store."""
+"""Gradients (the Rust module's ``gradient_management.rs``): reduce-scatter and the gradient
+store."""
 
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot, PendingGradient

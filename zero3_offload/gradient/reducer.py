@@ -226,7 +226,7 @@ class GradientReducer:
             nbytes=pending.nbytes,
         )
         # Hand the shard over: the caller decides how long it lives (an early
-        # update drops it at once; a PendingGradient kept for error handling must not).
+        # update drops it at once; a PendingGradient held for error handling must not).
         shard, pending.shard = pending.shard, None
         assert shard is not None
         return shard

@@ -1,4 +1,4 @@
-"""Memory (torsh's ``memory_management.rs``): accounting, the CPU budget, the pressure
+"""Memory (the Rust module's ``memory_management.rs``): accounting, the CPU budget, the pressure
 policy, the allocator's settings."""
 
 from zero3_offload.memory.accounting import MemoryAccounting

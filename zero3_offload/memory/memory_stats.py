@@ -32,7 +32,7 @@ class Zero3MemoryStats:
     gathered_high_water_bytes: int
     """Largest gathered plus in-flight parameter bytes seen since construction."""
     gather_pool_bytes: int
-    """Released gather buffers kept for reuse (CPU device only; within the budget)."""
+    """Released gather buffers pooled for reuse (CPU device only; within the budget)."""
     gradient_buffer_bytes: int
     """Flat buffers on the device that layers' gradients are reduce-scattered from (and, on
     the CPU, the buffers the exchange receives into)."""

@@ -5,7 +5,7 @@ Pressure is measured from real counters: on CUDA, ``torch.cuda.memory_allocated`
 over the device's capacity (at most ``max_gpu_memory_mb``); on the CPU device,
 the gathered-parameter bytes over ``gpu_param_memory_budget``; and the
 process's RSS over the system's memory (at most ``max_cpu_memory_mb``). They are
-combined with torsh's weights, ``pressure = min(1, 0.8*device + 0.2*cpu +
+combined with the Rust module's weights, ``pressure = min(1, 0.8*device + 0.2*cpu +
 0.1*trend)``: device memory is what runs out first, and ``trend`` (the rise per
 sample over the last four samples, projected five samples ahead; 0 before five
 samples) acts before a rising pressure crosses the threshold. The check runs in

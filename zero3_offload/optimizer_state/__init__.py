@@ -1,5 +1,5 @@
-"""Optimizer state (torsh's ``optimizer_state.rs``): per-shard optimizers, the step runner,
-loss scaling."""
+"""Optimizer state (the Rust module's ``optimizer_state.rs``): per-shard optimizers, the step
+runner, loss scaling."""
 
 from zero3_offload.optimizer_state.loss_scaler import LossScaler
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers

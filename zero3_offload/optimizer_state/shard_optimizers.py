@@ -1,4 +1,5 @@
-"""Per-shard optimizers: the optimizer state and the step math (torsh's ``optimizer_state.rs``).
+"""Per-shard optimizers: the optimizer state and the step math (the Rust module's
+``optimizer_state.rs``).
 
 Each layer's fp32 master shard is driven by its own ``torch.optim`` optimizer
 (AdamW, Adam or SGD) over that one 1-D tensor, so the update is torch's own

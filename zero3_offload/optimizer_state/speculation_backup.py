@@ -56,7 +56,7 @@ class SpeculationBackup:
             state[key].copy_(buffers[key])
 
     def discard(self, layer: str) -> None:
-        """Forget ``layer``'s save (its update stands); the buffers are kept for reuse."""
+        """Forget ``layer``'s save (its update stands); the buffers stay for reuse."""
         self._saved.pop(layer, None)
 
     def saved(self) -> list[str]:

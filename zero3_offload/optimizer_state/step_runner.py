@@ -19,8 +19,8 @@ update is known to be right. With ``speculative_step`` the early updates
 start anyway, with the gradient as it lands (scaled by ``1 / (accumulation
 steps * loss scale)``, as the step would scale it): before each, the layer's
 fp32 master shard and optimizer state are copied into reused buffers
-(:class:`SpeculationBackup`), and its gradient shard is kept. ``optimizer_step``
-then validates: the inf check and the global norm run over the kept shards
+(:class:`SpeculationBackup`), and its gradient shard is held. ``optimizer_step``
+then validates: the inf check and the global norm run over the held shards
 exactly as without speculation. If nothing is found and the clip coefficient
 is not below 1 (``clip_grad_norm_`` would not change the gradients), the
 speculative updates stand: they are the updates the step would have made. If

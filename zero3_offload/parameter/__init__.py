@@ -1,4 +1,4 @@
-"""Parameters (torsh's ``parameter_management.rs``): layouts, shards, gathering.
+"""Parameters (the Rust module's ``parameter_management.rs``): layouts, shards, gathering.
 
 - ``rank_mapping``: which slice of each flat buffer a rank owns;
 - ``flat_layout``: each layer's parameters laid end to end, padded;

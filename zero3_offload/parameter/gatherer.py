@@ -65,7 +65,7 @@ class ParameterGatherer:
         compressed_wire: all-gather the compute copies as stored and decode after
             (``gather_compression``; see [Note: compressed gather]). Where the stored
             format is the compute dtype this changes nothing.
-        pool_layers: released CPU buffers are kept for reuse while gathered, in-flight
+        pool_layers: released CPU buffers are pooled for reuse while gathered, in-flight
             and pooled buffers stay within this many of the largest layer's gather
             bytes (see :meth:`take_buffer`); 0 pools nothing.
         pool_budget: and within this many bytes (``gpu_param_memory_budget``).
@@ -97,7 +97,7 @@ class ParameterGatherer:
         self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
         self._inflight: dict[str, GatherHandle] = {}
         self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
-        # Released CPU buffers kept for the next gather of the same size (see
+        # Released CPU buffers pooled for the next gather of the same size (see
         # take_buffer); a fresh large allocation costs several times a copy on the
         # CPU, and freed ones are not returned to the OS by glibc anyway. CUDA
         # has its own caching allocator, so nothing is pooled there.
@@ -179,7 +179,7 @@ class ParameterGatherer:
         return sum(tensor_bytes(h.flat) + tensor_bytes(h.wire) for h in self._inflight.values())
 
     def pooled_bytes(self) -> int:
-        """Bytes of released buffers kept for reuse."""
+        """Bytes of released buffers pooled for reuse."""
         return sum(tensor_bytes(t) for ts in self._pool.values() for t in ts)
 
     def clear_pool(self) -> None:

@@ -1,6 +1,6 @@
 """This rank's parameter shards: fp32 masters and their compute copies.
 
-Mirrors the parameter store of torsh's ``parameter_management.rs``, with real
+Mirrors the parameter store of the Rust module's ``parameter_management.rs``, with real
 data: the master is what the optimizer updates, the compute copy (in the
 compression format of ``parameter.codec``) is what a gather sends to the device.
 """
