@@ -1,4 +1,4 @@
-"""Run a benchmark suite, or rebuild results' markdown: see docs/benchmarks.md.
+"""Run a benchmark suite, or rebuild results' Markdown: see docs/benchmarks.md.
 
 python benchmarks/run.py SUITE [options]     # SUITE --help: what it measures, its options
 python benchmarks/run.py --render benchmarks/results/*.json   # each JSON's .md, again
@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from harness.plan import progress
-from harness.report import RESULTS_DIR, machine_info, markdown, write
+from harness.render import RESULTS_DIR, machine_info, markdown, write
+from harness.runner import progress
 
 NAMES = "optimizer compression overlap consolidate peers hf_peers scaling rss_phases gpu"
 NAMES += " pretrained_load soak wire nvme"
@@ -23,7 +23,7 @@ SUITES = {n.replace("_", "-"): importlib.import_module(f"suites.{n}") for n in N
 def main(argv: list[str] | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
-    render = "run nothing: write each results JSON's markdown beside it"
+    render = "run nothing: write each results JSON's Markdown beside it"
     parser.add_argument("--render", nargs="+", type=Path, metavar="JSON", help=render)
     parser.add_argument("--plot", type=Path, metavar="PNG", help="with --render: the plot too")
     sub = parser.add_subparsers(dest="suite", metavar="SUITE")
@@ -37,13 +37,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", type=Path, help="results JSON (default results/<name>.json)")
         for flag, kwargs in suite.OPTIONS.items():
             p.add_argument(flag, **kwargs)
-        p.epilog = suite.EPILOG
+        p.epilog = getattr(suite, "EPILOG", None)
     args = parser.parse_args(argv)
     if args.render:
         for path in args.render:
             payload = json.loads(path.read_text(encoding="utf-8"))
+            if payload.get("suite") not in SUITES:  # results of another tool (faults)
+                progress(f"skipped {path}: not the results of a suite")
+                continue
             suite, md = SUITES[payload["suite"]], path.with_suffix(".md")
-            md.write_text(markdown(payload, suite.report(payload)), encoding="utf-8")
+            md.write_text(markdown(payload, suite), encoding="utf-8")
             progress(f"wrote {md}")
             if args.plot is not None and hasattr(suite, "plot"):
                 suite.plot(payload, args.plot)
@@ -66,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     result = suite.run(args)
     if result is None:  # it could not run (the suite said why)
         return 2
-    name = args.suite + ("-quick" if args.quick else "")  # unless the suite names its results
-    head = {"suite": args.suite, "benchmark": name, "quick": args.quick, "machine": info}
-    payload = {**head, **result}
-    out = args.out or RESULTS_DIR / f"{payload['benchmark']}.json"
-    md = write(out, payload, suite.report(payload))
+    name = result.pop("benchmark", None) or args.suite + ("-quick" if args.quick else "")
+    payload = {"suite": args.suite, "benchmark": name, "quick": args.quick, "machine": info}
+    payload.update(result)
+    out = args.out or RESULTS_DIR / f"{name}.json"
+    md = write(out, payload, suite)
     print(md.read_text(encoding="utf-8"))
     progress(f"wrote {out} and {md}")
     if getattr(args, "plot_path", None) is not None:

@@ -231,6 +231,9 @@ class Ours(Torch):
         device = self.spec.get("device", "cpu")
         self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
         self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
+        self.layer_numels = {
+            n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()
+        }
         self.names = getattr(model, "layer_names", None)
 
     def units(self, model: torch.nn.Module) -> dict[str, Any]:

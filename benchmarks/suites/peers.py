@@ -6,14 +6,12 @@ order rotated per round. ``--sweep-ours`` compares configurations of zero3_offlo
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from harness import train
-from harness.plan import progress
-from harness.report import Report, markdown_table, systems_table
+from harness.render import Col
 from harness.systems import System
-from harness.train import LOSS_STEPS, LOSS_TOLERANCE, loss_agreement, summarize
+from harness.train import LOSS_STEPS, LOSS_TOLERANCE
 
 WORLD = 2
 SIZES = {  # d, heads, blocks, seq; the defaults of the options
@@ -82,6 +80,7 @@ EPILOG = (
     "--repeats/--warmup: timed/untimed steps per run (6/2; quick 5/1; large 4/1); --threads: torch "
     "threads per rank (1; plain torch gets 2x)"
 )
+TITLE = "zero3_offload vs peers ({size} model, same model, data and seed)"
 
 
 def check(args: Any) -> str | None:
@@ -111,76 +110,109 @@ def run(args: Any) -> dict[str, Any] | None:
     if args.vocab is not None:
         dims["vocab"] = args.vocab
     threads = {k: args.threads * (WORLD if s.kind == "torch" else 1) for k, s in systems.items()}
-    result = train.compare(args, systems, dims, threads=threads)
+    compared = train.compare(args, systems, dims, threads=threads)
     name = "peers-sweep" if args.sweep_ours else "peers"
     name += "" if args.size == "small" else f"-{args.size}"
     name += f"-{args.blocks}blocks" if args.blocks else ""
     name += f"-vocab{args.vocab}" if args.vocab is not None else ""
     name += "-mmap" if args.mmap_threshold is not None else ""
-    result["config"].update(
-        world_size=WORLD, threads_per_rank=args.threads, malloc_mmap_threshold=args.mmap_threshold
-    )
-    payload = {"benchmark": name, "size": args.size, **result}
-    if not (summary := summarize(payload)):
-        progress("no system produced a result")
+    config = dict(world_size=WORLD, threads_per_rank=args.threads)
+    result = train.part(compared, **config, malloc_mmap_threshold=args.mmap_threshold)
+    if not result["systems"]:
         return None
-    return {**payload, "losses_agree": loss_agreement(summary)["agree"]}
+    return {
+        "benchmark": name,
+        "size": args.size,
+        **result,
+        "losses_agree": result["agreement"]["agree"],
+    }
 
 
-def report(payload: dict[str, Any], model: str | None = None, title: str | None = None) -> Report:
-    """The report; ``model`` and ``title`` replace the GPT's note on the model and the title."""
-    cfg, summary = payload["config"], summarize(payload)
-    agreement = loss_agreement(summary)
-    base = summary.get("torch") or next(iter(summary.values()))
-    # the losses of each system's first run, their max |diff| from the reference, and between runs
-    k, losses = min(cfg["warmup"] + cfg["steps"], len(base["losses"])), []
-    for key, s in summary.items():
-        checked = agreement["systems"].get(key)  # a bound trains nothing together: not checked
-        diff = f"{checked['max_diff']:.2e}" if checked else "- (bound)"
-        shown = [f"{v:.5f}" for v in s["losses"][:k]]
-        losses.append([s["label"], *shown, diff, f"{s['losses_max_run_spread']:.1e}"])
-    diff_header = f"max |diff| vs {base['label']} (first {LOSS_STEPS})"
-    l_headers = ["system", *(f"step {i}" for i in range(k)), diff_header, "max spread between runs"]
-    # per round: the order of the runs, the range of the load averages at their starts, and each
-    # system's run's median step (its CPU seconds per step in parentheses)
-    rounds = []
-    for r in range(cfg["rounds"]):
-        in_round = [run for run in payload["runs"] if run["round"] == r]
-        by = {run["key"]: run for run in in_round if run["ok"]}
-        starts = [x.get("load_average_at_start") for x in in_round]
-        loads = [f"{load[0]:.1f}" for load in starts if load]
-        cells = [
-            f"{train.run_median(by[key]):.3f} ({statistics.median(train.step_cpu(by[key])):.2f})"
-            if key in by
-            else "-"
-            for key in summary
-        ]
-        order = " > ".join(x["key"] for x in in_round)
-        rounds.append([str(r), order, f"{min(loads)}-{max(loads)}" if loads else "-", *cells])
-    r_headers = ["round", "order", "load avg", *(s["label"] for s in summary.values())]
-    tables = "\n\n".join(
-        [
-            systems_table(summary, {"FSDP2": "fsdp2", "torch": "torch"}),
-            f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
-            "weights and data for every system):",
-            markdown_table(l_headers, losses),
-            "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and "
-            "the 1-minute load average at the runs' starts; drift of the machine shows here:",
-            markdown_table(r_headers, rounds),
-        ]
-    )
-    dims, per_layer, mmap = cfg["dims"], cfg["layer_params"], cfg["malloc_mmap_threshold"]
-    labels = {k: s.label for k, s in (SWEEP | SYSTEMS).items()}
-    labels.update({k: s["label"] for k, s in cfg["systems"].items()})
+def system_columns(refs: dict[str, str]) -> list[Col]:
+    """The table of training systems: step time, CPU time, phases and memory, with ratios to the
+    systems of ``refs`` (name -> key; CPU time and GPU memory to the first only)."""
+
+    def vs(field: str, names: dict[str, str] = refs) -> list[Col]:
+        return [Col(f"vs {name}", field, "x", key) for name, key in names.items()]
+
+    first = dict(list(refs.items())[:1])
+    return [
+        Col("system", "label"),
+        Col("ranks x threads", "{world_size} x {threads_per_rank}"),
+        Col("median step s", "median_step_s", ".3f"),
+        *vs("median_step_s"),
+        Col("best run step s", "best_run_step_s", ".3f"),
+        Col("CPU s / step", "median_cpu_s", ".3f"),
+        *vs("median_cpu_s", first),
+        Col("fwd+loss s", "median_forward_s", ".3f"),
+        Col("backward s", "median_backward_s", ".3f"),
+        Col("optimizer s", "median_optimizer_s", ".3f"),
+        Col("peak GPU allocated MiB", "peak_gpu_bytes", "mib"),
+        *vs("peak_gpu_bytes", first),
+        Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
+        *vs("peak_rss_bytes"),
+        Col("RSS after import MiB", "import_rss_bytes", "mib"),
+        Col("model state / rank MiB", "model_state_bytes", "mib1"),
+    ]
+
+
+def loss_table(p: dict[str, Any]) -> list:
+    """The first run's loss per step of every system, its max |diff| from the reference's, and
+    the spread between runs."""
+    ref = next(s for s in p["systems"].values() if s["label"] == p["agreement"]["reference"])
+    k = min(p["config"]["warmup"] + p["config"]["steps"], len(ref["losses"]))
+    columns = [
+        Col("system", "label"),
+        *(Col(f"step {i}", f"{{losses[{i}]:.5f}}") for i in range(k)),
+    ]
+    diff = f"max |diff| vs {ref['label']} (first {LOSS_STEPS})"
+    columns += [Col(diff, "loss_max_diff", ".2e", missing="- (bound)")]
+    return [
+        f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
+        "weights and data for every system):",
+        ([*columns, Col("max spread between runs", "loss_spread", ".1e")], p["systems"]),
+    ]
+
+
+def rounds_table(p: dict[str, Any]) -> list:
+    """Per round: the order of the runs, the range of the load averages at their starts, and each
+    system's run's median step (its CPU seconds per step in parentheses)."""
+    rows = []
+    for r in range(p["config"]["rounds"]):
+        runs = [x for x in p["runs"] if x["round"] == r]
+        loads = [x["load"] for x in runs if "load" in x]
+        row = {"round": str(r), "order": " > ".join(x["key"] for x in runs)}
+        row["load"] = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+        row.update(
+            {x["key"]: f"{x['median_step_s']:.3f} ({x['cpu_s']:.2f})" for x in runs if x["ok"]}
+        )
+        rows.append(row)
+    systems = [Col(s["label"], key) for key, s in p["systems"].items()]
+    return [
+        "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and the "
+        "1-minute load average at the runs' starts; drift of the machine shows here:",
+        ([Col("round", "round"), Col("order", "order"), Col("load avg", "load"), *systems], rows),
+    ]
+
+
+def layout(p: dict[str, Any]) -> list:
+    refs = {"FSDP2": "fsdp2", "torch": "torch"}
+    return [(system_columns(refs), p["systems"]), *loss_table(p), *rounds_table(p)]
+
+
+def notes(p: dict[str, Any], model: str | None = None) -> list[str]:
+    """The notes of a comparison; ``model`` replaces the GPT's description."""
+    cfg, dims, ag = p["config"], p["config"]["dims"], p["agreement"]
+    mmap = cfg.get("malloc_mmap_threshold")
     malloc = "defaults (dynamic mmap threshold, up to 32 MiB) in every process"
     malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else malloc
     model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
         f"seq {dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
-        f"{cfg['params']:,} fp32 params in "
-        f"{len(per_layer)} layers (largest {max(per_layer.values()):,})"
+        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest "
+        f"{cfg['largest_layer']:,})"
     )
-    notes = [
+    return [
         f"{model}; global batch {dims['global_batch']}, split evenly over the ranks; seed "
         f"{cfg['seed']} for every system. Data: {cfg['corpus']['description']} (sha256 "
         f"{cfg['corpus']['sha256'][:12]}), the same batches for every system.",
@@ -192,14 +224,15 @@ def report(payload: dict[str, Any], model: str | None = None, title: str | None 
         f"{cfg['rounds']} rounds, the order rotated each round. Columns as docs/benchmarks.md "
         "(peers) defines them: medians over every timed step of every rank and run; CPU s summed "
         "over the ranks; peak RSS = VmHWM, max over ranks, median over runs; vs X = this / X's.",
-        f"Losses agree with {base['label']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
-        f"steps: {agreement['agree']} (max |diff| {agreement['max_diff']:.2e}).",
+        f"Losses agree with {ag['reference']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
+        f"steps: {ag['agree']} (max |diff| {ag['max_diff']:.2e}).",
         f"glibc malloc: {malloc}.",
         *(
-            f"{'FAILED' if k in cfg['systems'] else 'SKIPPED'} {labels.get(k, k)}: {msg}"
-            for k, msg in payload["skipped"].items()
+            f"{'FAILED' if s['failed'] else 'SKIPPED'} {s['label']}: {s['why']}"
+            for s in p["skipped"].values()
         ),
-        f"whole benchmark {payload['total_wall_s']:.0f} s wall.",
+        f"whole benchmark {p['total_wall_s']:.0f} s wall.",
     ]
-    title = title or f"zero3_offload vs peers ({payload['size']} model, same model, data and seed)"
-    return Report(title, tables, notes)
+
+
+NOTES = [notes]
