@@ -18,6 +18,23 @@ from harness.runner import progress
 NAMES = "optimizer compression overlap consolidate peers hf_peers scaling rss_phases gpu"
 NAMES += " pretrained_load soak wire nvme"
 SUITES = {n.replace("_", "-"): importlib.import_module(f"suites.{n}") for n in NAMES.split()}
+COMMON = {  # every suite's; and those a suite names in its TAKES
+    "quick": {"action": "store_true", "help": "tiny sizes: a smoke test, not a measurement"},
+    "repeats": {"type": int, "help": "timed repeats (or steps) per case"},
+    "warmup": {"type": int, "help": "untimed repeats (or steps) first"},
+    "threads": {"type": int, "help": "torch threads (per rank where ranks run)"},
+    "out": {"type": Path, "help": "results JSON (default results/<name>.json)"},
+    "rounds": {"type": int, "help": "rounds: every case once per round, the order rotated"},
+    "seed": {"type": int, "help": "model and data seed"},
+    "timeout": {"type": float, "help": "seconds each run (or job) may take"},
+    "keep": {"action": "store_true", "help": "keep the work directory (logs, outputs)"},
+    "mmap_threshold": {
+        "type": int,
+        "metavar": "BYTES",
+        "help": "MALLOC_MMAP_THRESHOLD_ in every rank (glibc returns freed blocks this large to "
+        "the OS; `zero3-offload train` sets 1048576); the name gets -mmap",
+    },
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,16 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, metavar="PNG", help="with --render: the plot too")
     sub = parser.add_subparsers(dest="suite", metavar="SUITE")
     for name, suite in SUITES.items():
-        doc = suite.__doc__
-        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc, formatter_class=raw)
-        p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, no figure")
-        p.add_argument("--repeats", type=int, help="timed repeats (or steps) per case")
-        p.add_argument("--warmup", type=int, help="untimed repeats (or steps) first")
-        p.add_argument("--threads", type=int, help="torch threads (per rank where ranks run)")
-        p.add_argument("--out", type=Path, help="results JSON (default results/<name>.json)")
+        doc, quick = suite.__doc__, getattr(suite, "QUICK", {})
+        defaults = ", ".join(f"{k} {v}" for k, v in suite.DEFAULTS.items())
+        epilog = f"defaults: {defaults}" + (f"; with --quick: {quick}" if quick else "")
+        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc, epilog=epilog)
+        taken = ["quick", "repeats", "warmup", "threads", "out", *getattr(suite, "TAKES", [])]
+        for key in taken:
+            p.add_argument(f"--{key.replace('_', '-')}", **COMMON[key])
         for flag, kwargs in suite.OPTIONS.items():
             p.add_argument(flag, **kwargs)
-        p.epilog = getattr(suite, "EPILOG", None)
     args = parser.parse_args(argv)
     if args.render:
         for path in args.render:
@@ -60,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in {**suite.DEFAULTS, **quick}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    counts = [getattr(args, k, None) for k in ("repeats", "threads", "rounds")]
     problem = suite.check(args) if hasattr(suite, "check") else None
-    if any(v is not None and v < 1 for v in (args.repeats, args.threads)):
-        problem = "--repeats and --threads must be >= 1"
+    if any(v is not None and v < 1 for v in counts) or (args.warmup or 0) < 0:
+        problem = "--repeats, --threads and --rounds must be >= 1, --warmup >= 0"
     if problem:
         parser.error(f"{args.suite}: {problem}")
     info = machine_info(args.threads)  # first: it sets torch's threads; the load at the start
@@ -71,16 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = result.pop("benchmark", None) or args.suite + ("-quick" if args.quick else "")
     payload = {"suite": args.suite, "benchmark": name, "quick": args.quick, "machine": info}
-    payload.update(result)
     out = args.out or RESULTS_DIR / f"{name}.json"
-    md = write(out, payload, suite)
+    md = write(out, {**payload, **result}, suite)
     print(md.read_text(encoding="utf-8"))
     progress(f"wrote {out} and {md}")
     if getattr(args, "plot_path", None) is not None:
-        suite.plot(payload, args.plot_path)
+        suite.plot(json.loads(out.read_text(encoding="utf-8")), args.plot_path)
         progress(f"wrote {args.plot_path}")
     # 1 when a run or part failed, 2 when the systems' losses disagree
-    return 1 if payload.get("failed") else 2 if payload.get("losses_agree") is False else 0
+    return 1 if result.get("failed") else 2 if result.get("losses_agree") is False else 0
 
 
 if __name__ == "__main__":

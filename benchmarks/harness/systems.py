@@ -229,11 +229,11 @@ class Ours(Torch):
         wd = self.spec["weight_decay"]
         opt = OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
         device = self.spec.get("device", "cpu")
-        self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
-        self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
         self.layer_numels = {
             n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()
-        }
+        }  # before the manager shards them
+        self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
+        self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
         self.names = getattr(model, "layer_names", None)
 
     def units(self, model: torch.nn.Module) -> dict[str, Any]:

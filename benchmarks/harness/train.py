@@ -30,15 +30,12 @@ from harness.systems import SYSTEMS, System
 LR, WEIGHT_DECAY = 3e-4, 0.01  # AdamW's, unless a suite's spec says otherwise
 LOSS_STEPS, LOSS_TOLERANCE = 5, 1e-3  # the first steps' losses of every system agree this well
 MIN_TIMED = 2  # timed steps a paced run keeps
-RANK_OPTIONS = {  # of the suites that run ranks from the command line
-    "--mmap-threshold": {
-        "type": int,
-        "metavar": "BYTES",
-        "help": "MALLOC_MMAP_THRESHOLD_ in every rank (glibc returns freed blocks this large to "
-        "the OS; `zero3-offload train` sets 1048576); the name gets -mmap",
-    },
-    "--keep": {"action": "store_true", "help": "keep the work directory (rank logs)"},
-}
+
+
+def check_loss_steps(args: Any) -> str | None:
+    if args.warmup + args.repeats < LOSS_STEPS:
+        return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
+    return None
 
 
 def stats_delta(prev: Any, now: Any) -> dict[str, Any]:

@@ -32,8 +32,6 @@ NOTES = [
     "{config[elements]:,} fp32 elements ({mib:.0f} MiB), N(0, {config[data_std]}^2) data, absmax "
     "{config[absmax]:.4g}; median of {config[repeats]} repeats after {config[warmup]} warm-up, "
     "cases interleaved.",
-    "GB/s = fp32 input bytes (numel x 4) per second, both directions; 'vs copy' = copy_ time / "
-    "codec time (>1 is faster than the copy).",
     "baseline copy_ median {copy_ms:.1f} ms = {copy_gbs:sig} GB/s of input ({copy_gbs2:sig} GB/s "
     "read+write).",
     "INT8 block {config[block_size]}: worst per-block error / block absmax {int8_block_err:.3e} "

@@ -37,12 +37,9 @@ CASES = {
 }
 if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
     del CASES["naive load_file (pread)"]  # safetensors < 0.8 has no choice of backend
-OPTIONS = {
-    "--workdir": {"type": Path, "help": "where the checkpoint goes (default: a temp dir)"},
-    "--keep": {"action": "store_true", "help": "keep the checkpoint and outputs"},
-}
+TAKES = ["keep"]
+OPTIONS = {"--workdir": {"type": Path, "help": "where the checkpoint goes (default: a temp dir)"}}
 DEFAULTS, QUICK = {"repeats": 5, "warmup": 1}, {"repeats": 1, "warmup": 0}
-EPILOG = "--repeats/--warmup: measured/untimed rounds (5/1; quick 1/0); --threads: each case's"
 TITLE = "Checkpoint consolidation ({model[mib]:.1f} MiB fp32 model, {config[world_size]} ranks)"
 # fmt: off
 LAYOUT = [([
@@ -53,25 +50,19 @@ LAYOUT = [([
 ], "rows")]
 NOTES = [
     "model: {model[layers]} layers (nn.Linear widths {model[widths]}, LayerNorm after "
-    "{model[norms]}), {model[tensors]} tensors, {model[bytes]:,} bytes fp32 ({model[mib]:.1f} MiB); "
-    "largest tensor {model[largest]}: {model[largest_bytes]:,} bytes ({model[largest_bytes]:mib1} MiB).",
+    "{model[norms]}), {model[tensors]} tensors, {model[bytes]:,} bytes fp32 ({model[mib]:.1f} "
+    "MiB); largest tensor {model[largest]}: {model[largest_bytes]:,} bytes "
+    "({model[largest_bytes]:mib1} MiB).",
     "checkpoint: saved by Zero3CpuOffloadManager on {config[world_size]} gloo ranks right after "
     "construction (no optimizer state yet), {checkpoint[bytes]:,} bytes in {checkpoint[files]} "
     "files; outputs {outputs[safetensors]:,} bytes (.safetensors) and {outputs[pt]:,} bytes (.pt). "
     "Read from the page cache (just written).",
     "each case a fresh process ({threads} torch threads); medians of {config[repeats]} round(s) "
     "after {config[warmup]} warm-up round(s), cases interleaved.",
-    "peak RSS = the child's VmHWM (includes mapped file pages; ru_maxrss would include the "
-    "parent's peak, see the script); peak anon = RssAnon of /proc/<pid>/status sampled every "
-    "{config[sample_ms]:g} ms by the parent; '- baseline' subtracts the baseline process's median "
-    "(imports only); '/ model' and '/ largest' divide that by the model's and the largest "
-    "tensor's bytes.",
-    lambda p: "wall s = time.perf_counter around the call only (no interpreter start or imports); "
-    "the safetensors path fsyncs its output"
-    + (" (timed apart by wrapping os.fsync in the child)" if "fsync_s" in p["rows"][1] else "")
-    + ", torch.save does not.",
-    "verified: both outputs hold exactly the model's state-dict names, load strict=True, and every "
-    "tensor's SHA-256 equals the original model's.",
+    "Peaks sampled from outside every {config[sample_ms]:g} ms; columns as docs/benchmarks.md "
+    "(consolidate) defines them.",
+    "verified: both outputs hold exactly the model's state-dict names, load strict=True, and "
+    "every tensor's SHA-256 equals the original model's.",
 ]
 # fmt: on
 
@@ -190,7 +181,7 @@ def run(args: Any) -> dict[str, Any] | None:
         if not saved["ok"]:
             progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
             return None
-        files = list(Path(saved["ranks"][0]["path"]).iterdir())
+        files = [f.stat().st_size for f in Path(saved["ranks"][0]["path"]).iterdir()]
 
         def one(e: dict[str, Any]) -> dict[str, Any]:
             run_dir, case_spec = (
@@ -239,7 +230,7 @@ def run(args: Any) -> dict[str, Any] | None:
         "warmup": args.warmup,
     }
     config["sample_ms"] = SAMPLE_S * 1000
-    checkpoint = {"bytes": sum(f.stat().st_size for f in files), "files": len(files)}
+    checkpoint = {"bytes": sum(files), "files": len(files)}
     return {
         "config": config,
         "model": model_figures(widths, sizes),

@@ -1,10 +1,9 @@
 """One GPU: a ~1B-parameter step of zero3_offload vs FSDP2 + CPUOffloadPolicy, and its copies.
 
-(a) plain torch's host<->device copies per size (pageable and pinned), the references for the
-library's own copies in (b): their bytes and seconds as get_performance_stats() counts them
-(`transfers`, timed with CUDA events); (b) step time and peak memory; (c) the copies no kernel
-overlapped in one profiled step. Each part its own processes, within ``--budget-s``;
-``--cpu-check`` runs the same code on the CPU.
+peers' comparison of the two on one CUDA rank (bf16 compute, fp32 masters); the library's own
+host<->device copies as get_performance_stats() counts them, next to plain torch's (pageable,
+pinned) in a process of their own; the copies no kernel overlapped in one profiled step. Within
+--budget-s; --cpu-check runs the same code on the CPU.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ MODES = {  # copy sizes MiB; d, heads, blocks, context, global batch
     "cpu-check": ([1, 4], (64, 4, 2, 32, 2)),
 }
 SHARE = {"copy": 0.3, "train": 0.32}  # of --budget-s: the copies' process; each training run
-OFFLOAD = {"offload_params": True, "offload_grads": True, "offload_optimizer_states": True}
-SYSTEMS = {  # the system the suite is about, then the baseline; each on one rank
+OFFLOAD = dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_states"), True)
+SYSTEMS = {  # each on one rank
     OURS: System(
         "zero3_offload offload",
         OURS,
@@ -49,33 +48,29 @@ SYSTEMS = {  # the system the suite is about, then the baseline; each on one ran
 }
 OPTIONS = {
     "--cpu-check": {"action": "store_true", "help": "every part on the CPU, tiny"},
-    "--budget-s": {"type": float, "default": 420.0, "help": "wall-clock budget (420)"},
-    "--steps": {"type": int, "default": 5, "help": "timed training steps (5)"},
+    "--budget-s": {"type": float, "default": 420.0, "help": "wall-clock budget"},
+    "--steps": {"type": int, "default": 5, "help": "timed training steps"},
     "--no-profile": {"action": "store_true", "help": "skip the profiled steps"},
 }
-DEFAULTS = {"repeats": 10, "warmup": 2}
-EPILOG = "--repeats/--warmup: timed/untimed copies per case (10/2); --warmup: also steps (2)"
+DEFAULTS = {"repeats": 10, "warmup": 2}  # copies per case; --warmup: also the training's
 TITLE = "GPU suite: zero3_offload's ~1B-param step and copies vs FSDP2 + CPUOffloadPolicy"
-COPIES = [
-    Col("size MiB", "size"),
-    Col("dir", "direction"),
-    Col("path", "path"),
-    Col("median ms", "median_s", "ms1"),
-    Col("GB/s", "gbs", "sig", missing="no copy"),
-    Col("vs torch pinned", "gbs", "x", "pinned"),
-]
+# fmt: off
+COPIES = [Col("size MiB", "size"), Col("dir", "direction"), Col("path", "path"),
+          Col("median ms", "median_s", "ms1"), Col("GB/s", "gbs", "sig", missing="no copy"),
+          Col("vs torch pinned", "gbs", "x", "pinned")]
+# fmt: on
 
 
 def check(args: Any) -> str | None:
     args.threads = args.threads or (1 if args.cpu_check else torch.get_num_threads())
-    if args.repeats < 5 or args.warmup < 1 or args.steps < 2 or args.budget_s < 30:
-        return "need --repeats >= 5, --warmup >= 1, --steps >= 2, --budget-s >= 30"
+    if args.repeats < 5 or args.steps < 2 or args.budget_s < 30:
+        return "need --repeats >= 5, --steps >= 2, --budget-s >= 30"
     return None
 
 
 def time_copies(device: torch.device, size: int, warmup: int, repeats: int) -> list[dict]:
-    """Plain torch's copies of ``size`` bytes each way, interleaved, the first checked: by CUDA
-    events (on the CPU, the host's clock) the median of ``repeats`` after ``warmup``."""
+    """Plain torch's copies of ``size`` bytes each way, interleaved, the first checked: the median
+    by CUDA events (on the CPU, the host's clock) of ``repeats`` after ``warmup``."""
     cuda, n = device.type == "cuda", size // 4
     pageable = torch.arange(n, dtype=torch.float32)
     pinned, dev, dst = (
@@ -93,7 +88,7 @@ def time_copies(device: torch.device, size: int, warmup: int, repeats: int) -> l
         ("d2h", "torch pinned .to(non_blocking)"): (lambda: dev.to("cpu", non_blocking=True), dev),
     }
     times: dict[tuple, list[float]] = {k: [] for k in paths}
-    copied, events = {}, [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+    copied, events = {}, [torch.cuda.Event(enable_timing=True) for _ in range(2 * cuda)]
     for i in range(warmup + repeats):
         for key, (fn, source) in paths.items():
             if cuda:
@@ -112,8 +107,12 @@ def time_copies(device: torch.device, size: int, warmup: int, repeats: int) -> l
                 )
     rows = []
     for (direction, path), samples in times.items():
-        row = {"size": f"{size // MIB:,}", "direction": direction.upper(), "path": path}
-        row["median_s"] = statistics.median(samples)
+        row = {
+            "size": f"{size // MIB:,}",
+            "direction": direction.upper(),
+            "path": path,
+            "median_s": statistics.median(samples),
+        }
         rows.append(
             {**row, "gbs": size / row["median_s"] / 1e9} if copied[(direction, path)] else row
         )
@@ -121,7 +120,7 @@ def time_copies(device: torch.device, size: int, warmup: int, repeats: int) -> l
 
 
 def copies(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Rank target of (a): every size, smallest first; the larger skipped near the deadline."""
+    """Rank target: every size, smallest first; the larger skipped near the deadline."""
     device, out, per_byte_s = torch.device(spec["device"]), {"rows": [], "notes": []}, None
     for size in spec["sizes_bytes"]:
         if (
@@ -147,8 +146,8 @@ def covered(spans: list[tuple[float, float]]) -> float:
 
 
 async def profiled(spec: dict[str, Any], system: Any, result: dict[str, Any]) -> None:
-    """One more step under torch.profiler: the time of its HtoD/DtoH memcpys during which no
-    kernel ran (interval unions), over the time of all of them."""
+    """One more step under torch.profiler: the seconds of its HtoD/DtoH memcpys during which no
+    kernel ran (interval unions), and of all of them."""
     from torch.profiler import ProfilerActivity, profile
 
     left, needed = (
@@ -158,14 +157,14 @@ async def profiled(spec: dict[str, Any], system: Any, result: dict[str, Any]) ->
     if not spec["profile"] or left < needed:
         result["notes"].append(f"profiled step skipped: {left:.0f} s left, ~{needed:.0f} s needed")
         return
-    device = torch.device(spec["device"])
+    device, trace = torch.device(spec["device"]), Path(spec["out_dir"]) / "profile.trace.json"
     x, y = (
         t.to(device) for t in workload.batches(len(result["steps"]) + 1, spec["dims"], SEED + 1)[-1]
     )
-    trace = Path(spec["out_dir"]) / "profile.trace.json"
-    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
     try:
-        with profile(activities=activities) as prof:
+        with profile(
+            activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
+        ) as prof:
             (await system.step(x, y, StepClock())).item()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -173,29 +172,38 @@ async def profiled(spec: dict[str, Any], system: Any, result: dict[str, Any]) ->
     except Exception as exc:  # the timed steps stand; the note says why this one is missing
         result["notes"].append(f"profiled step failed: {type(exc).__name__}: {exc}".splitlines()[0])
         return
-    events = json.loads(trace.read_text(encoding="utf-8")).get("traceEvents", [])
-    trace.unlink()  # tens of MB; the figures are kept
     kernels, copied = [], []
-    for e in events:
+    for e in json.loads(trace.read_text(encoding="utf-8")).get("traceEvents", []):
         if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e:
-            span = (float(e["ts"]) / 1e6, (float(e["ts"]) + float(e.get("dur", 0))) / 1e6)
-            name, cat = str(e.get("name", "")), str(e.get("cat", "")).lower()
-            kernels += [span] if cat == "kernel" else []
-            copied += [span] if cat == "gpu_memcpy" and ("HtoD" in name or "DtoH" in name) else []
-    busy = covered(kernels)
-    result["copy_s"], result["exposed_s"] = covered(copied), covered(copied + kernels) - busy
+            span, name = (e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6), str(e.get("name", ""))
+            kernels += [span] if str(e.get("cat", "")).lower() == "kernel" else []
+            copied += (
+                [span]
+                if str(e.get("cat", "")).lower() == "gpu_memcpy"
+                and ("HtoD" in name or "DtoH" in name)
+                else []
+            )
+    trace.unlink()  # tens of MB; the figures are kept
+    result["copy_s"], result["exposed_s"] = (
+        covered(copied),
+        covered(copied + kernels) - covered(kernels),
+    )
 
 
 def run(args: Any) -> dict[str, Any] | None:
     if not args.cpu_check and not torch.cuda.is_available():
-        build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
-        progress(f"gpu: CUDA is not available ({build}); run it on a GPU, or with --cpu-check")
+        progress(
+            f"gpu: CUDA is not available (torch {torch.__version__}); run it on a GPU, or with "
+            f"--cpu-check"
+        )
         return None
     mode = "cpu-check" if args.cpu_check else "quick" if args.quick else "full"
-    device = "cpu" if args.cpu_check else "cuda"
-    copy_mib, (d, heads, blocks, seq, batch) = MODES[mode]
+    device, (copy_mib, (d, heads, blocks, seq, batch)) = (
+        "cpu" if args.cpu_check else "cuda",
+        MODES[mode],
+    )
     started = time.monotonic()
-    with work_directory("gpu-", keep=False) as work:  # (a), in a process of its own
+    with work_directory("gpu-", keep=False) as work:
         spec = {
             "device": device,
             "sizes_bytes": [s * MIB for s in copy_mib],
@@ -205,7 +213,6 @@ def run(args: Any) -> dict[str, Any] | None:
         copy = launch(
             "suites.gpu:copies", spec, work, torchrun=False, timeout_s=SHARE["copy"] * args.budget_s
         )
-    # (b) and (c): the training comparison of peers, with these systems on this device, one rank
     options = argparse.Namespace(warmup=args.warmup, repeats=args.steps, seed=SEED, rounds=1)
     options.timeout = SHARE["train"] * args.budget_s
     spec = {
@@ -219,79 +226,65 @@ def run(args: Any) -> dict[str, Any] | None:
     compared = train.compare(
         options, dict(SYSTEMS), dims, threads=dict.fromkeys(SYSTEMS, args.threads), spec=spec
     )
-    part = train.part(compared, dtype=DTYPE, repeats=args.repeats, budget_s=args.budget_s)
-    rows = copy["ranks"][0].get("rows", []) if copy["ranks"] else []
+    part = train.part(compared, OURS, dtype=DTYPE, repeats=args.repeats, budget_s=args.budget_s)
+    rows, notes = copy["ranks"][0].get("rows", []) if copy["ranks"] else [], []
     for r in compared["runs"]:
-        rank, key = r["ranks"][0] if r["ranks"] else {}, r["key"]
-        if key in part["systems"] and "copy_s" in rank:
-            part["systems"][key].update(copy_s=rank["copy_s"], exposed_s=rank["exposed_s"])
-        for direction in ("h2d", "d2h") if r["ok"] and key == OURS else ():  # its own CUDA events
-            got = [s["stats"]["transfers"].get(direction) for s in rank["steps"][r["warmup"] :]]
-            nbytes, seconds = sum(g["bytes"] for g in got if g), sum(g["time"] for g in got if g)
+        rank = r["ranks"][0] if r["ranks"] else {}
+        notes += [f"{r['key']}: {n}" for n in rank.get("notes", [])]
+        if r["key"] in part["systems"] and "copy_s" in rank:
+            part["systems"][r["key"]].update(copy_s=rank["copy_s"], exposed_s=rank["exposed_s"])
+        for direction in ("h2d", "d2h") if r["ok"] and r["key"] == OURS else ():  # its CUDA events
+            got = [
+                g
+                for s in rank["steps"][r["warmup"] :]
+                if (g := s["stats"]["transfers"].get(direction))
+            ]
+            nbytes, seconds = sum(g["bytes"] for g in got), sum(g["time"] for g in got)
             row = {
                 "size": "per layer",
                 "direction": direction.upper(),
-                "path": "zero3_offload in (b)",
+                "path": "zero3_offload in training",
             }
-            rows.append(
-                {**row, "median_s": None, **({"gbs": nbytes / seconds / 1e9} if seconds else {})}
-            )
-    notes = [
-        f"{r['key']}: {n}"
-        for r in compared["runs"]
-        for rk in r["ranks"]
-        for n in rk.get("notes", [])
-    ]
+            rows.append({**row, **({"gbs": nbytes / seconds / 1e9} if seconds else {})})
     notes += [f"copy: {n}" for n in (copy["ranks"][0].get("notes", []) if copy["ranks"] else [])]
     failed = [
         f"{r['key']}: {r['error']}"
         for r in [{"key": "copy", **copy}, *compared["runs"]]
         if not r["ok"]
     ]
-    name = "gpu" if mode == "full" else f"gpu-{mode}"
-    return {
-        "benchmark": name,
+    out = {
+        "benchmark": "gpu" if mode == "full" else f"gpu-{mode}",
         "mode": mode,
         **part,
         "copies": rows,
-        "notes": notes,
-        "failed": failed,
-        "elapsed_s": time.monotonic() - started,
     }
+    return {**out, "notes": notes, "failed": failed, "elapsed_s": time.monotonic() - started}
 
 
 def layout(p: dict[str, Any]) -> list:
     pinned = {(r["size"], r["direction"]): r for r in p["copies"] if "pinned" in r["path"]}
     rows = [{**r, "pinned": pinned.get((r["size"], r["direction"]), {})} for r in p["copies"]]
-    columns = peers.system_columns({"FSDP2": BASELINE})
-    columns.append(Col("exposed copy (profiled step)", "{exposed_s:.4f} of {copy_s:.4f} s"))
+    blocks = peers.layout(p, {"FSDP2": BASELINE})
+    blocks[0][0].append(Col("exposed copy (profiled step)", "{exposed_s:.4f} of {copy_s:.4f} s"))
     return [
-        (columns, p["systems"]),
-        "(a) Copy bandwidth, host<->device (plain torch; zero3_offload's own copies in (b)):",
+        *blocks,
+        "Copy bandwidth, host<->device (zero3_offload's: its own CUDA events):",
         (COPIES, rows),
     ]
 
 
 def notes(p: dict[str, Any]) -> list[str]:
-    cfg, dims, cuda = p["config"], p["config"]["dims"], p["mode"] != "cpu-check"
-    a, b = (p["systems"].get(k, {}).get("losses") or [] for k in (OURS, BASELINE))
-    n = min(len(a), len(b))
-    shown = ", ".join(f"{x:.4f}/{y:.4f}" for x, y in zip(a[:4], b[:4], strict=False))
-    diff = max((abs(x - y) for x, y in zip(a[:n], b[:n], strict=True)), default=0.0)
-    check = "CPU CHECK: tiny sizes on the CPU, nothing pinned, host timers; these figures measure "
+    check = [
+        "CPU CHECK: tiny sizes on the CPU, nothing pinned, host timers; these figures measure "
+        "nothing about GPUs."
+    ]
+    cfg = p["config"]
     return [
-        *([] if cuda else [check + "nothing about GPUs."]),
-        f"{cfg['model']}, {cfg['params']:,} parameters (d {dims['d']}, {dims['heads']} heads, "
-        f"{dims['n_layers']} blocks, context {dims['seq']}, global batch {dims['global_batch']}), "
-        f"{cfg['dtype']} compute, fp32 masters, seed {cfg['seed']}, world size 1 "
-        f"({'NCCL' if cuda else 'gloo'}); {cfg['warmup']} warm-up then up to {cfg['steps']} timed "
-        "steps, as docs/benchmarks.md (gpu) describes them and their columns.",
-        f"losses (zero3_offload/FSDP2), first steps: {shown}; max |diff| over {n} steps {diff:.2e}"
-        if n
-        else "losses: not comparable (a run produced none)",
-        f"copies: {cfg['repeats']} repeats after {cfg['warmup']} warm-up, interleaved; "
-        "zero3_offload's: the bytes and seconds of its h2d/d2h transfers over the timed steps of "
-        "(b) (get_performance_stats()).",
+        *(check if p["mode"] == "cpu-check" else []),
+        *peers.notes(p),
+        f"{cfg['dtype']} compute, fp32 masters, world size 1; copies: {cfg['repeats']} repeats "
+        f"after "
+        f"{cfg['warmup']} warm-up, interleaved; docs/benchmarks.md (gpu) describes the parts.",
         *p["notes"],
         *(f"FAILED {f}" for f in p["failed"]),
     ]

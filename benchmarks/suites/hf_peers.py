@@ -12,7 +12,6 @@ from typing import Any
 
 from harness import train
 from harness.systems import System
-from harness.train import LOSS_STEPS
 
 from suites import peers
 
@@ -44,16 +43,11 @@ KEYS = sorted({k for table in SYSTEMS.values() for k in table})
 OPTIONS = {
     "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, gpt (both)"},
     "--systems": {"help": f"comma-separated subset of {', '.join(KEYS)} (each model's own)"},
-    "--rounds": {"type": int, "help": "rounds of all systems (1)"},
-    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
-    "--timeout": {"type": float, "help": "seconds per run (3600; quick 300)"},
-    **train.RANK_OPTIONS,
-    "--mmap-threshold": {"type": int, "metavar": "BYTES", "help": "glibc's, per rank (1048576)"},
 }
-DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 3600.0}
+TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
+DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 3600.0, "seed": 0}
 DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
 QUICK = {"timeout": 300.0}
-EPILOG = "--repeats/--warmup: timed/untimed steps per run (4/1); --threads: per rank (1; torch 2x)"
 TITLE = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
 
 
@@ -64,11 +58,7 @@ def check(args: Any) -> str | None:
         return f"unknown models or systems {sorted(unknown)}; known: {', '.join([*MODELS, *KEYS])}"
     if "llama" in args.model_keys and importlib.util.find_spec("transformers") is None:
         return "the llama needs transformers (pip install transformers), or --models gpt"
-    if min(args.rounds, args.repeats) < 1 or args.warmup < 0:
-        return "--rounds and --repeats must be >= 1, --warmup >= 0"
-    if args.warmup + args.repeats < LOSS_STEPS:
-        return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
-    return None
+    return train.check_loss_steps(args)
 
 
 def loop_ms(runs: list[dict]) -> dict[str, float] | None:

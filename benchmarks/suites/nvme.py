@@ -40,19 +40,15 @@ GOAL_TIER = 0.70  # of the disk's bandwidth
 GOAL_STEP = 1.15  # step on disk / step in memory, for a compute-bound step
 OPTIONS = {
     "--nvme-path": {"help": "directory on the disk to measure (a temporary one under /var/tmp)"},
-    "--disk-mib": {"type": int, "help": "MiB written and read to measure the disk (1024)"},
-    "--batch": {"type": int, "help": "global batch of the training runs (64; quick 8)"},
-    "--blocks": {"type": int, "help": "GPT blocks of the training runs (6; quick 2)"},
-    "--rounds": {"type": int, "help": "rounds of the training runs (2; quick 1)"},
-    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
-    "--timeout": {"type": float, "help": "seconds per training run (1800; quick 300)"},
-    **train.RANK_OPTIONS,
+    "--disk-mib": {"type": int, "help": "MiB written and read to measure the disk"},
+    "--batch": {"type": int, "help": "global batch of the training runs"},
+    "--blocks": {"type": int, "help": "GPT blocks of the training runs"},
 }
+TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "disk_mib": 1024, "batch": 64}
-DEFAULTS.update(blocks=6, rounds=2, timeout=1800.0)
+DEFAULTS.update(blocks=6, rounds=2, timeout=1800.0, seed=0)
 QUICK = {"warmup": 1, "repeats": 2, "disk_mib": 64, "batch": 8, "blocks": 2, "rounds": 1}
 QUICK["timeout"] = 300.0
-EPILOG = "--repeats/--warmup: timed/untimed training steps (4/1); --threads: per rank (1)"
 TITLE = "The disk tier: bandwidth and training step"
 NVME = {"offload_optimizer_device": "nvme"}
 SYSTEMS = {
@@ -203,7 +199,8 @@ def run(args: Any) -> dict[str, Any] | None:
         progress(f"disk: {args.disk_mib} MiB written and read with O_DIRECT under {root}")
         disk = disk_bandwidth(work, args.disk_mib * 2**20)
         progress(
-            f"disk: write {disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} GB/s"
+            f"disk: write {disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} "
+            f"GB/s"
         )
         torch.manual_seed(args.seed)
         mapping = Zero3RankMapping(rank=0, world_size=WORLD)
@@ -249,13 +246,15 @@ def layout(p: dict[str, Any]) -> list:
         less = systems[b]["peak_rss_bytes"] - systems[a]["peak_rss_bytes"]
         rss = f"{mib(less)} MiB less" if less >= 0 else f"{mib(-less)} MiB more"
         ratios.append(
-            f"{systems[a]['label']}: {step:.3f}x the step in memory (goal <= {GOAL_STEP:.2f}x for a "
+            f"{systems[a]['label']}: {step:.3f}x the step in memory (goal <= {GOAL_STEP:.2f}x for "
+            f"a "
             f"compute-bound step), peak RSS per rank "
             f"{systems[a]['peak_rss_bytes'] / systems[b]['peak_rss_bytes']:.2f}x ({rss})."
         )
     return [
         f"Disk under {cfg['nvme_path']} (direct I/O: {disk['direct']}): write "
-        f"{disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} GB/s (median of 3 "
+        f"{disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} GB/s (median of "
+        f"3 "
         f"passes of {mib(disk['bytes'])} MiB in 8 MiB calls).",
         f"The tier alone (rank 0's {cfg['shards']} records, AdamW, 3 buffers): "
         f"{100 * tier['achieved_median']:.0f} % of the disk's bandwidth (passes: {passes}; goal >= "
@@ -270,8 +269,10 @@ def layout(p: dict[str, Any]) -> list:
 NOTES = [
     lambda p: (
         f"GPT d={p['config']['dims']['d']}, {p['config']['dims']['n_layers']} blocks, "
-        f"vocabulary {p['config']['dims'].get('vocab', 256)}, seq {p['config']['dims']['seq']}, global "
-        f"batch {p['config']['dims']['global_batch']}: {p['config']['params']:,} params; {WORLD} gloo "
+        f"vocabulary {p['config']['dims'].get('vocab', 256)}, seq {p['config']['dims']['seq']}, "
+        f"global "
+        f"batch {p['config']['dims']['global_batch']}: {p['config']['params']:,} params; {WORLD} "
+        f"gloo "
         f"ranks x 1 thread; AdamW; {p['config']['warmup']} warm-up + {p['config']['steps']} timed "
         f"steps, {p['config']['rounds']} rounds."
     ),

@@ -26,10 +26,10 @@ FULL_UPDATE = "ours, full layer update (step + compute-copy refresh)"
 FULL_UPDATE_BF16 = "ours, full layer update, compute_dtype=bf16 (step + compute-copy refresh)"
 check = check_timing
 OPTIONS = {
-    "--params": {"type": int, "help": "fp32 parameters in all (100M; quick 2M)"},
-    "--layers": {"type": int, "default": 16, "help": "layer shards (16)"},
+    "--params": {"type": int, "help": "fp32 parameters in all"},
+    "--layers": {"type": int, "default": 16, "help": "layer shards"},
     "--worker-threads": {"type": int, "default": 2, "help": "WorkerThreads of 'ours, parallel'"},
-    "--copy-elements": {"type": int, "help": "fp32 elements of the copy buffers (64M; quick 8M)"},
+    "--copy-elements": {"type": int, "help": "fp32 elements of the copy buffers"},
 }
 DEFAULTS = {"repeats": 11, "warmup": 2, "params": 100_000_000, "copy_elements": 64 * 2**20}
 QUICK = {"repeats": 5, "warmup": 1, "params": 2_000_000, "copy_elements": 8 * 2**20}
@@ -72,16 +72,11 @@ NOTES = [
     "{config[layers]} shards, {config[params]:,} fp32 params (sizes proportional to "
     "1..{config[layers]}: {config[smallest]:,} to {config[largest]:,}); median of "
     "{config[repeats]} repeats after {config[warmup]} warm-up, cases interleaved.",
-    "B/param moved: bytes the step's aten ops read and write, counted from the tensors of one "
-    "traced step (numel x element_size; table below); memory passes = B/param / 4 (fp32 arrays' "
-    "worth of traffic per parameter); achieved GB/s = counted bytes / median step time; fraction "
-    "of copy (add_) bandwidth = achieved / copy (add_) GB/s.",
     "copy bandwidth {copy[gbs]:sig} GB/s (dst.copy_(src), {copy[elements]:,} fp32 elements, 2 x "
     "nbytes counted; median {copy[ms]:.1f} ms) -> bound {bound:rate} params/s at the {per:sig} "
     "B/param counted for torch fused.",
     "in-place add_ bandwidth {add[gbs]:sig} GB/s (3 x nbytes counted) -> {add[params_per_s]:rate} "
     "params/s at {per:sig} B/param.",
-    "ratio vs fused torch = torch-fused step time / system step time (>1 is faster).",
     refresh_note,
     "ours picked fused={config[ours_fused]}; 'ours, parallel' ran its steps on {workers_seen} "
     "distinct worker threads.",

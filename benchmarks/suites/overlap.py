@@ -19,18 +19,16 @@ WORLD, LR, ISO_REPEATS, SEQ = 2, 1e-3, 5, 12
 OFF, ON = "prefetch off", "prefetch on"
 SHARED_MEMORY_BLOCK = 8 * 2**20  # the block size the engine gives its collectives
 OPTIONS = {
-    "--d": {"type": int, "help": "model width (384; quick 64)"},
-    "--heads": {"type": int, "help": "attention heads (6; quick 4)"},
-    "--blocks": {"type": int, "help": "transformer blocks (6; quick 2)"},
-    "--batch": {"type": int, "help": "global batch, split over 2 ranks (32; quick 8)"},
-    "--rounds": {"type": int, "help": "rounds of both configurations, ABBA (4; quick 2)"},
-    "--buffer": {"type": int, "default": 2, "help": "prefetch_buffer_size when on (2)"},
-    "--seed": {"type": int, "default": 0, "help": "model and data seed (0)"},
-    "--timeout": {"type": float, "default": 900.0, "help": "seconds per run (900)"},
+    "--d": {"type": int, "help": "model width"},
+    "--heads": {"type": int, "help": "attention heads"},
+    "--blocks": {"type": int, "help": "transformer blocks"},
+    "--batch": {"type": int, "help": "global batch, split over 2 ranks"},
+    "--buffer": {"type": int, "default": 2, "help": "prefetch_buffer_size when on"},
 }
+TAKES = ["rounds", "seed", "timeout"]
 DEFAULTS = dict(repeats=8, warmup=3, threads=1, d=384, heads=6, blocks=6, batch=32, rounds=4)
+DEFAULTS.update(seed=0, timeout=900.0)
 QUICK = dict(repeats=5, warmup=2, d=64, heads=4, blocks=2, batch=8, rounds=2)
-EPILOG = "--repeats/--warmup: timed/untimed steps per run (8/3; quick 5/2); --threads: per rank (1)"
 TITLE = "Prefetch overlap ({config[world_size]} gloo ranks, step time and exposed communication)"
 MAIN = [
     Col("config", "name"),

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import train
 from harness.render import Col
 from harness.runner import launch, plan, progress, run_plan, work_directory
 from harness.sampler import proc_status
@@ -26,14 +25,10 @@ TINY = dict(d=64, ffn=176, n_layers=2, heads=4, kv_heads=2, vocab=1000)
 OURS, PLAIN = "zero3_offload from_pretrained", "transformers from_pretrained (each rank)"
 CASES = {OURS: "ours", PLAIN: "plain"}
 IMPORTS = ["transformers", "zero3_offload"]  # in every rank before the "imported" mark
-OPTIONS = {
-    "--workdir": {"type": Path, "help": "where the saved model goes (default: the temp dir)"},
-    "--timeout": {"type": float, "help": "seconds per run (900; quick 120)"},
-    **train.RANK_OPTIONS,
-}
-DEFAULTS = {"repeats": 2, "warmup": 0, "threads": 1, "timeout": 900.0}
+TAKES = ["timeout", "keep", "mmap_threshold"]
+OPTIONS = {"--workdir": {"type": Path, "help": "where the saved model goes (default: a temp dir)"}}
+DEFAULTS = {"repeats": 2, "warmup": 0, "threads": 1, "timeout": 900.0}  # repeats: rounds
 QUICK = {"repeats": 1, "timeout": 120.0}
-EPILOG = "--repeats/--warmup: measured/unmeasured rounds of both cases (2/0); --threads: per rank"
 TITLE = (
     "Loading a pretrained Llama ({model[params]:,} parameters, {model[fp32_bytes]:mib1} MiB fp32) "
     "on {config[world_size]} ranks: peak RSS per rank"
@@ -42,8 +37,10 @@ FIGURES = ("loaded", "rss_loaded", "read", "written", "peak")
 # fmt: off
 LAYOUT = [([
     Col("case", "case"), Col("rank", "rank", "d"), Col("load s", "load", ".2f", missing="FAILED"),
-    *(Col(h, k, "mib") for h, k in zip(("peak RSS at load MiB", "RSS at load MiB", "peak, weights read MiB",
-      "peak, weights written MiB", "peak RSS MiB"), FIGURES, strict=True)),
+    Col("peak RSS at load MiB", "loaded", "mib"), Col("RSS at load MiB", "rss_loaded", "mib"),
+    Col("peak, weights read MiB", "read", "mib"),
+    Col("peak, weights written MiB", "written", "mib"),
+    Col("peak RSS MiB", "peak", "mib"),
     Col("/ plain's", "vs_plain", ".2f"), Col("peak - after import MiB", "more", "mib"),
     Col("/ model fp32", "vs_model", ".2f"), Col("/ rank's shard", "vs_shard", ".2f"),
     Col("peak anon MiB", "anon", "mib"), Col("rank's shard MiB", "shard", "mib1"),
@@ -262,47 +259,30 @@ def run(args: Any) -> dict[str, Any] | None:
 
 
 def notes(p: dict[str, Any]) -> list[str]:
-    cfg, model, dims = p["config"], p["model"], p["config"]["dims"]
+    cfg, model, dims, gen = p["config"], p["model"], p["config"]["dims"], p.get("generate")
     files = ", ".join(f"{n} {size:,} B" for n, size in model["files"].items())
-    mmap = cfg["malloc_mmap_threshold"]
+    mmap = cfg["malloc_mmap_threshold"] or "default"
     out = [
-        f"model: transformers LlamaForCausalLM, hidden {dims['d']}, MLP {dims['ffn']}, {dims['n_layers']} decoder "
-        f"layers, {dims['heads']} heads, {dims['kv_heads']} KV heads, vocabulary {dims['vocab']}, untied head: "
-        f"{model['params']:,} parameters, {model['fp32_bytes']:,} bytes fp32 ({model['fp32_bytes'] / 2**20:,.1f} "
-        f"MiB); saved once (seed {SEED}, built in {model['build_s']:.0f} s, saved in {model['save_s']:.0f} s) as "
-        f"{files}, in a temporary directory removed afterwards. Read from the page cache (just written).",
-        f"{cfg['world_size']} fresh processes per case, {cfg['threads_per_rank']} torch thread(s) each; medians "
-        f"of {cfg['repeats']} round(s) after {cfg['warmup']} unmeasured, cases interleaved; glibc mmap "
-        f"threshold {mmap if mmap else 'default'}.",
-        f"{OURS}: Zero3CpuOffloadManager.from_pretrained(Zero3CpuOffloadConfig(), group, dir) on 2 gloo "
-        "ranks (default config: parameters and optimizer state offloaded to the CPU); load s around that call "
-        "only (the group already joined). rank's shard = master_param_bytes + compute_copy_bytes of "
-        "get_memory_stats() (fp32 master and compute copy of the rank's 1/2 of every unit), read = bytes_read "
-        "of its pretrained_loaded log event (the slices it read from the file)."
-        + (
-            f" Model state counted after loading: {p['model_state_bytes'] / 2**20:,.0f} MiB."
-            if p.get("model_state_bytes")
-            else ""
-        ),
-        f"{PLAIN}: AutoModelForCausalLM.from_pretrained(dir) in each of 2 processes (no group); load s around "
-        "that call only. transformers maps the weight file copy-on-write and reads nothing until used, so the "
-        "process then reads every parameter once (sum: what a forward does) and writes it once in place "
-        "(mul_(1.0): what the first optimizer step does).",
-        "peak RSS = each process's VmHWM at its end (file-backed pages of the mapped weight file included); at "
-        "load: VmHWM and VmRSS right after the from_pretrained call; weights read / written: VmHWM after "
-        "reading / writing every parameter (plain only); after import = VmRSS once torch, transformers and "
-        f"zero3_offload are imported; peak anon = RssAnon sampled every {cfg['sample_ms']:g} ms by the parent "
-        "(memory that must really exist: clean mapped file pages can be dropped). / plain's divides peak RSS by "
-        "the plain case's on the same rank; / model fp32 and / rank's shard divide peak - after import by the "
-        "model's fp32 bytes and by the rank's shard bytes.",
+        f"model: transformers LlamaForCausalLM, hidden {dims['d']}, MLP {dims['ffn']}, "
+        f"{dims['n_layers']} decoder layers, {dims['heads']} heads, {dims['kv_heads']} KV heads, "
+        f"vocabulary {dims['vocab']}, untied head: {model['params']:,} parameters, "
+        f"{model['fp32_bytes']:,} bytes fp32 ({model['fp32_bytes'] / 2**20:,.1f} MiB); saved once "
+        f"(seed {SEED}, built in {model['build_s']:.0f} s, saved in {model['save_s']:.0f} s) as "
+        f"{files}, read from the page cache.",
+        f"{cfg['world_size']} fresh processes per case, {cfg['threads_per_rank']} torch thread(s) "
+        f"each; medians of {cfg['repeats']} round(s) after {cfg['warmup']} unmeasured, cases "
+        f"interleaved; glibc mmap threshold {mmap}; peak anon sampled every {cfg['sample_ms']:g} "
+        "ms from outside. Cases and columns as docs/benchmarks.md (pretrained-load) defines them.",
     ]
-    if gen := p.get("generate"):
+    if ms := p.get("model_state_bytes"):
+        out.append(f"{OURS}: model state counted after loading: {ms / 2**20:,.0f} MiB.")
+    if gen:
         on, off = gen["keep_gathered=True"], gen["keep_gathered=False"]
         out.append(
-            f"generate (rank 0, 2 ranks, the loaded model, default config: budget {gen['budget_bytes'] / 2**20:,.0f} "
-            f"MiB): greedy, 16 new tokens after 16, {on:.2f} tokens/s with units kept gathered between decoding "
-            f"steps vs {off:.2f} tokens/s gathering them at every step ({on / off:.2f}x); same tokens: "
-            f"{gen['same_tokens']}."
+            f"generate (rank 0, 2 ranks, the loaded model, default config: budget "
+            f"{gen['budget_bytes'] / 2**20:,.0f} MiB): greedy, 16 new tokens after 16, {on:.2f} "
+            f"tokens/s with units kept gathered between decoding steps vs {off:.2f} tokens/s "
+            f"gathering them at every step ({on / off:.2f}x); same tokens: {gen['same_tokens']}."
         )
     return out + (["FAILED: " + "; ".join(p["failed"])] if p.get("failed") else [])
 

@@ -30,7 +30,6 @@ OPTIONS = {
 }
 DEFAULTS = dict(repeats=3, warmup=0, threads=1, rounds=1, seed=0, timeout=3600)
 DEFAULTS["mmap_threshold"] = 2**20  # glibc's threshold as `zero3-offload train` sets it
-EPILOG = "--repeats: training steps (3); the trace is of the last one's backward"
 TITLE = "RSS by phase (zero3_offload, rank 0)"
 COUNTED = ["activations", "gathered", "in flight", "pool", "grad shards", "state"]  # earlier runs
 TRACE = [

@@ -33,21 +33,16 @@ QUICK_SIZES = {
     "q120k": (64, 2, 2, 1, 4),
     "q400k": (128, 4, 2, 1, 4),
 }
+TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 OPTIONS = {
     "--sizes": {"help": f"subset of {', '.join(SIZES)} (quick: {', '.join(QUICK_SIZES)})"},
     "--worlds": {"default": "1,2,4", "help": "numbers of gloo ranks of ours (1,2,4)"},
     "--torch-threads": {"type": int, "help": "plain torch's threads (default: --threads)"},
-    "--rounds": {"type": int, "default": 1, "help": "runs of every size and system (1)"},
-    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
-    "--timeout": {"type": float, "help": "seconds per run (1800; quick 300)"},
     "--plot": {"type": Path, "metavar": "PNG", "help": "plot path (docs/scaling.png; quick: none)"},
     "--no-plot": {"action": "store_true", "help": "write no plot"},
-    **train.RANK_OPTIONS,
 }
-DEFAULTS, QUICK = {"threads": 1, "timeout": 1800.0}, {"timeout": 300.0}
-EPILOG = (
-    "--repeats/--warmup: timed/untimed steps per run (per size); --threads: per rank of ours (1)"
-)
+DEFAULTS = {"threads": 1, "timeout": 1800.0, "rounds": 1, "seed": 0}  # steps: the size's
+QUICK = {"timeout": 300.0}
 DETAIL = [
     Col("size", "size"),
     Col("system", "label"),
@@ -241,9 +236,8 @@ NOTES = [
     "torch.optim.AdamW(fused=True), whole batch. zero3_offload: Zero3CpuOffloadManager, "
     "default config, gloo, N ranks x {config[threads_per_rank]} torch thread(s).",
     oversubscribed,
-    "Each run: fresh processes. {config[rounds]} round(s); within a size the order of the "
-    "systems is rotated by one per size and round. Columns as docs/benchmarks.md (scaling) "
-    "defines them.",
+    "{config[rounds]} round(s), every run on fresh processes. Order, columns and method as "
+    "docs/benchmarks.md (scaling) defines them.",
     lambda p: (
         f"Losses: all finite and the first {train.LOSS_STEPS} of every run within "
         f"{train.LOSS_TOLERANCE:g} of plain torch's: {p['losses_agree']}"

@@ -1,20 +1,10 @@
 """Wire: the default `zero3-offload train` job with each compressed-collective option.
 
-One run of the job (2 local gloo ranks, the 0.87M GPT, its default 300 steps) per option and seed
-(--seed 0 .. N-1 for --seeds N): exact, --gather-compression bf16, --gather-compression int8,
---reduce-dtype bf16, and int8 gathers with bf16 reduce-scatters. Each rank's JSON log (read with
-zero3_offload.analyze) gives, per optimizer step, the bytes handed to the all-gathers and
-reduce-scatters and their launch-to-completion seconds (the `collectives` of the `step` event),
-each step's seconds (`train_step`) and the final evaluation loss (`train_done`). Bytes and times:
-seed 0's runs. Goal: every option's final evaluation loss, its mean over the seeds, within 1 % of
-the exact runs' mean (one seed is too noisy: the exact runs of two seeds differ by ~5 %).
-
-The noise floor of that comparison is measured in the same run: a reference case, the exact job
-with 2 torch threads per rank, whose kernels sum in another order, so it differs from exact only
-by rounding. Its ratio to exact is what rounding alone does to 300 steps of training; the goal
-does not apply to it. Each option also gets the mean of its per-seed ratios (the same seed's
-exact run as the baseline) with the standard error of that mean.
-"""
+One job (2 local gloo ranks, the 0.87M GPT, 300 steps) per option and seed: exact, bf16 and int8
+gathers, bf16 reduce-scatters, int8 + bf16, and exact with 2 torch threads (the noise floor:
+rounding alone). From the ranks' logs (zero3_offload.analyze): wire bytes and collective seconds
+per step, step time, final eval loss. Goal: each option's mean final loss over the seeds within
+1 % of exact's."""
 
 from __future__ import annotations
 
@@ -37,21 +27,13 @@ CASES = {
 }
 REFERENCE = "exact, 2 torch threads (noise floor)"  # the goal does not apply to it
 OPS = ("all_gather", "reduce_scatter")
+TAKES = ["timeout", "keep"]
 OPTIONS = {
-    "--steps": {
-        "type": int,
-        "help": "optimizer steps of each job (the job's default 300; quick 30)",
-    },
-    "--seeds": {"type": int, "help": "runs per option, with --seed 0 .. N-1 (3; quick 1)"},
-    "--timeout": {"type": float, "help": "seconds each job may take (900; quick 300)"},
-    "--keep": {"action": "store_true", "help": "keep the work directory (the jobs' logs)"},
+    "--steps": {"type": int, "help": "optimizer steps of each job"},
+    "--seeds": {"type": int, "help": "runs per option, with --seed 0 .. N-1"},
 }
 DEFAULTS = {"steps": 300, "seeds": 3, "timeout": 900.0, "threads": job.DEFAULT_THREADS}
 QUICK = {"steps": 30, "seeds": 1, "timeout": 300.0}
-EPILOG = (
-    "--threads: torch threads per rank, passed to the jobs (cores / 2, their own default); "
-    "--repeats and --warmup: not used (every step after the first is counted)"
-)
 TITLE = "Wire: compressed collectives on the default training job, {config[steps]} steps"
 
 
@@ -257,19 +239,8 @@ def notes(p: dict[str, Any]) -> list[str]:
         f"`python -m zero3_offload train --steps {cfg['steps']} --out DIR --threads "
         f"{cfg['threads_per_rank']}` with {seed_text} plus, per option, {flags}; "
         f"{cfg['world_size']} local gloo ranks, every other option at its default; one run "
-        "after another, seed by seed (every option with seed 0, then with seed 1, ...).",
-        "Bytes: what the collectives were handed (an all-gather's output buffer, a "
-        "reduce-scatter's input), summed over one optimizer step: the median over rank 0's "
-        "steps after the first (steps with an evaluation gather more). Collective ms: "
-        "launch-to-completion seconds of the step's all-gathers and reduce-scatters, summed "
-        "(they overlap each other and compute; the median over the same steps). Step ms: the "
-        "median of the `train_step` seconds after the first. Bytes, collective ms and step ms "
-        "are those of seed 0's run of each option; ranks' bytes agree: in every seed's run.",
-        f"Final eval loss: the mean over the seeds of rank 0's final evaluation loss; mean vs "
-        f"exact's mean: its ratio to the exact runs' mean, which the goal applies to (within "
-        f"{cfg['loss_goal_pct']:g} %). Per-seed vs exact: each seed's final loss over the exact "
-        "run's of the same seed (the same data and steps), the lowest and the highest; their "
-        "mean and its standard error (sample standard deviation / sqrt(seeds)).",
+        "after another, seed by seed (every option with seed 0, then with seed 1, ...). Columns "
+        f"as docs/benchmarks.md (wire) defines them; the goal: within {cfg['loss_goal_pct']:g} %.",
         spread,
     ]
     if "loss_ratio" in ref:
