@@ -253,7 +253,9 @@ def run(args: Any) -> dict[str, Any] | None:
         if not r["ok"]
     ]
     out = {
-        "benchmark": "gpu" if mode == "full" else f"gpu-{mode}",
+        "benchmark": {"full": "gpu", "quick": "gpu-quick", "cpu-check": "gpu-cpu-check-quick"}[
+            mode
+        ],
         "mode": mode,
         **part,
         "copies": rows,
