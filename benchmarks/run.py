@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     result = suite.run(args)
     if result is None:  # it could not run (the suite said why)
         return 2
-    name = result.pop("benchmark", None) or args.suite + ("-quick" if args.quick else "")
+    name = result.pop("benchmark", None) or args.suite
+    name = name.replace("-quick", "") + "-quick" if args.quick else name  # smoke tests: ignored
     payload = {"suite": args.suite, "benchmark": name, "quick": args.quick, "machine": info}
     out = args.out or RESULTS_DIR / f"{name}.json"
     md = write(out, {**payload, **result}, suite)
