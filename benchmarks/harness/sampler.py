@@ -1,82 +1,92 @@
-"""The one memory/time sampler: ``/proc/<pid>/status`` memory figures, their peaks per phase from a
-sampling thread, marks (memory, CPU and wall time at a named point) and per-step phase clocks;
-a process's thread and open-file counts.
+"""The one sampler: processes read from outside through ``/proc`` (memory, threads, open fds) by a
+thread at an interval, marks of a process's own memory and CPU time, the clock of a step's
+phases, and in-process cases timed round-robin.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
-FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem", "Threads")
+SAMPLE = ("t", "rss_bytes", "anon_bytes", "threads", "fds")  # a kept sample's fields
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """The :data:`FIELDS` of ``/proc/<pid>/status`` in bytes; empty once the process is gone."""
+    """The :data:`FIELDS` of ``/proc/<pid>/status`` (bytes; Threads a count); {} once gone."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
             lines = [line.split() for line in f if line.split(":", 1)[0] in FIELDS]
     except OSError:
         return {}
-    return {parts[0].rstrip(":"): int(parts[1]) * 1024 for parts in lines}
+    return {p[0][:-1]: int(p[1]) * (1 if p[0] == "Threads:" else 1024) for p in lines}
 
 
-def proc_counts(pid: int | str = "self") -> dict[str, int]:
-    """``threads`` (``Threads`` of ``/proc/<pid>/status``) and ``fds`` (entries of
-    ``/proc/<pid>/fd``) of a process, read from outside it; empty once it is gone."""
+def open_fds(pid: int | str) -> int | None:
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
-        return {"threads": threads, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
-    except (OSError, StopIteration):
-        return {}
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
 
 
 class Sampler:
-    """Peaks of a process's memory figures per phase, sampled every ``interval_s``; marks."""
+    """Processes (key -> pid, added with :meth:`watch`) sampled every ``interval_s``: each
+    figure's peak per key, and with ``keep`` every sample (:data:`SAMPLE`, ``t`` the epoch)."""
 
-    def __init__(self, pid: int | str = "self", interval_s: float | None = None) -> None:
-        self.pid, self.phase, self.samples = pid, "all", 0
-        self.peaks: dict[str, dict[str, int]] = {}
-        self.marks: dict[str, dict[str, Any]] = {}
-        self._stop, self._thread = threading.Event(), None
-        if interval_s is not None:
-            self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
-            self._thread.start()
+    def __init__(self, interval_s: float, *, keep: bool = False) -> None:
+        self.interval_s, self.keep, self.pids = interval_s, keep, {}
+        self.peaks: dict[Any, dict[str, int]] = {}
+        self.samples: dict[Any, list[list[float]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
 
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            phase, status = self.phase, proc_status(self.pid)
-            self.samples += bool(status)
-            peaks = self.peaks.setdefault(phase, {})
-            for key, value in status.items():
-                peaks[key] = max(peaks.get(key, 0), value)
+    def watch(self, key: Any, pid: int) -> None:
+        self.pids = {**self.pids, key: pid}
 
-    def mark(self, name: str) -> None:
-        """Record ``VmHWM``, ``VmRSS``, this process's CPU time and the wall clock now."""
-        st, cpu, wall = proc_status(self.pid), time.process_time(), time.perf_counter()
-        mark = {"hwm_bytes": st.get("VmHWM"), "rss_bytes": st.get("VmRSS"), "cpu_s": cpu}
-        self.marks[name] = {**mark, "wall_s": wall}
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for key, pid in self.pids.items():
+                status = proc_status(pid)
+                if not status:
+                    continue
+                peaks = self.peaks.setdefault(key, {})
+                for field, value in status.items():
+                    peaks[field] = max(peaks.get(field, 0), value)
+                if self.keep and (fds := open_fds(pid)) is not None:
+                    row = [round(time.time(), 4), status["VmRSS"], status["RssAnon"]]
+                    self.samples.setdefault(key, []).append([*row, status["Threads"], fds])
 
     def stop(self) -> Sampler:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         return self
 
 
+def mark() -> dict[str, Any]:
+    """This process's ``VmHWM`` and ``VmRSS``, CPU time and wall clock now."""
+    st, cpu, wall = proc_status(), time.process_time(), time.perf_counter()
+    return {
+        "hwm_bytes": st.get("VmHWM"),
+        "rss_bytes": st.get("VmRSS"),
+        "cpu_s": cpu,
+        "wall_s": wall,
+    }
+
+
 class StepClock:
-    """The phases of one step: ``phase(name)`` ends the current phase and starts ``name``.
+    """The phases of one step: ``phase(name)`` ends the current phase and starts ``name``; the
+    record has each phase's seconds, the step's, its CPU seconds (all threads) and its start
+    (``t0``, the epoch: samples taken from outside line up with it)."""
 
-    With a sampler, the sampler's phase follows as ``"<name> <step>"``.
-    """
-
-    def __init__(self, sampler: Sampler | None = None, step: int = 0) -> None:
-        self.sampler, self.step, self.times = sampler, step, {}
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
         self._name: str | None = None
-        self._cpu0, self._t0 = time.process_time(), time.perf_counter()
+        self._cpu0, self._t0, self._wall0 = time.process_time(), time.perf_counter(), time.time()
         self._last = self._t0
 
     @property
@@ -89,11 +99,34 @@ class StepClock:
             key = f"{self._name}_s"
             self.times[key] = self.times.get(key, 0.0) + now - self._last
         self._name, self._last = name, now
-        if self.sampler is not None and name is not None:
-            self.sampler.phase = f"{name} {self.step}"
 
     def stop(self, **extra: Any) -> dict[str, Any]:
-        """The step's record: ``extra``, ``cpu_s``, ``<phase>_s`` of each phase and ``step_s``."""
         self.phase(None)
-        cpu = time.process_time() - self._cpu0
-        return {**extra, "cpu_s": cpu, **self.times, "step_s": self._last - self._t0}
+        cpu, step = time.process_time() - self._cpu0, self._last - self._t0
+        return {**extra, "cpu_s": cpu, **self.times, "step_s": step, "t0": self._wall0}
+
+
+def check_timing(args: Any) -> str | None:
+    """The timing rules of in-process suites."""
+    if args.repeats < 5 or args.warmup < 1:
+        return "need --repeats >= 5 (the median of at least 5) and --warmup >= 1"
+    return None
+
+
+def time_interleaved(cases: Mapping[str, Callable], *, warmup: int, repeats: int) -> dict:
+    """Each case's ``{"median_s", "min_s", "max_s", "repeats"}``: ``repeats`` timed runs
+    round-robin after ``warmup`` untimed runs of each."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    out = {}
+    for name, s in samples.items():
+        out[name] = {"median_s": statistics.median(s), "min_s": min(s), "max_s": max(s)}
+        out[name]["repeats"] = len(s)
+    return out

@@ -118,7 +118,7 @@ class Torch:
         return storage_bytes({"params": params, "grads": grads, "optimizer_state": state})
 
     def info(self) -> dict[str, Any]:
-        return {"optimizer": type(self.opt).__name__}
+        return {}
 
     async def close(self) -> None:
         if dist.is_initialized():
@@ -179,13 +179,6 @@ class DeepSpeed(Torch):
             }
         )
 
-    def info(self) -> dict[str, Any]:
-        import deepspeed
-
-        z = self.engine.optimizer
-        info = {"optimizer": type(z.optimizer).__name__, "deepspeed_version": deepspeed.__version__}
-        return {**info, "persistent_params": len(getattr(z, "persistent_parameters", []))}
-
 
 class Split(Torch):
     """A bound, not a trainer (``split``): ``world`` processes, each running plain torch's
@@ -229,6 +222,9 @@ class Ours(Torch):
         wd = self.spec["weight_decay"]
         opt = OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
         device = self.spec.get("device", "cpu")
+        self.layer_numels = {
+            n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()
+        }  # before the manager shards them
         self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
         self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
         self.names = getattr(model, "layer_names", None)
@@ -258,11 +254,8 @@ class Ours(Torch):
         return {"params": params, **state, "total": total}
 
     def info(self) -> dict[str, Any]:
-        m = self.manager.get_memory_stats()
-        stats = {k: v for k, v in attrs.asdict(m).items() if k.endswith("_bytes")}
-        prefetch = dict(self.manager.get_performance_stats().prefetch)
-        config = self.config.to_dict()
-        return {"library_memory_stats": stats, "prefetch_counters": prefetch, "config": config}
+        m = attrs.asdict(self.manager.get_memory_stats())
+        return {"library_memory_stats": {k: v for k, v in m.items() if k.endswith("_bytes")}}
 
     async def close(self) -> None:
         from zero3_offload import destroy_process_group

@@ -1,7 +1,8 @@
 """Peak memory and wall time of consolidating a sharded checkpoint into one file.
 
 A ~285 MB model's checkpoint (saved on 2 gloo ranks) is consolidated to safetensors and to
-``.pt``, and the result naively loaded, each case in a fresh process, rounds interleaved.
+``.pt``, and the result naively loaded, each case in a fresh process sampled from outside, rounds
+interleaved.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import itertools
-import os
-import resource
 import statistics
 import time
 from collections import OrderedDict
@@ -19,35 +18,53 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from harness.launcher import launch, work_directory
-from harness.plan import plan, progress, run_plan
-from harness.report import Report, cols, markdown_table, mib
+from harness.render import Col
+from harness.runner import launch, plan, progress, run_plan, work_directory
 from torch import nn
 
-from zero3_offload.checkpoint.consolidate import consolidate_checkpoint
+from zero3_offload import consolidate_checkpoint
 
 WORLD, SEED, SAMPLE_S, LN_AFTER = 2, 0, 0.002, (2, 5)  # a LayerNorm after fc2 and fc5
 FULL_WIDTHS = [2048, 3072, 4096, 4096, 3072, 2048, 2048, 3072, 2048]
 QUICK_WIDTHS = [64, 128, 256, 256, 128, 64, 64, 128, 64]
-ST_FILE, PT_FILE = "model.safetensors", "model.pt"
-BASELINE, STREAM = "baseline", "consolidate -> safetensors"
+ST_FILE, PT_FILE, BASELINE = "model.safetensors", "model.pt", "baseline"
 CASES = {
     BASELINE: "baseline",
-    STREAM: "stream",
+    "consolidate -> safetensors": "stream",
     "consolidate -> pt": "pt",
     "naive load_file (mmap) + read all": "naive",
     "naive load_file (pread)": "naive-pread",
 }
 if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
     del CASES["naive load_file (pread)"]  # safetensors < 0.8 has no choice of backend
-
-
-OPTIONS = {
-    "--workdir": {"type": Path, "help": "where the checkpoint goes (default: a temp dir)"},
-    "--keep": {"action": "store_true", "help": "keep the checkpoint and outputs"},
-}
+TAKES = ["keep"]
+OPTIONS = {"--workdir": {"type": Path, "help": "where the checkpoint goes (default: a temp dir)"}}
 DEFAULTS, QUICK = {"repeats": 5, "warmup": 1}, {"repeats": 1, "warmup": 0}
-EPILOG = "--repeats/--warmup: measured/untimed rounds (5/1; quick 1/0); --threads: each case's"
+TITLE = "Checkpoint consolidation ({model[mib]:.1f} MiB fp32 model, {config[world_size]} ranks)"
+# fmt: off
+LAYOUT = [([
+    Col("case", "case"), Col("wall s", "wall_s", ".3f"), Col("of which fsync s", "fsync_s", ".3f"),
+    *(c for key, name in (("rss", "peak RSS"), ("anon", "peak anon")) for c in (
+        Col(f"{name} MiB", key, "mib1"), Col("- baseline MiB", f"{key}_more", "mib1"),
+        Col("/ model", f"{key}_model", ".2f"), Col("/ largest", f"{key}_largest", ".2f"))),
+], "rows")]
+NOTES = [
+    "model: {model[layers]} layers (nn.Linear widths {model[widths]}, LayerNorm after "
+    "{model[norms]}), {model[tensors]} tensors, {model[bytes]:,} bytes fp32 ({model[mib]:.1f} "
+    "MiB); largest tensor {model[largest]}: {model[largest_bytes]:,} bytes "
+    "({model[largest_bytes]:mib1} MiB).",
+    "checkpoint: saved by Zero3CpuOffloadManager on {config[world_size]} gloo ranks right after "
+    "construction (no optimizer state yet), {checkpoint[bytes]:,} bytes in {checkpoint[files]} "
+    "files; outputs {outputs[safetensors]:,} bytes (.safetensors) and {outputs[pt]:,} bytes (.pt). "
+    "Read from the page cache (just written).",
+    "each case a fresh process ({threads} torch threads); medians of {config[repeats]} round(s) "
+    "after {config[warmup]} warm-up round(s), cases interleaved.",
+    "Peaks sampled from outside every {config[sample_ms]:g} ms; columns as docs/benchmarks.md "
+    "(consolidate) defines them.",
+    "verified: both outputs hold exactly the model's state-dict names, load strict=True, and "
+    "every tensor's SHA-256 equals the original model's.",
+]
+# fmt: on
 
 
 def check(args: Any) -> str | None:
@@ -86,178 +103,139 @@ async def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     model = make_model(spec["widths"], SEED)
     ref = digests(model.state_dict()) if ctx.rank == 0 else None
     config = z.Zero3CpuOffloadConfig(optimizer=z.OptimizerConfig(kind="adamw"))
-    t0 = time.perf_counter()
     async with z.Zero3CpuOffloadManager(config, group, model) as manager:
-        t1 = time.perf_counter()
         path = await manager.save_checkpoint(spec["root"])
     z.destroy_process_group()
-    took = {"construct_s": t1 - t0, "save_s": time.perf_counter() - t1}
-    return {"path": str(path), **took, "digests": ref, "config": config.to_dict()}
+    return {"path": str(path), "digests": ref}
 
 
 def case(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Rank target: one measured case in this fresh process."""
-    name, work, result = spec["case"], Path(spec["work"]), {"case": spec["case"]}
-    fsync_s, real_fsync = [0.0], os.fsync
-
-    def timed_fsync(fd: int) -> None:  # the safetensors path ends with an fsync: timed apart
-        start = time.perf_counter()
-        real_fsync(fd)
-        fsync_s[0] += time.perf_counter() - start
-
-    os.fsync = timed_fsync
-    t0 = time.perf_counter()
+    """Rank target: one measured case in this fresh process (its peak: the "end" mark's VmHWM)."""
+    name, work, t0 = spec["case"], Path(spec["work"]), time.perf_counter()
     if name in ("stream", "pt"):
         out, fmt = (ST_FILE, "safetensors") if name == "stream" else (PT_FILE, "pt")
         consolidate_checkpoint(spec["root"], work / out, fmt=fmt)
     elif name.startswith("naive"):
         kwargs = {"backend": "pread"} if name == "naive-pread" else {}
         state = safetensors.torch.load_file(str(work / ST_FILE), **kwargs)
-        result["load_s"] = time.perf_counter() - t0
         if name == "naive":  # mapped tensors are read lazily: read every byte once
-            result["checksum"] = sum(float(t.sum()) for t in state.values())
-        result["loaded_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-    result.update(wall_s=time.perf_counter() - t0, fsync_s=fsync_s[0])
-    # The peak is this process's VmHWM (the launcher's "end" mark). ru_maxrss is kept but not
-    # used: Linux carries the high-water mark from before exec over into the child.
-    result["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return result
+            sum(float(t.sum()) for t in state.values())
+    return {"case": name, "wall_s": time.perf_counter() - t0}
+
+
+def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str, Any]]:
+    """Per case the medians over the measured rounds, and the peaks above the baseline's, over
+    the model's and the largest tensor's bytes."""
+    model, largest = sum(sizes.values()), max(sizes.values())
+
+    def med(label: str, get: Any) -> float:
+        return statistics.median(get(c[label]) for c in rounds)
+
+    peaks = {
+        "rss": lambda c: c["peak_rss_bytes"],
+        "anon": lambda c: c["sampled_peak_bytes"]["RssAnon"],
+    }
+    base = {key: med(BASELINE, get) for key, get in peaks.items()}
+    out = []
+    for label in rounds[0]:
+        row: dict[str, Any] = {"case": label}
+        if label != BASELINE:
+            row["wall_s"] = med(label, lambda c: c["wall_s"])
+            if "fsync_s" in rounds[0][label] and (fsync := med(label, lambda c: c["fsync_s"])):
+                row["fsync_s"] = fsync  # runs that timed the fsync apart
+        for key, get in peaks.items():
+            row[key] = med(label, get)
+            if label != BASELINE:
+                more = row[key] - base[key]
+                row.update(
+                    {
+                        f"{key}_more": more,
+                        f"{key}_model": more / model,
+                        f"{key}_largest": more / largest,
+                    }
+                )
+        out.append(row)
+    return out
+
+
+def model_figures(widths: list[int], sizes: dict[str, int]) -> dict[str, Any]:
+    largest = max(sizes, key=sizes.__getitem__)
+    out = {"layers": len(widths) - 1 + len(LN_AFTER), "widths": " -> ".join(map(str, widths))}
+    out.update(
+        norms=", ".join(f"fc{i}" for i in LN_AFTER), tensors=len(sizes), bytes=sum(sizes.values())
+    )
+    return {**out, "mib": out["bytes"] / 2**20, "largest": largest, "largest_bytes": sizes[largest]}
 
 
 def run(args: Any) -> dict[str, Any] | None:
-    import zero3_offload
-
     threads, n_rounds = args.threads or torch.get_num_threads(), args.warmup + args.repeats
     widths = QUICK_WIDTHS if args.quick else FULL_WIDTHS
     with torch.device("meta"):
-        state = make_model(widths, SEED).state_dict()
-    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-    started = time.perf_counter()
+        sizes = {
+            n: t.numel() * t.element_size()
+            for n, t in make_model(widths, SEED).state_dict().items()
+        }
     with work_directory("consolidate-", args.keep, args.workdir) as work:
         spec = {"widths": widths, "root": str(work / "ckpt"), "work": str(work)}
         saved = launch("suites.consolidate:save", spec, work / "save", world=WORLD)
         if not saved["ok"]:
             progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
             return None
-        ckpt = Path(saved["ranks"][0]["path"])
-        files = {p.name: p.stat().st_size for p in sorted(ckpt.iterdir())}
+        files = [f.stat().st_size for f in Path(saved["ranks"][0]["path"]).iterdir()]
 
         def one(e: dict[str, Any]) -> dict[str, Any]:
-            case, run_dir = CASES[e["key"]], work / f"round{e['round']}-{CASES[e['key']]}"
-            case_spec = {**spec, "case": case, "threads": threads}
+            run_dir, case_spec = (
+                work / f"round{e['round']}-{CASES[e['key']]}",
+                {**spec, "case": CASES[e["key"]]},
+            )
             return launch(
-                "suites.consolidate:case", case_spec, run_dir, torchrun=False, sample_s=SAMPLE_S
+                "suites.consolidate:case",
+                {**case_spec, "threads": threads},
+                run_dir,
+                torchrun=False,
+                sample_s=SAMPLE_S,
             )
 
-        def describe(r: dict[str, Any]) -> str:
-            case = r["ranks"][0]
-            return f"{case['wall_s']:.2f} s, {mib(case['peak_rss_bytes'], 1)} MiB"
-
-        runs = run_plan(plan(list(CASES), n_rounds, rotate=False), one, describe)
+        runs = run_plan(
+            plan(list(CASES), n_rounds, rotate=False),
+            one,
+            lambda r: f"{r['ranks'][0]['wall_s']:.2f} s",
+        )
         if not all(r["ok"] for r in runs):
             return None
-        outputs = {f: (work / f).stat().st_size for f in (ST_FILE, PT_FILE)}
-        checks, ref = {}, saved["ranks"][0]["digests"]  # each output, loaded strictly, vs the model
-        for label, load in (
-            ("safetensors", lambda: safetensors.torch.load_file(str(work / ST_FILE))),
-            ("pt", lambda: torch.load(work / PT_FILE, weights_only=True)),
+        outputs = {
+            "safetensors": (work / ST_FILE).stat().st_size,
+            "pt": (work / PT_FILE).stat().st_size,
+        }
+        ref = saved["ranks"][0]["digests"]  # each output, loaded strictly, equal to the model
+        for load in (
+            lambda: safetensors.torch.load_file(str(work / ST_FILE)),
+            lambda: torch.load(work / PT_FILE, weights_only=True),
         ):
             state = load()
             with torch.device("meta"):
                 make_model(widths, SEED + 1).load_state_dict(state, strict=True, assign=True)
-            got = digests(state)
-            same, equal = sorted(got) == sorted(ref), sum(got.get(n) == d for n, d in ref.items())
-            checks[label] = {"same_names": same, "tensors": len(ref), "tensors_equal": equal}
-    progress(f"verify: {checks}")
-    if not all(c["same_names"] and c["tensors_equal"] == c["tensors"] for c in checks.values()):
-        progress("consolidated output differs from the model: no results written")
-        return None
-    rounds = [{"round": r, "warmup": r < args.warmup, "cases": {}} for r in range(n_rounds)]
-    for x in runs:
-        rounds[x["round"]]["cases"][x["key"]] = {**x["ranks"][0], "process_s": x["wall_s"]}
-    largest = max(sizes, key=sizes.__getitem__)
-    return {
-        "config": {
-            "world_size": WORLD,
-            "widths": widths,
-            "layernorm_after": list(LN_AFTER),
-            "seed": SEED,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "threads": threads,
-            "sample_interval_s": SAMPLE_S,
-            "zero3_offload_version": zero3_offload.__version__,
-            "safetensors_version": safetensors.__version__,
-            "manager_config": saved["ranks"][0]["config"],
-        },
-        "model": {
-            "layers": len(widths) - 1 + len(LN_AFTER),
-            "tensors": len(sizes),
-            "model_bytes": sum(sizes.values()),
-            "largest_tensor": largest,
-            "largest_tensor_bytes": sizes[largest],
-            "tensor_bytes": sizes,
-        },
-        "checkpoint": {
-            "files": files,
-            "build_s": saved["wall_s"],
-            "per_rank": [{k: v for k, v in r.items() if k != "digests"} for r in saved["ranks"]],
-        },
-        "outputs_bytes": outputs,
-        "rounds": rounds,
-        "verification": checks,
-        "total_wall_s": time.perf_counter() - started,
-    }
-
-
-def report(payload: dict[str, Any]) -> Report:
-    measured = [rd["cases"] for rd in payload["rounds"] if not rd["warmup"]]
-    cfg, model, files = payload["config"], payload["model"], payload["checkpoint"]["files"]
-    nbytes, largest = model["model_bytes"], model["largest_tensor_bytes"]
-
-    def med(label: str, key: str) -> float:  # over the measured rounds
-        return statistics.median(
-            c[label]["sampled_peak_bytes"][key] if key.startswith("Rss") else c[label][key]
-            for c in measured
-        )
-
-    base = {key: med(BASELINE, key) for key in ("peak_rss_bytes", "RssAnon")}
-    rows = []
-    for label in measured[0]:
-        wall, fsync = med(label, "wall_s"), med(label, "fsync_s")
-        row = [label, "-" if label == BASELINE else f"{wall:.3f}", f"{fsync:.3f}" if fsync else "-"]
-        for key in ("peak_rss_bytes", "RssAnon"):
-            peak, more = med(label, key), med(label, key) - base[key]
-            rel = [mib(more, 1), f"{more / nbytes:.2f}", f"{more / largest:.2f}"]
-            row += [mib(peak, 1), *(["-"] * 3 if label == BASELINE else rel)]
-        rows.append(row)
-    headers = cols(
-        "case; wall s; of which fsync s; peak RSS MiB; - baseline MiB; / model; "
-        "/ largest; peak anon MiB; - baseline MiB; / model; / largest"
-    )
-    threads = measured[0][STREAM]["torch_threads"]
-    widths, out = " -> ".join(map(str, cfg["widths"])), payload["outputs_bytes"]
-    notes = [
-        f"model: {model['layers']} layers (nn.Linear widths {widths}, LayerNorm after "
-        f"fc{', fc'.join(map(str, cfg['layernorm_after']))}), {model['tensors']} tensors, "
-        f"{nbytes:,} bytes fp32 ({mib(nbytes, 1)} MiB); largest tensor {model['largest_tensor']}: "
-        f"{largest:,} bytes ({mib(largest, 1)} MiB).",
-        f"checkpoint: saved by Zero3CpuOffloadManager on {cfg['world_size']} gloo ranks right "
-        f"after construction (no optimizer state yet), {sum(files.values()):,} bytes in "
-        f"{len(files)} files; outputs {out[ST_FILE]:,} bytes (.safetensors) and {out[PT_FILE]:,} "
-        "bytes (.pt). Read from the page cache (just written).",
-        f"each case a fresh process ({threads} torch threads); medians of {cfg['repeats']} "
-        f"round(s) after {cfg['warmup']} warm-up round(s), cases interleaved.",
-        "peak RSS = the child's VmHWM (includes mapped file pages; ru_maxrss would include the "
-        "parent's peak, see the script); peak anon = RssAnon of /proc/<pid>/status sampled every "
-        f"{cfg['sample_interval_s'] * 1000:g} ms by the parent; '- baseline' subtracts the "
-        "baseline process's median (imports only); '/ model' and '/ largest' divide that by the "
-        "model's and the largest tensor's bytes.",
-        "wall s = time.perf_counter around the call only (no interpreter start or imports); the "
-        "safetensors path fsyncs its output (timed apart by wrapping os.fsync in the child), "
-        "torch.save does not.",
-        "verified: both outputs hold exactly the model's state-dict names, load strict=True, and "
-        "every tensor's SHA-256 equals the original model's.",
+            if digests(state) != ref:
+                progress("consolidated output differs from the model: no results written")
+                return None
+    rounds = [
+        {r["key"]: r["ranks"][0] for r in runs if r["round"] == i}
+        for i in range(args.warmup, n_rounds)
     ]
-    title = f"Checkpoint consolidation ({mib(nbytes, 1)} MiB fp32 model, {cfg['world_size']} ranks)"
-    return Report(title, markdown_table(headers, rows), notes)
+    config = {
+        "world_size": WORLD,
+        "widths": widths,
+        "seed": SEED,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+    }
+    config["sample_ms"] = SAMPLE_S * 1000
+    checkpoint = {"bytes": sum(files), "files": len(files)}
+    return {
+        "config": config,
+        "model": model_figures(widths, sizes),
+        "checkpoint": checkpoint,
+        "outputs": outputs,
+        "threads": threads,
+        "rows": rows(rounds, sizes),
+    }

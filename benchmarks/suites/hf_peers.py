@@ -11,10 +11,7 @@ import importlib.util
 from typing import Any
 
 from harness import train
-from harness.plan import progress
-from harness.report import Report
 from harness.systems import System
-from harness.train import LOSS_STEPS, loss_agreement, summarize
 
 from suites import peers
 
@@ -46,16 +43,12 @@ KEYS = sorted({k for table in SYSTEMS.values() for k in table})
 OPTIONS = {
     "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, gpt (both)"},
     "--systems": {"help": f"comma-separated subset of {', '.join(KEYS)} (each model's own)"},
-    "--rounds": {"type": int, "help": "rounds of all systems (1)"},
-    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
-    "--timeout": {"type": float, "help": "seconds per run (3600; quick 300)"},
-    **train.RANK_OPTIONS,
-    "--mmap-threshold": {"type": int, "metavar": "BYTES", "help": "glibc's, per rank (1048576)"},
 }
-DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 3600.0}
+TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
+DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 3600.0, "seed": 0}
 DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
 QUICK = {"timeout": 300.0}
-EPILOG = "--repeats/--warmup: timed/untimed steps per run (4/1); --threads: per rank (1; torch 2x)"
+TITLE = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
 
 
 def check(args: Any) -> str | None:
@@ -65,11 +58,18 @@ def check(args: Any) -> str | None:
         return f"unknown models or systems {sorted(unknown)}; known: {', '.join([*MODELS, *KEYS])}"
     if "llama" in args.model_keys and importlib.util.find_spec("transformers") is None:
         return "the llama needs transformers (pip install transformers), or --models gpt"
-    if min(args.rounds, args.repeats) < 1 or args.warmup < 0:
-        return "--rounds and --repeats must be >= 1, --warmup >= 0"
-    if args.warmup + args.repeats < LOSS_STEPS:
-        return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
-    return None
+    return train.check_loss_steps(args)
+
+
+def loop_ms(runs: list[dict]) -> dict[str, float] | None:
+    """Module mode's event-loop lateness (the worse rank's, over the runs)."""
+    ticks = [
+        rk["loop_worst_tick_ms"]
+        for r in runs
+        if r["ok"] and r["key"] == "ours_module"
+        for rk in r["ranks"]
+    ]
+    return {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
 
 
 def run(args: Any) -> dict[str, Any] | None:
@@ -78,46 +78,55 @@ def run(args: Any) -> dict[str, Any] | None:
         systems = {k: s for k, s in SYSTEMS[model].items() if k in args.system_keys}
         dims = {**MODELS[model][args.quick], "global_batch": BATCH}
         threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
-        part = {"size": model, **train.compare(args, systems, dims, threads=threads)}
-        part["config"].update(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
-        parts[model] = part
-    if not (summaries := {m: summarize(p) for m, p in parts.items() if summarize(p)}):
-        progress("no system produced a result")
+        compared = train.compare(args, systems, dims, threads=threads)
+        config = dict(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
+        parts[model] = {"size": model, **train.part(compared, **config)}
+        parts[model]["loop_ms"] = loop_ms(compared["runs"])
+    if not any(p["systems"] for p in parts.values()):
         return None
     failed = [f"{m}/{r['key']}" for m, p in parts.items() for r in p["runs"] if not r["ok"]]
-    agree = all(loss_agreement(s)["agree"] for s in summaries.values())
+    agree = all(p["agreement"]["agree"] for p in parts.values() if p["systems"])
     return {"parts": parts, "failed": failed, "losses_agree": agree}
 
 
-def report(payload: dict[str, Any]) -> Report:
-    tables, notes = [], []
-    for model, part in payload["parts"].items():
-        cfg, dims = part["config"], part["config"]["dims"]
-        shape = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} "
-        if model == "llama":
-            shape += (
-                f"decoder layers, {dims['kv_heads']} KV heads, MLP {dims['ffn']}, vocabulary "
-                f"{dims['vocab']} (the bytes as token ids), seq {dims['seq']}, loss the model's "
-                "own from labels = input ids"
+def model_note(model: str, cfg: dict[str, Any]) -> str:
+    dims = cfg["dims"]
+    shape = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} "
+    if model == "llama":
+        shape += (
+            f"decoder layers, {dims['kv_heads']} KV heads, MLP {dims['ffn']}, vocabulary "
+            f"{dims['vocab']} (the bytes as token ids), seq {dims['seq']}, loss the model's "
+            "own from labels = input ids"
+        )
+    else:
+        shape += f"blocks, byte vocabulary, seq {dims['seq']}"
+    return f"Model: {shape}: {cfg['params']:,} fp32 params"
+
+
+def layout(p: dict[str, Any]) -> list:
+    blocks = []
+    for model, part in p["parts"].items():
+        if model != "llama":
+            blocks.append(
+                "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
             )
-        else:
-            shape += f"blocks, byte vocabulary, seq {dims['seq']}"
-        r = peers.report(part, f"Model: {shape}: {cfg['params']:,} fp32 params")
-        intro = "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
-        notes += [f"{model}: {n}" if tables else n for n in r.notes if n not in notes]
-        ticks = [
-            rank["loop_worst_tick_ms"]
-            for run in part["runs"]
-            if run["ok"] and run["key"] == "ours_module"
-            for rank in run["ranks"]
-        ]
-        if ticks:
-            notes.append(
+        blocks += peers.layout(part)
+    return blocks
+
+
+def notes(p: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for i, (model, part) in enumerate(p["parts"].items()):
+        lines = peers.notes(part, model_note(model, part["config"]))
+        out += [f"{model}: {n}" if i else n for n in lines if n not in out]
+        if ms := part.get("loop_ms"):
+            out.append(
                 f"{model}: the event loop during a module-mode step (a task waking every 10 ms "
                 "counts how late each wake-up is; the worst per step, first step left out): "
-                f"median over steps {max(t['median_step'] for t in ticks):.1f} ms, worst "
-                f"{max(t['max'] for t in ticks):.1f} ms (the worse rank)."
+                f"median over steps {ms['median_step']:.1f} ms, worst {ms['max']:.1f} ms (the "
+                "worse rank)."
             )
-        tables += [r.tables] if model == "llama" else [intro, r.tables]
-    title = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
-    return Report(title, "\n\n".join(tables), notes)
+    return out
+
+
+NOTES = [notes]

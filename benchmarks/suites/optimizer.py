@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from harness.plan import check_timing, time_interleaved
-from harness.report import Report, cols, fmt, fmt_rate, markdown_table
+from harness.render import Col, fmt
+from harness.sampler import check_timing, time_interleaved
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LR = 1e-3
@@ -24,18 +24,64 @@ FP32_BYTES = torch.empty((), dtype=torch.float32).element_size()  # one "memory 
 TEMPORARY = "temporary (allocated in the step)"
 FULL_UPDATE = "ours, full layer update (step + compute-copy refresh)"
 FULL_UPDATE_BF16 = "ours, full layer update, compute_dtype=bf16 (step + compute-copy refresh)"
-
 check = check_timing
-
-
 OPTIONS = {
-    "--params": {"type": int, "help": "fp32 parameters in all (100M; quick 2M)"},
-    "--layers": {"type": int, "default": 16, "help": "layer shards (16)"},
+    "--params": {"type": int, "help": "fp32 parameters in all"},
+    "--layers": {"type": int, "default": 16, "help": "layer shards"},
     "--worker-threads": {"type": int, "default": 2, "help": "WorkerThreads of 'ours, parallel'"},
-    "--copy-elements": {"type": int, "help": "fp32 elements of the copy buffers (64M; quick 8M)"},
+    "--copy-elements": {"type": int, "help": "fp32 elements of the copy buffers"},
 }
 DEFAULTS = {"repeats": 11, "warmup": 2, "params": 100_000_000, "copy_elements": 64 * 2**20}
-QUICK, EPILOG = {"repeats": 5, "warmup": 1, "params": 2_000_000, "copy_elements": 8 * 2**20}, None
+QUICK = {"repeats": 5, "warmup": 1, "params": 2_000_000, "copy_elements": 8 * 2**20}
+TITLE = "CPU AdamW optimizer step"
+# fmt: off
+MAIN = [
+    Col("system", "system"), Col("median step s", "median_s", ".4f"),
+    Col("params/s", "params_per_s", "rate"), Col("ratio vs fused torch", "{ratio:.2f}x"),
+    Col("fraction of bandwidth bound", "bound", ".2f"), Col("B/param moved", "per_param", "sig"),
+    Col("memory passes", "passes", ".2f"), Col("achieved GB/s", "achieved", "gb"),
+    Col("fraction of copy bandwidth", "copy", ".2f"),
+    Col("fraction of add_ bandwidth", "add", ".2f"),
+]
+PASSES = [Col("systems", "0"), Col("aten op", "1"), Col("tensor", "2"), Col("read B/param", "3"),
+          Col("written B/param", "4")]
+# fmt: on
+
+
+def refresh_note(p: dict[str, Any]) -> str:
+    parts = []
+    for name, i in p["config"]["full_layer_update"].items():
+        parts.append(
+            f"{name.split(' (')[0]}: compute dtype {i['compute_dtype']}, cpu_compression "
+            f"{i['cpu_compression']}, compute copy {i['compute_copy_dtype']}"
+            + (
+                ", the master itself (refresh moves nothing)"
+                if i["compute_copy_aliases_master"]
+                else ""
+            )
+            + f", grad scale {i['grad_scale']:g}"
+        )
+    return (
+        "full layer update = per layer what StepRunner.update_layer does (grad scale mul_ when "
+        "not 1, ShardOptimizers.step, ParameterStore.refresh_compute_copy) on a ParameterStore "
+        f"built as engine.build_engine builds it, run in turn. {'; '.join(parts)}."
+    )
+
+
+NOTES = [
+    "{config[layers]} shards, {config[params]:,} fp32 params (sizes proportional to "
+    "1..{config[layers]}: {config[smallest]:,} to {config[largest]:,}); median of "
+    "{config[repeats]} repeats after {config[warmup]} warm-up, cases interleaved.",
+    "copy bandwidth {copy[gbs]:sig} GB/s (dst.copy_(src), {copy[elements]:,} fp32 elements, 2 x "
+    "nbytes counted; median {copy[ms]:.1f} ms) -> bound {bound:rate} params/s at the {per:sig} "
+    "B/param counted for torch fused.",
+    "in-place add_ bandwidth {add[gbs]:sig} GB/s (3 x nbytes counted) -> {add[params_per_s]:rate} "
+    "params/s at {per:sig} B/param.",
+    refresh_note,
+    "ours picked fused={config[ours_fused]}; 'ours, parallel' ran its steps on {workers_seen} "
+    "distinct worker threads.",
+]
+
 
 # Schema arguments marked mutable that a kernel writes only when another argument is given:
 # torch's fused Adam(W) kernels store the gradient back only to unscale it by ``grad_scale``
@@ -156,8 +202,7 @@ def run(args: Any) -> dict[str, Any]:
     from zero3_offload.parameter.store import ParameterStore
     from zero3_offload.stats.timeline import Timeline
 
-    n = args.params
-    gen = torch.Generator().manual_seed(0)
+    n, gen = args.params, torch.Generator().manual_seed(0)
     weights = args.layers * (args.layers + 1) // 2  # shard sizes proportional to 1..layers
     sizes = [n * (i + 1) // weights for i in range(args.layers)]
     sizes[-1] += n - sum(sizes)
@@ -206,48 +251,45 @@ def run(args: Any) -> dict[str, Any]:
                 opt.step(name, grad, LR)
                 store.refresh_compute_copy(name)
 
-        copies = [store.compute_copy(nm) for nm in names]
-        aliased = all(
-            c.payload.data_ptr() == store.master(nm).data_ptr()
-            for c, nm in zip(copies, names, strict=True)
-        )
-        dtype = str(copies[0].payload.dtype).removeprefix("torch.")
+        copies = {nm: store.compute_copy(nm) for nm in names}
+        ptr = {nm: store.master(nm).untyped_storage().data_ptr() for nm in names}
+        dtype = str(copies[names[0]].payload.dtype).removeprefix("torch.")
         roles = {  # an aliased compute copy is the master: it stays "param"
             c.payload.untyped_storage().data_ptr(): f"compute copy ({dtype})"
-            for c, nm in zip(copies, names, strict=True)
-            if c.payload.untyped_storage().data_ptr()
-            != store.master(nm).untyped_storage().data_ptr()
+            for nm, c in copies.items()
+            if c.payload.untyped_storage().data_ptr() != ptr[nm]
         }
         roles |= {
             c.scales.untyped_storage().data_ptr(): "compute copy scales"
-            for c in copies
+            for c in copies.values()
             if c.scales is not None
         }
         info = {
             "compute_dtype": str(config.compute_dtype).removeprefix("torch."),
-            "cpu_compression": config.cpu_compression.name.lower(),
             "compute_copy_dtype": dtype,
-            "compute_copy_aliases_master": aliased,
-            "fused": opt.fused,
-            "grad_scale": grad_scale,
         }
+        info.update(cpu_compression=config.cpu_compression.name.lower(), grad_scale=grad_scale)
+        info["compute_copy_aliases_master"] = all(
+            c.payload.data_ptr() == store.master(nm).data_ptr() for nm, c in copies.items()
+        )
         return update, {"opt": opt, "roles": roles, "info": info}
 
     default_update, default_parts = library_update(Zero3CpuOffloadConfig(optimizer=cfg))
-    bf16_update, bf16_parts = library_update(
-        Zero3CpuOffloadConfig(optimizer=cfg, compute_dtype=torch.bfloat16)
-    )
+    bf16_config = Zero3CpuOffloadConfig(optimizer=cfg, compute_dtype=torch.bfloat16)
+    bf16_update, bf16_parts = library_update(bf16_config)
 
     def sequential() -> None:
         for name, grad in zip(names, grads, strict=True):
             ours.step(name, grad, LR)
 
     async def parallel(wrap: Callable = lambda fn: fn) -> None:
-        steps = (functools.partial(ours.step, n, g, LR) for n, g in zip(names, grads, strict=True))
+        steps = [
+            functools.partial(ours.step, nm, g, LR) for nm, g in zip(names, grads, strict=True)
+        ]
         await asyncio.gather(
             *(
-                workers.run("cpu-optimizer", n, "step", wrap(s))
-                for n, s in zip(names, steps, strict=True)
+                workers.run("cpu-optimizer", nm, "step", wrap(s))
+                for nm, s in zip(names, steps, strict=True)
             )
         )
 
@@ -291,169 +333,104 @@ def run(args: Any) -> dict[str, Any]:
         loop.close()
     # the counts have every system only read the gradients: they must come out unchanged
     assert grad_sums == [g.sum(dtype=torch.float64).item() for g in grads], "a step wrote grads"
-    state = {"ours": ours.state_bytes()}
-    for label, parts in ((FULL_UPDATE, default_parts), (FULL_UPDATE_BF16, bf16_parts)):
-        state[label] = parts["opt"].state_bytes()
-    for kernel_name, opt in torch_opts.items():  # every system keeps its own moments
-        tensors = [v for st in opt.state.values() for v in st.values()]
-        state[f"torch AdamW {kernel_name}"] = sum(v.numel() * v.element_size() for v in tensors)
-    assert min(state.values()) >= 8 * n, f"a system kept no moments: {state}"
     param_bytes = sum(t.numel() * t.element_size() for t in params)
-    moved: dict[str, dict[str, Any]] = {}
+    moved = {}
     for name, tr in traffic.items():
         rows = tr.table()
-        read, written = (sum(r[k] for r in rows) for k in ("read_bytes", "written_bytes"))
-        on_params = [r for r in rows if r["tensor"] == "param"]
-        assert sum(r["read_bytes"] for r in on_params) >= param_bytes, (name, rows)
-        assert sum(r["written_bytes"] for r in on_params) >= param_bytes, (name, rows)
-        moved[name] = {"rows": rows, "read_bytes": read, "written_bytes": written}
+        for column in ("read_bytes", "written_bytes"):  # every system reads and writes every param
+            assert sum(r[column] for r in rows if r["tensor"] == "param") >= param_bytes, (
+                name,
+                rows,
+            )
+        moved[name] = {
+            "rows": rows,
+            **{k: sum(r[k] for r in rows) for k in ("read_bytes", "written_bytes")},
+        }
     nbytes = src.numel() * src.element_size()
+    config = {"params": n, "layers": args.layers, "shard_sizes": sizes, "repeats": args.repeats}
+    config.update(warmup=args.warmup, worker_threads=args.worker_threads, ours_fused=ours.fused)
+    config["full_layer_update"] = {
+        FULL_UPDATE: default_parts["info"],
+        FULL_UPDATE_BF16: bf16_parts["info"],
+    }
+    raw = {"config": config, "traffic": moved, "timings": timings, "systems": list(systems)}
+    raw["workers_seen"] = len({e.worker for e in timeline.events() if e.kind == "cpu-optimizer"})
+    raw.update(copy_bytes=2 * nbytes, add_bytes=3 * nbytes, copy_elements=args.copy_elements)
+    return summarize(raw)
 
-    def bandwidth(case: str, per_call: int) -> dict[str, Any]:
-        """A reference case's bytes moved per second (``per_call`` bytes a call)."""
-        rate = per_call / timings[case]["median_s"]
-        return {"elements": args.copy_elements, "timing": timings[case], "bytes_per_s": rate}
 
-    copy = {**bandwidth("copy", 2 * nbytes), "bytes_moved_per_copy": 2 * nbytes}
-    add = {**bandwidth("add_", 3 * nbytes), "bytes_moved_per_add": 3 * nbytes}
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    """Each system's step against torch fused, the bandwidth bound and the copy and add_
+    references; the traffic of systems that move the same bytes, grouped."""
+    cfg, timings, moved, n = raw["config"], raw["timings"], raw["traffic"], raw["config"]["params"]
+    copy, add = (
+        raw["copy_bytes"] / timings["copy"]["median_s"],
+        raw["add_bytes"] / timings["add_"]["median_s"],
+    )
     fused = moved["torch AdamW fused"]
-    bound_bytes_per_param = (fused["read_bytes"] + fused["written_bytes"]) / n
-    bound = copy["bytes_per_s"] / bound_bytes_per_param
-    fused_s = timings["torch AdamW fused"]["median_s"]
-    results = []
-    for name in systems:
-        step_s = timings[name]["median_s"]
-        total = moved[name]["read_bytes"] + moved[name]["written_bytes"]
-        results.append(
-            {
-                "system": name,
-                "timing": timings[name],
-                "params_per_s": n / step_s,
-                "ratio_vs_torch_fused": fused_s / step_s,
-                "fraction_of_bandwidth_bound": n / step_s / bound,
-                "bytes_moved": total,
-                "bytes_per_param": total / n,
-                "memory_passes": total / (FP32_BYTES * n),
-                "achieved_bytes_per_s": total / step_s,
-                "fraction_of_copy_bandwidth": total / step_s / copy["bytes_per_s"],
-                "fraction_of_add_bandwidth": total / step_s / add["bytes_per_s"],
-            }
+    per = (fused["read_bytes"] + fused["written_bytes"]) / n
+    bound, fused_s, rows = copy / per, timings["torch AdamW fused"]["median_s"], []
+    for name in raw["systems"]:
+        step, total = (
+            timings[name]["median_s"],
+            moved[name]["read_bytes"] + moved[name]["written_bytes"],
         )
-    config = {
-        "params": n,
-        "layers": args.layers,
-        "shard_sizes": sizes,
-        "worker_threads": args.worker_threads,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "lr": LR,
-        "ours_fused": ours.fused,
-        "optimizer": {**hyper, "kind": cfg.kind, "amsgrad": cfg.amsgrad},
-        "full_layer_update": {
-            FULL_UPDATE: default_parts["info"],
-            FULL_UPDATE_BF16: bf16_parts["info"],
-        },
-    }
-    seen = sorted({e.worker for e in timeline.events() if e.kind == "cpu-optimizer"})
-    return {
-        "config": config,
-        "copy_bandwidth": copy,
-        "inplace_add_bandwidth": add,
-        "traffic": moved,
-        "bound_bytes_per_param": bound_bytes_per_param,
-        "bandwidth_bound_params_per_s": bound,
-        "state_bytes": state,
-        "results": results,
-        "parallel_worker_threads_seen": seen,
-    }
-
-
-def _per_param(nbytes: float, n: int) -> str:
-    return fmt(nbytes / n) if nbytes else "0"
-
-
-def passes_table(payload: dict[str, Any]) -> str:
-    """Bytes per parameter each op reads and writes, by tensor; systems with the same
-    traffic share one block."""
-    n = payload["config"]["params"]
-    groups: dict[str, list[str]] = {}
-    for name, t in payload["traffic"].items():
+        rows.append(
+            {"system": name, "median_s": step, "params_per_s": n / step, "ratio": fused_s / step}
+        )
+        rows[-1].update(
+            bound=n / step / bound, per_param=total / n, passes=total / (FP32_BYTES * n)
+        )
+        rows[-1].update(achieved=total / step, copy=total / step / copy, add=total / step / add)
+    label = f"bandwidth bound (copy / {fmt(per)} B counted for torch fused)"
+    rows.append(
+        {"system": label, "params_per_s": bound, "bound": 1.0, "per_param": per, "achieved": copy}
+    )
+    rows[-1].update(copy=1.0, add=copy / add)
+    groups: dict[str, dict[str, Any]] = {}
+    for name, t in moved.items():
         key = repr([(r["op"], r["tensor"], r["read_bytes"], r["written_bytes"]) for r in t["rows"]])
-        groups.setdefault(key, []).append(name)
+        groups.setdefault(key, {**t, "systems": []})["systems"].append(name)
+    config = {k: v for k, v in cfg.items() if k != "shard_sizes"}
+    config.update(smallest=min(cfg["shard_sizes"]), largest=max(cfg["shard_sizes"]))
+    copies = {
+        "gbs": copy / 1e9,
+        "elements": raw["copy_elements"],
+        "ms": timings["copy"]["median_s"] * 1e3,
+    }
+    out = {"config": config, "rows": rows, "traffic": list(groups.values()), "copy": copies}
+    return {
+        **out,
+        "add": {"gbs": add / 1e9, "params_per_s": add / per},
+        "bound": bound,
+        "per": per,
+        "workers_seen": raw["workers_seen"],
+    }
+
+
+def layout(p: dict[str, Any]) -> list:
+    n = p["config"]["params"]
+
+    def per(nbytes: float) -> str:
+        return fmt(nbytes / n) if nbytes else "0"
+
     rows = []
-    for members in groups.values():
-        t = payload["traffic"][members[0]]
-        label = " / ".join(m.split(" (")[0] for m in members)
-        for r in t["rows"]:
-            read, written = _per_param(r["read_bytes"], n), _per_param(r["written_bytes"], n)
-            rows.append([label, r["op"], r["tensor"], read, written])
+    for group in p["traffic"]:
+        label = " / ".join(m.split(" (")[0] for m in group["systems"])
+        for r in group["rows"]:
+            rows.append(
+                [label, r["op"], r["tensor"], per(r["read_bytes"]), per(r["written_bytes"])]
+            )
             label = ""
-        total = t["read_bytes"] + t["written_bytes"]
-        read, written = _per_param(t["read_bytes"], n), _per_param(t["written_bytes"], n)
-        rows.append(["", "**all**", f"**{fmt(total / n)} B/param**", read, written])
-    headers = cols("systems; aten op; tensor; read B/param; written B/param")
-    return markdown_table(headers, rows)
-
-
-def report(payload: dict[str, Any]) -> Report:
-    cfg, copy = payload["config"], payload["copy_bandwidth"]
-    bound, sizes = payload["bandwidth_bound_params_per_s"], cfg["shard_sizes"]
-    per = payload["bound_bytes_per_param"]
-    rows = []
-    for r in payload["results"]:
-        step, ratio = f"{r['timing']['median_s']:.4f}", f"{r['ratio_vs_torch_fused']:.2f}x"
+        total = group["read_bytes"] + group["written_bytes"]
         rows.append(
             [
-                *(r["system"], step, fmt_rate(r["params_per_s"]), ratio),
-                *(f"{r['fraction_of_bandwidth_bound']:.2f}", fmt(r["bytes_per_param"])),
-                *(f"{r['memory_passes']:.2f}", fmt(r["achieved_bytes_per_s"] / 1e9)),
-                f"{r['fraction_of_copy_bandwidth']:.2f}",
-                f"{r['fraction_of_add_bandwidth']:.2f}",
+                "",
+                "**all**",
+                f"**{fmt(total / n)} B/param**",
+                per(group["read_bytes"]),
+                per(group["written_bytes"]),
             ]
         )
-    copy_gbs = fmt(copy["bytes_per_s"] / 1e9)
-    bound_label = f"bandwidth bound (copy / {fmt(per)} B counted for torch fused)"
-    add_bw = payload["inplace_add_bandwidth"]["bytes_per_s"]
-    bound_add = f"{copy['bytes_per_s'] / add_bw:.2f}"
-    rows.append(
-        [bound_label, "-", fmt_rate(bound), "-", "1.00", fmt(per), "-", copy_gbs, "1.00", bound_add]
-    )
-    headers = cols(
-        "system; median step s; params/s; ratio vs fused torch; fraction of bandwidth bound; "
-        "B/param moved; memory passes; achieved GB/s; fraction of copy bandwidth; "
-        "fraction of add_ bandwidth"
-    )
-    full = cfg["full_layer_update"]
-    refresh = "; ".join(
-        f"{name.split(' (')[0]}: compute dtype {i['compute_dtype']}, cpu_compression "
-        f"{i['cpu_compression']}, compute copy {i['compute_copy_dtype']}"
-        + (
-            ", the master itself (refresh moves nothing)"
-            if i["compute_copy_aliases_master"]
-            else ""
-        )
-        + f", grad scale {i['grad_scale']:g}"
-        for name, i in full.items()
-    )
-    notes = [
-        f"{cfg['layers']} shards, {cfg['params']:,} fp32 params (sizes proportional to "
-        f"1..{cfg['layers']}: {min(sizes):,} to {max(sizes):,}); median of {cfg['repeats']} "
-        f"repeats after {cfg['warmup']} warm-up, cases interleaved.",
-        "B/param moved: bytes the step's aten ops read and write, counted from the tensors of "
-        "one traced step (numel x element_size; table below); memory passes = B/param / 4 "
-        "(fp32 arrays' worth of traffic per parameter); achieved GB/s = counted bytes / median "
-        "step time; fraction of copy (add_) bandwidth = achieved / copy (add_) GB/s.",
-        f"copy bandwidth {copy_gbs} GB/s (dst.copy_(src), {copy['elements']:,} fp32 elements, "
-        f"2 x nbytes counted; median {copy['timing']['median_s'] * 1e3:.1f} ms) -> bound "
-        f"{fmt_rate(bound)} params/s at the {fmt(per)} B/param counted for torch fused.",
-        f"in-place add_ bandwidth {fmt(add_bw / 1e9)} GB/s (3 x nbytes counted) -> "
-        f"{fmt_rate(add_bw / per)} params/s at {fmt(per)} B/param.",
-        "ratio vs fused torch = torch-fused step time / system step time (>1 is faster).",
-        f"full layer update = per layer what StepRunner.update_layer does (grad scale mul_ "
-        f"when not 1, ShardOptimizers.step, ParameterStore.refresh_compute_copy) on a "
-        f"ParameterStore built as engine.build_engine builds it, run in turn. {refresh}.",
-        f"ours picked fused={cfg['ours_fused']}; 'ours, parallel' ran its steps on "
-        f"{len(payload['parallel_worker_threads_seen'])} distinct worker threads.",
-    ]
-    tables = markdown_table(headers, rows) + "\n\nMemory traffic per step, counted:\n\n"
-    return Report("CPU AdamW optimizer step", tables + passes_table(payload), notes)
+    rows = [dict(zip("01234", r, strict=True)) for r in rows]
+    return [(MAIN, p["rows"]), "Memory traffic per step, counted:", (PASSES, rows)]

@@ -2,18 +2,18 @@
 
 The same GPT, initial weights, batches and AdamW in every system; each run fresh processes, the
 order rotated per round. ``--sweep-ours`` compares configurations of zero3_offload instead.
+Defaults per size (small; --quick; --large): rounds 3/2/1, warm-up 2/1/1, timed steps 6/5/4,
+timeout 900/300/3600 s.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from harness import train
-from harness.plan import progress
-from harness.report import Report, markdown_table, systems_table
+from harness.render import Col
 from harness.systems import System
-from harness.train import LOSS_STEPS, LOSS_TOLERANCE, loss_agreement, summarize
+from harness.train import LOSS_STEPS, LOSS_TOLERANCE
 
 WORLD = 2
 SIZES = {  # d, heads, blocks, seq; the defaults of the options
@@ -27,32 +27,34 @@ def ours(label: str, **options: Any) -> System:
     return System(label, "zero3_offload", WORLD, options)
 
 
-LR_BWD = {"lr_in_backward": True}
-TUNED = {**LR_BWD, "prefetch_buffer_size": 1}
-NO_OFFLOAD = {"offload_params": False, "offload_grads": False, "offload_optimizer_states": False}
-CPU_OFFLOAD, CKPT = {"fused": True, "cpu_offload": True}, {"activation_checkpointing": True}
-PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
+LR_BWD, DEPTH1, SPEC = (
+    {"lr_in_backward": True},
+    {"prefetch_buffer_size": 1},
+    {"speculative_step": True},
+)
+NO_OFFLOAD = dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_states"), False)
 CLIP_NEVER, CLIP_ALWAYS = {"gradient_clipping": 1e6}, {"gradient_clipping": 1e-6}
-SPEC = {"speculative_step": True}
+FUSED, CKPT = {"fused": True}, {"activation_checkpointing": True}
+PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
 SYSTEMS = {
-    "torch": System("plain torch (1 process)", "torch", 1, {"fused": True}),
+    "torch": System("plain torch (1 process)", "torch", 1, FUSED),
     # ZeRO's compute and update split over the ranks with no communication (a bound, see Split)
-    "torch_split": System(
-        "2 x plain torch, no communication (bound)", "split", WORLD, {"fused": True}
+    "torch_split": System("2 x plain torch, no communication (bound)", "split", WORLD, FUSED),
+    "fsdp2": System("FSDP2", "fsdp2", WORLD, FUSED),
+    "fsdp2_offload": System(
+        "FSDP2 + CPUOffloadPolicy", "fsdp2", WORLD, {**FUSED, "cpu_offload": True}
     ),
-    "fsdp2": System("FSDP2", "fsdp2", WORLD, {"fused": True}),
-    "fsdp2_offload": System("FSDP2 + CPUOffloadPolicy", "fsdp2", WORLD, CPU_OFFLOAD),
     "deepspeed": System("DeepSpeed ZeRO-3 offload", "deepspeed", WORLD, {}),
     "ours_default": ours("zero3_offload default"),
-    "ours_fast": ours("zero3_offload tuned", **TUNED),
-    "ours_ckpt": ours("zero3_offload tuned + activation ckpt", **TUNED, **CKPT),
+    "ours_fast": ours("zero3_offload tuned", **LR_BWD, **DEPTH1),
+    "ours_ckpt": ours("zero3_offload tuned + activation ckpt", **LR_BWD, **DEPTH1, **CKPT),
 }
 SWEEP = {  # candidates for ours' fastest configuration
     "ours_default": SYSTEMS["ours_default"],
     "lr_bwd": ours("lr in backward_pass", **LR_BWD),
     "lr_bwd_nooffload": ours("lr in backward, offload off", **LR_BWD, **NO_OFFLOAD),
     "lr_bwd_1worker": ours("lr in backward, cpu_worker_threads=1", **LR_BWD, cpu_worker_threads=1),
-    "lr_bwd_depth1": ours("lr in backward, prefetch_buffer_size=1", **TUNED),
+    "lr_bwd_depth1": ours("lr in backward, prefetch_buffer_size=1", **LR_BWD, **DEPTH1),
     "lr_bwd_persist": ours("lr in backward, small layers persistent", **LR_BWD, **PERSIST),
     "no_prefetch": ours("async_prefetch=False", async_prefetch=False),
     "unchecked": ours("divergence_check=False", divergence_check=False),
@@ -65,141 +67,164 @@ SWEEP = {  # candidates for ours' fastest configuration
         "lr in backward, clip 1e-6 (fires every step), speculative", **LR_BWD, **CLIP_ALWAYS, **SPEC
     ),
 }
-
+TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 OPTIONS = {
     "--large": {"action": "store_true", "help": "the 303M-parameter model"},
     "--sweep-ours": {"action": "store_true", "help": f"ours' configurations: {', '.join(SWEEP)}"},
     "--systems": {"help": f"comma-separated subset of {', '.join(SYSTEMS)} (or the sweep's)"},
-    "--rounds": {"type": int, "help": "rounds of all systems (3; quick 2; large 1)"},
-    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
     "--blocks": {"type": int, "help": "blocks instead of the size's; the name gets -<N>blocks"},
     "--vocab": {"type": int, "help": "the GPT's vocabulary (256: bytes); the name gets -vocab<N>"},
-    "--timeout": {"type": float, "help": "seconds per run (900; quick 300; large 3600)"},
-    **train.RANK_OPTIONS,
 }
-DEFAULTS = {"threads": 1}
-EPILOG = (
-    "--repeats/--warmup: timed/untimed steps per run (6/2; quick 5/1; large 4/1); --threads: torch "
-    "threads per rank (1; plain torch gets 2x)"
-)
+DEFAULTS = {"threads": 1, "seed": 0}  # and the size's (SIZES); plain torch gets 2x the threads
+TITLE = "zero3_offload vs peers ({size} model, same model, data and seed)"
 
 
 def check(args: Any) -> str | None:
     if args.quick and args.large:
         return "--quick and --large exclude each other"
     args.size = "quick" if args.quick else "large" if args.large else "small"
-    for key, value in SIZES[args.size][1].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    for key, value in SIZES[args.size][1].items():  # the size's, for those not given
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     table = SWEEP if args.sweep_ours else SYSTEMS
     args.system_keys = args.systems.split(",") if args.systems else list(table)
     if unknown := [k for k in args.system_keys if k not in table]:
         return f"unknown systems {unknown}; known: {', '.join(table)}"
-    if min(args.rounds, args.repeats, args.blocks or 1) < 1 or args.warmup < 0:
-        return "--rounds, --repeats and --blocks must be >= 1, --warmup >= 0"
-    if args.vocab is not None and args.vocab < 256:
-        return "--vocab must be >= 256 (the token ids are bytes)"
-    if args.warmup + args.repeats < LOSS_STEPS:
-        return f"--warmup + --repeats must be >= {LOSS_STEPS} (the loss check)"
-    return None
+    if (args.blocks or 1) < 1 or (args.vocab or 256) < 256:
+        return "--blocks must be >= 1, --vocab >= 256 (the token ids are bytes)"
+    return train.check_loss_steps(args)
 
 
 def run(args: Any) -> dict[str, Any] | None:
     systems = {k: (SWEEP if args.sweep_ours else SYSTEMS)[k] for k in args.system_keys}
     d, heads, blocks, seq = SIZES[args.size][0]
     dims = dict(d=d, heads=heads, n_layers=args.blocks or blocks, seq=seq, global_batch=8)
-    if args.vocab is not None:
-        dims["vocab"] = args.vocab
+    dims.update({"vocab": args.vocab} if args.vocab is not None else {})
     threads = {k: args.threads * (WORLD if s.kind == "torch" else 1) for k, s in systems.items()}
-    result = train.compare(args, systems, dims, threads=threads)
+    compared = train.compare(args, systems, dims, threads=threads)
     name = "peers-sweep" if args.sweep_ours else "peers"
     name += "" if args.size == "small" else f"-{args.size}"
     name += f"-{args.blocks}blocks" if args.blocks else ""
     name += f"-vocab{args.vocab}" if args.vocab is not None else ""
     name += "-mmap" if args.mmap_threshold is not None else ""
-    result["config"].update(
+    config = dict(
         world_size=WORLD, threads_per_rank=args.threads, malloc_mmap_threshold=args.mmap_threshold
     )
-    payload = {"benchmark": name, "size": args.size, **result}
-    if not (summary := summarize(payload)):
-        progress("no system produced a result")
+    part = train.part(compared, **config)
+    if not part["systems"]:
         return None
-    return {**payload, "losses_agree": loss_agreement(summary)["agree"]}
+    return {
+        "benchmark": name,
+        "size": args.size,
+        **part,
+        "losses_agree": part["agreement"]["agree"],
+    }
 
 
-def report(payload: dict[str, Any], model: str | None = None, title: str | None = None) -> Report:
-    """The report; ``model`` and ``title`` replace the GPT's note on the model and the title."""
-    cfg, summary = payload["config"], summarize(payload)
-    agreement = loss_agreement(summary)
-    base = summary.get("torch") or next(iter(summary.values()))
-    # the losses of each system's first run, their max |diff| from the reference, and between runs
-    k, losses = min(cfg["warmup"] + cfg["steps"], len(base["losses"])), []
-    for key, s in summary.items():
-        checked = agreement["systems"].get(key)  # a bound trains nothing together: not checked
-        diff = f"{checked['max_diff']:.2e}" if checked else "- (bound)"
-        shown = [f"{v:.5f}" for v in s["losses"][:k]]
-        losses.append([s["label"], *shown, diff, f"{s['losses_max_run_spread']:.1e}"])
-    diff_header = f"max |diff| vs {base['label']} (first {LOSS_STEPS})"
-    l_headers = ["system", *(f"step {i}" for i in range(k)), diff_header, "max spread between runs"]
-    # per round: the order of the runs, the range of the load averages at their starts, and each
-    # system's run's median step (its CPU seconds per step in parentheses)
-    rounds = []
-    for r in range(cfg["rounds"]):
-        in_round = [run for run in payload["runs"] if run["round"] == r]
-        by = {run["key"]: run for run in in_round if run["ok"]}
-        starts = [x.get("load_average_at_start") for x in in_round]
-        loads = [f"{load[0]:.1f}" for load in starts if load]
-        cells = [
-            f"{train.run_median(by[key]):.3f} ({statistics.median(train.step_cpu(by[key])):.2f})"
-            if key in by
-            else "-"
-            for key in summary
-        ]
-        order = " > ".join(x["key"] for x in in_round)
-        rounds.append([str(r), order, f"{min(loads)}-{max(loads)}" if loads else "-", *cells])
-    r_headers = ["round", "order", "load avg", *(s["label"] for s in summary.values())]
-    tables = "\n\n".join(
-        [
-            systems_table(summary, {"FSDP2": "fsdp2", "torch": "torch"}),
-            f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
-            "weights and data for every system):",
-            markdown_table(l_headers, losses),
-            "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and "
-            "the 1-minute load average at the runs' starts; drift of the machine shows here:",
-            markdown_table(r_headers, rounds),
-        ]
+def system_columns(refs: dict[str, str]) -> list[Col]:
+    """The table of training systems: step time, CPU time, phases and memory, with ratios to the
+    systems of ``refs`` (name -> key; CPU time and GPU memory to the first only)."""
+
+    def vs(field: str, names: dict[str, str] = refs) -> list[Col]:
+        return [Col(f"vs {name}", field, "x", key) for name, key in names.items()]
+
+    first = dict(list(refs.items())[:1])
+    # fmt: off
+    return [
+        Col("system", "label"), Col("ranks x threads", "{world_size} x {threads_per_rank}"),
+        Col("median step s", "median_step_s", ".3f"), *vs("median_step_s"),
+        Col("best run step s", "best_run_step_s", ".3f"),
+        Col("CPU s / step", "median_cpu_s", ".3f"), *vs("median_cpu_s", first),
+        Col("fwd+loss s", "median_forward_s", ".3f"), Col("backward s", "median_backward_s", ".3f"),
+        Col("optimizer s", "median_optimizer_s", ".3f"),
+        Col("peak GPU allocated MiB", "peak_gpu_bytes", "mib"), *vs("peak_gpu_bytes", first),
+        Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"), *vs("peak_rss_bytes"),
+        Col("RSS after import MiB", "import_rss_bytes", "mib"),
+        Col("model state / rank MiB", "model_state_bytes", "mib1"),
+    ]
+    # fmt: on
+
+
+def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
+    """The systems table; the first run's loss per step of every system, its max |diff| from the
+    reference's, the spread between runs; per round the order of the runs, the range of their
+    load averages at start, each system's median step (its CPU seconds in parentheses)."""
+    ref = next(s for s in p["systems"].values() if s["label"] == p["agreement"]["reference"])
+    k = min(p["config"]["warmup"] + p["config"]["steps"], len(ref["losses"]))
+    losses = [Col("system", "label"), *(Col(f"step {i}", f"{{losses[{i}]:.5f}}") for i in range(k))]
+    losses.append(
+        Col(
+            f"max |diff| vs {ref['label']} (first {LOSS_STEPS})",
+            "loss_max_diff",
+            ".2e",
+            missing="- (bound)",
+        )
     )
-    dims, per_layer, mmap = cfg["dims"], cfg["layer_params"], cfg["malloc_mmap_threshold"]
-    labels = {k: s.label for k, s in (SWEEP | SYSTEMS).items()}
-    labels.update({k: s["label"] for k, s in cfg["systems"].items()})
-    malloc = "defaults (dynamic mmap threshold, up to 32 MiB) in every process"
-    malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else malloc
+    rounds = []
+    for r in range(p["config"]["rounds"]):
+        runs = [x for x in p["runs"] if x["round"] == r]
+        loads = [x["load"] for x in runs if "load" in x]
+        rounds.append({"round": str(r), "order": " > ".join(x["key"] for x in runs)})
+        rounds[-1]["load"] = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+        rounds[-1].update(
+            {x["key"]: f"{x['median_step_s']:.3f} ({x['cpu_s']:.2f})" for x in runs if x["ok"]}
+        )
+    per_system = [Col(s["label"], key) for key, s in p["systems"].items()]
+    return [
+        (system_columns(refs or {"FSDP2": "fsdp2", "torch": "torch"}), p["systems"]),
+        f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
+        f"weights "
+        "and data for every system):",
+        ([*losses, Col("max spread between runs", "loss_spread", ".1e")], p["systems"]),
+        "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and the "
+        "1-minute load average at the runs' starts; drift of the machine shows here:",
+        (
+            [Col("round", "round"), Col("order", "order"), Col("load avg", "load"), *per_system],
+            rounds,
+        ),
+    ]
+
+
+def notes(p: dict[str, Any], model: str | None = None) -> list[str]:
+    """The notes of a comparison; ``model`` replaces the GPT's description."""
+    cfg, dims, ag = p["config"], p["config"]["dims"], p["agreement"]
+    mmap = cfg.get("malloc_mmap_threshold")
+    malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else (
+        "defaults (dynamic mmap threshold, up to 32 MiB) in every process")  # fmt: skip
     model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
-        f"seq {dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
-        f"{cfg['params']:,} fp32 params in "
-        f"{len(per_layer)} layers (largest {max(per_layer.values()):,})"
+        f"seq "
+        f"{dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
+        f"{cfg['params']:,} "
+        f"fp32 params in {cfg['layers']} layers (largest {cfg['largest_layer']:,})"
     )
-    notes = [
+    return [
         f"{model}; global batch {dims['global_batch']}, split evenly over the ranks; seed "
-        f"{cfg['seed']} for every system. Data: {cfg['corpus']['description']} (sha256 "
-        f"{cfg['corpus']['sha256'][:12]}), the same batches for every system.",
+        f"{cfg['seed']} "
+        f"for every system. Data: {cfg['corpus']['description']} (sha256 "
+        f"{cfg['corpus']['sha256'][:12]}), "
+        "the same batches for every system.",
         f"AdamW lr {cfg['lr']}, betas (0.9, 0.999), eps 1e-8, weight decay {cfg['weight_decay']}, "
-        "fp32. torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
+        f"fp32. "
+        "torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
         "(gradient_clipping set to 0: DeepSpeed's default is 1.0); zero3_offload: torch's fused "
-        "AdamW kernel per layer shard.",
+        "AdamW "
+        "kernel per layer shard.",
         f"Each run: fresh processes, {cfg['warmup']} warm-up + {cfg['steps']} timed steps; "
-        f"{cfg['rounds']} rounds, the order rotated each round. Columns as docs/benchmarks.md "
-        "(peers) defines them: medians over every timed step of every rank and run; CPU s summed "
-        "over the ranks; peak RSS = VmHWM, max over ranks, median over runs; vs X = this / X's.",
-        f"Losses agree with {base['label']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
-        f"steps: {agreement['agree']} (max |diff| {agreement['max_diff']:.2e}).",
+        f"{cfg['rounds']} "
+        "rounds, the order rotated each round. Columns as docs/benchmarks.md (peers) defines them: "
+        "medians over every timed step of every rank and run; CPU s summed over the ranks; peak "
+        "RSS = "
+        "VmHWM, max over ranks, median over runs; vs X = this / X's.",
+        f"Losses agree with {ag['reference']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
+        f"steps: "
+        f"{ag['agree']} (max |diff| {ag['max_diff']:.2e}).",
         f"glibc malloc: {malloc}.",
         *(
-            f"{'FAILED' if k in cfg['systems'] else 'SKIPPED'} {labels.get(k, k)}: {msg}"
-            for k, msg in payload["skipped"].items()
+            f"{'FAILED' if s['failed'] else 'SKIPPED'} {s['label']}: {s['why']}"
+            for s in p["skipped"].values()
         ),
-        f"whole benchmark {payload['total_wall_s']:.0f} s wall.",
+        f"whole benchmark {p['total_wall_s']:.0f} s wall.",
     ]
-    title = title or f"zero3_offload vs peers ({payload['size']} model, same model, data and seed)"
-    return Report(title, tables, notes)
+
+
+NOTES = [notes]

@@ -6,14 +6,12 @@ batch the same for every N; tables with ratios to plain torch, and the plot docs
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from harness import train, workload
-from harness.plan import progress
-from harness.report import MIB, Report, cols, machine_line, markdown_table, mib, ratio
+from harness.render import MIB, Col, machine_line, ratio
 from harness.systems import System
 
 from suites import peers
@@ -35,21 +33,45 @@ QUICK_SIZES = {
     "q120k": (64, 2, 2, 1, 4),
     "q400k": (128, 4, 2, 1, 4),
 }
+TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 OPTIONS = {
     "--sizes": {"help": f"subset of {', '.join(SIZES)} (quick: {', '.join(QUICK_SIZES)})"},
     "--worlds": {"default": "1,2,4", "help": "numbers of gloo ranks of ours (1,2,4)"},
     "--torch-threads": {"type": int, "help": "plain torch's threads (default: --threads)"},
-    "--rounds": {"type": int, "default": 1, "help": "runs of every size and system (1)"},
-    "--seed": {"type": int, "default": 0, "help": "model seed (0)"},
-    "--timeout": {"type": float, "help": "seconds per run (1800; quick 300)"},
     "--plot": {"type": Path, "metavar": "PNG", "help": "plot path (docs/scaling.png; quick: none)"},
     "--no-plot": {"action": "store_true", "help": "write no plot"},
-    **train.RANK_OPTIONS,
 }
-DEFAULTS, QUICK = {"threads": 1, "timeout": 1800.0}, {"timeout": 300.0}
-EPILOG = (
-    "--repeats/--warmup: timed/untimed steps per run (per size); --threads: per rank of ours (1)"
-)
+DEFAULTS = {"threads": 1, "timeout": 1800.0, "rounds": 1, "seed": 0}  # steps: the size's
+QUICK = {"timeout": 300.0}
+DETAIL = [
+    Col("size", "size"),
+    Col("system", "label"),
+    Col("ranks x threads", "ranks"),
+    Col("median step s", "median_step_s", ".3f"),
+    Col("vs torch", "median_step_s", "x", TORCH),
+    Col("speed-up vs N=1", "median_step_s", "/x", "one"),
+    Col("CPU s / step", "median_cpu_s", ".3f"),
+    Col("vs torch", "median_cpu_s", "x", TORCH),
+    Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
+    Col("vs torch", "peak_rss_bytes", "x", TORCH),
+    Col("sum of rank peaks MiB", "sum_peak_rss_bytes", "mib"),
+    Col("RSS after build MiB", "built_rss_bytes", "mib"),
+    Col("model state / rank MiB", "model_state_bytes", "mib1"),
+    Col("vs torch", "model_state_bytes", "x", TORCH),
+    Col("loss max |diff| vs torch", "loss"),
+    Col("runs", "runs", "d"),
+]
+RUNS = [
+    Col("#", "{index}"),
+    Col("round", "round", "d"),
+    Col("size", "size"),
+    Col("system", "label"),
+    Col("load avg", "load", ".2f"),
+    Col("median step s", "median_step_s", ".3f", missing="FAILED"),
+    Col("CPU s / step", "cpu_s", ".3f"),
+    Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
+    Col("run wall s", "wall_s", ".1f"),
+]
 
 
 def check(args: Any) -> str | None:
@@ -70,9 +92,8 @@ def check(args: Any) -> str | None:
         repeats = args.repeats or repeats
         if warmup < 0 or warmup + repeats < train.LOSS_STEPS:
             return f"need --warmup >= 0, --warmup + --repeats >= {train.LOSS_STEPS} (loss check)"
-        dims = dict(
-            d=d, heads=heads, n_layers=blocks, seq=32 if args.quick else 128, global_batch=8
-        )
+        seq = 32 if args.quick else 128
+        dims = dict(d=d, heads=heads, n_layers=blocks, seq=seq, global_batch=8)
         args.size_table[name] = {**dims, "warmup": warmup, "timed_steps": repeats}
     args.torch_threads = args.torch_threads or args.threads
     if min(args.threads, args.torch_threads, args.rounds) < 1:
@@ -81,19 +102,38 @@ def check(args: Any) -> str | None:
     return None
 
 
+def by_size(runs: list[dict], config: dict[str, Any]) -> dict[str, Any]:
+    """Per size: its parameters, the systems' summaries and their loss check against plain
+    torch (none without a plain-torch run)."""
+    out = {}
+    for name, size in config["sizes"].items():
+        got = train.summarize(runs, config["systems"], name)
+        if TORCH not in got["systems"]:
+            got["agreement"] = None
+        out[name] = {"params": size["params"], **got}
+    return out
+
+
+def losses_agree(p: dict[str, Any]) -> bool:
+    """Whether every planned size and system ran and passed the loss check."""
+    planned = len(p["config"]["systems"])
+    return all(
+        b["agreement"] and b["agreement"]["agree"] and len(b["systems"]) == planned
+        for b in p["sizes"].values()
+    )
+
+
 def run(args: Any) -> dict[str, Any]:
     systems = {TORCH: peers.SYSTEMS["torch"]}
     for n in args.world_list:
         systems[f"ours_n{n}"] = System(f"zero3_offload N={n}", "zero3_offload", n, {})
-    sizes = {}
-    for name, size in args.size_table.items():
-        per_layer = workload.layer_params(size)
-        sizes[name] = {**size, "params": sum(per_layer.values()), "layer_params": per_layer}
+    sizes = {
+        n: {**s, "params": sum(workload.layer_params(s).values())}
+        for n, s in args.size_table.items()
+    }
     threads = {k: args.torch_threads if k == TORCH else args.threads for k in systems}
-    progress("sizes: " + ", ".join(f"{n} = {s['params']:,} params" for n, s in sizes.items()))
     started = time.perf_counter()
     runs = train.train_runs(args, systems, sizes, threads)
-    name = ("scaling-quick" if args.quick else "scaling") + ("-mmap" if args.mmap_threshold else "")
     config = {
         "model": workload.MODEL,
         "sizes": sizes,
@@ -108,182 +148,143 @@ def run(args: Any) -> dict[str, Any]:
         "corpus": workload.corpus_info(),
         "systems": {k: s._asdict() for k, s in systems.items()},
     }
-    total = time.perf_counter() - started
-    payload = {"benchmark": name, "config": config, "runs": runs, "total_wall_s": total}
-    failed = [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]]
-    return {**payload, "failed": failed, "losses_agree": losses_agree(payload)}
+    p = {"config": config, "sizes": by_size(runs, config), "runs": [train.run_row(r) for r in runs]}
+    p["total_wall_s"] = time.perf_counter() - started
+    p["failed"] = [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]]
+    name = ("scaling-quick" if args.quick else "scaling") + ("-mmap" if args.mmap_threshold else "")
+    return {"benchmark": name, **p, "losses_agree": losses_agree(p)}
 
 
-def by_size(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per size: its parameters, the systems' summaries and their loss check against plain torch
-    (none without a plain-torch run)."""
-    out = {}
-    for name, size in payload["config"]["sizes"].items():
-        systems = train.summarize(payload, name)
-        losses = train.loss_agreement(systems) if TORCH in systems else None
-        out[name] = {"params": size["params"], "systems": systems, "losses": losses}
-    return out
+def layout(p: dict[str, Any]) -> list:
+    systems, cores = p["config"]["systems"], p["machine"]["usable_cores"] or 1
 
-
-def losses_agree(payload: dict[str, Any]) -> bool:
-    """Whether every planned size and system ran and passed the loss check."""
-    planned = len(payload["config"]["systems"])
-    return all(
-        b["losses"] and b["losses"]["agree"] and len(b["systems"]) == planned
-        for b in by_size(payload).values()
-    )
-
-
-def report(payload: dict[str, Any]) -> Report:
-    summary, systems = by_size(payload), payload["config"]["systems"]
-    cores = payload["machine"]["usable_cores"] or 1
-
-    def pivot(field: str, scale: float, digits: str) -> str:
+    def pivot(field: str, scale: float, digits: str) -> tuple:
         """``field`` per size (rows) and system (columns), with its ratio to plain torch's."""
         rows = []
-        for name, b in summary.items():
+        for name, b in p["sizes"].items():
             per, base = b["systems"], b["systems"].get(TORCH, {}).get(field)
-            cells = [
-                "-"
-                if key not in per
-                else f"{per[key][field] / scale:{digits}}"
-                + ("" if key == TORCH else f" ({ratio(per[key][field], base)})")
-                for key in systems
-            ]
-            rows.append([name, f"{b['params']:,}", *cells])
-        return markdown_table(["size", "params", *(s["label"] for s in systems.values())], rows)
-
-    def vs(s: dict[str, Any], ref: dict[str, Any], field: str) -> str:
-        return ratio(s[field], ref.get(field))
+            row = {"size": name, "params": f"{b['params']:,}"}
+            for key, s in per.items():
+                row[key] = f"{s[field] / scale:{digits}}"
+                row[key] += "" if key == TORCH else f" ({ratio(s[field], base)})"
+            rows.append(row)
+        columns = [Col("size", "size"), Col("params", "params")]
+        return [*columns, *(Col(s["label"], key) for key, s in systems.items())], rows
 
     detail = []
-    for name, b in summary.items():
-        ref, one = b["systems"].get(TORCH, {}), b["systems"].get("ours_n1")
+    for name, b in p["sizes"].items():
         for key, s in b["systems"].items():
-            check = b["losses"]["systems"][key] if b["losses"] else None
-            loss = "no reference" if check is None else f"{check['max_diff']:.1e}"
-            loss += "" if check is None or check["finite"] else " (not finite)"
             over = " (oversubscribed)" if s["world_size"] * s["threads_per_rank"] > cores else ""
-            step = s["median_step_s"]
+            loss = "no reference" if b["agreement"] is None else f"{s['loss_max_diff']:.1e}"
+            loss += "" if b["agreement"] is None or s["loss_finite"] else " (not finite)"
+            ranks = f"{s['world_size']} x {s['threads_per_rank']}{over}"
             detail.append(
-                [
-                    name,
-                    s["label"],
-                    f"{s['world_size']} x {s['threads_per_rank']}{over}",
-                    f"{step:.3f}",
-                    vs(s, ref, "median_step_s"),
-                    "-" if key == TORCH or one is None else ratio(one["median_step_s"], step),
-                    f"{s['median_cpu_s']:.3f}",
-                    vs(s, ref, "median_cpu_s"),
-                    mib(s["peak_rss_bytes"]),
-                    vs(s, ref, "peak_rss_bytes"),
-                    mib(s["sum_peak_rss_bytes"]),
-                    mib(s["built_rss_bytes"]),
-                    mib(s["model_state_bytes"], 1),
-                    vs(s, ref, "model_state_bytes"),
-                    loss,
-                    str(s["runs"]),
-                ]
+                {
+                    **s,
+                    "size": name,
+                    "ranks": ranks,
+                    "loss": loss,
+                    TORCH: b["systems"].get(TORCH, {}),
+                }
             )
-    runs = []
-    for r in payload["runs"]:
-        ok, load = r["ok"], r.get("load_average_at_start")
-        which = [str(r["index"] + 1), str(r["round"]), r["size"], systems[r["key"]]["label"]]
-        step = f"{train.run_median(r):.3f}" if ok else "FAILED"
-        cpu = f"{statistics.median(train.step_cpu(r)):.3f}" if ok else "-"
-        rss = mib(max(rk["peak_rss_bytes"] for rk in r["ranks"])) if ok else "-"
-        runs.append(
-            [*which, f"{load[0]:.2f}" if load else "-", step, cpu, rss, f"{r['wall_s']:.1f}"]
-        )
-    d_headers = cols(
-        "size; system; ranks x threads; median step s; vs torch; speed-up vs N=1; CPU s / step; "
-        "vs torch; peak RSS / rank MiB; vs torch; sum of rank peaks MiB; RSS after build MiB; "
-        "model state / rank MiB; vs torch; loss max |diff| vs torch; runs"
+            detail[-1]["one"] = (
+                b["systems"]["ours_n1"] if key != TORCH and "ours_n1" in b["systems"] else {}
+            )
+    runs = [{**r, "index": r["index"] + 1, "label": systems[r["key"]]["label"]} for r in p["runs"]]
+    return [
+        "Median step time, s (ratio to plain torch at the same size; <1 is faster):",
+        pivot("median_step_s", 1.0, ".3f"),
+        "Peak RSS per rank, MiB (max over ranks; ratio to plain torch's one process):",
+        pivot("peak_rss_bytes", MIB, ",.0f"),
+        "Model state per rank, MiB (counted from tensors; ratio to plain torch):",
+        pivot("model_state_bytes", MIB, ",.1f"),
+        "All figures:",
+        (DETAIL, detail),
+        "Runs in the order they ran (1-minute load average at each run's start):",
+        (RUNS, runs),
+    ]
+
+
+def oversubscribed(p: dict[str, Any]) -> str:
+    cores, threads = p["machine"]["usable_cores"] or 1, p["config"]["threads_per_rank"]
+    over = ", ".join(str(n) for n in p["config"]["worlds"] if n * threads > cores)
+    if not over:
+        return f"Machine: {cores} usable cores. No configuration is oversubscribed."
+    return (
+        f"Machine: {cores} usable cores. N={over} runs more busy threads than cores "
+        "(oversubscribed): its ranks share the cores, so its step time shows the cost of more "
+        "ranks on the same cores, not of more hardware."
     )
-    r_headers = cols(
-        "#; round; size; system; load avg; median step s; CPU s / step; peak RSS / rank MiB; "
-        "run wall s"
-    )
-    tables = "\n\n".join(
-        [
-            "Median step time, s (ratio to plain torch at the same size; <1 is faster):",
-            pivot("median_step_s", 1.0, ".3f"),
-            "Peak RSS per rank, MiB (max over ranks; ratio to plain torch's one process):",
-            pivot("peak_rss_bytes", MIB, ",.0f"),
-            "Model state per rank, MiB (counted from tensors; ratio to plain torch):",
-            pivot("model_state_bytes", MIB, ",.1f"),
-            "All figures:",
-            markdown_table(d_headers, detail),
-            "Runs in the order they ran (1-minute load average at each run's start):",
-            markdown_table(r_headers, runs),
-        ]
-    )
-    cfg = payload["config"]
+
+
+def sizes_note(p: dict[str, Any]) -> str:
     sizes = "; ".join(
         f"{name}: d={s['d']}, {s['heads']} heads, {s['n_layers']} block(s), seq {s['seq']} = "
         f"{s['params']:,} params, {s['warmup']} warm-up + {s['timed_steps']} timed steps"
-        for name, s in cfg["sizes"].items()
+        for name, s in p["config"]["sizes"].items()
     )
-    threads, mmap = cfg["threads_per_rank"], cfg["malloc_mmap_threshold"]
-    over = ", ".join(str(n) for n in cfg["worlds"] if n * threads > cores)
-    oversubscribed = "No configuration is oversubscribed."
-    if over:
-        oversubscribed = (
-            f"N={over} runs more busy threads than cores (oversubscribed): its ranks share the "
-            "cores, so its step time shows the cost of more ranks on the same cores, not of more "
-            "hardware."
-        )
-    agree = losses_agree(payload)
-    unchecked = "" if agree else " (or a system has no run to check)"
-    malloc = f"MALLOC_MMAP_THRESHOLD_={mmap}" if mmap else "defaults"
-    notes = [
-        f"Model: {cfg['model']} (byte vocabulary 256), fp32. {sizes}.",
-        "Global batch 8 windows per step for every N (each rank takes its contiguous share), the "
-        f"same batches ({cfg['corpus']['description']}, sha256 {cfg['corpus']['sha256'][:12]}) "
-        f"and seed {cfg['seed']} for every system.",
-        f"AdamW lr {cfg['lr']}, betas (0.9, 0.999), eps 1e-8, weight decay {cfg['weight_decay']}. "
-        f"Plain torch: 1 process x {cfg['torch_threads']} torch thread(s), "
-        "torch.optim.AdamW(fused=True), whole batch. zero3_offload: Zero3CpuOffloadManager, "
-        f"default config, gloo, N ranks x {threads} torch thread(s).",
-        f"Machine: {cores} usable cores. {oversubscribed}",
-        f"Each run: fresh processes. {cfg['rounds']} round(s); within a size the order of the "
-        "systems is rotated by one per size and round. Columns as docs/benchmarks.md (scaling) "
-        "defines them.",
+    return f"Model: {p['config']['model']} (byte vocabulary 256), fp32. {sizes}."
+
+
+NOTES = [
+    sizes_note,
+    "Global batch 8 windows per step for every N (each rank takes its contiguous share), the "
+    "same batches ({config[corpus][description]}, sha256 {config[corpus][sha256]:.12}) and seed "
+    "{config[seed]} for every system.",
+    "AdamW lr {config[lr]}, betas (0.9, 0.999), eps 1e-8, weight decay {config[weight_decay]}. "
+    "Plain torch: 1 process x {config[torch_threads]} torch thread(s), "
+    "torch.optim.AdamW(fused=True), whole batch. zero3_offload: Zero3CpuOffloadManager, "
+    "default config, gloo, N ranks x {config[threads_per_rank]} torch thread(s).",
+    oversubscribed,
+    "{config[rounds]} round(s), every run on fresh processes. Order, columns and method as "
+    "docs/benchmarks.md (scaling) defines them.",
+    lambda p: (
         f"Losses: all finite and the first {train.LOSS_STEPS} of every run within "
-        f"{train.LOSS_TOLERANCE:g} of plain torch's: {agree}{unchecked}.",
-        f"glibc malloc: {malloc} in every process.",
-        f"Whole benchmark {payload['total_wall_s']:.0f} s wall.",
-    ]
-    return Report(TITLE, tables, notes)
+        f"{train.LOSS_TOLERANCE:g} of plain torch's: {p['losses_agree']}"
+        + ("" if p["losses_agree"] else " (or a system has no run to check)")
+        + "."
+    ),
+    lambda p: (
+        "glibc malloc: "
+        + (
+            f"MALLOC_MMAP_THRESHOLD_={m}"
+            if (m := p["config"]["malloc_mmap_threshold"])
+            else "defaults"
+        )
+        + " in every process."
+    ),
+    "Whole benchmark {total_wall_s:.0f} s wall.",
+]
 
 
-def plot(payload: dict[str, Any], path: Path) -> None:
+def plot(p: dict[str, Any], path: Path) -> None:
     """Two log-log panels against parameters: median step time; peak RSS per rank."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary, cores = by_size(payload), payload["machine"]["usable_cores"] or 1
+    cores = p["machine"]["usable_cores"] or 1
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for key, system in payload["config"]["systems"].items():
+    for key, system in p["config"]["systems"].items():
         label = system["label"]
         if key != TORCH and system["world"] > cores:
             label += f" ({system['world']} ranks on {cores} cores)"
-        pts = [(b["params"], b["systems"][key]) for b in summary.values() if key in b["systems"]]
+        pts = [(b["params"], b["systems"][key]) for b in p["sizes"].values() if key in b["systems"]]
         style = (
             {"color": "k", "linestyle": "--", "marker": "s"} if key == TORCH else {"marker": "o"}
         )
         for ax, (field, scale) in zip(
             axes, (("median_step_s", 1), ("peak_rss_bytes", MIB)), strict=True
         ):
-            ax.plot([p for p, _ in pts], [s[field] / scale for _, s in pts], label=label, **style)
-    labels = ("median step time (s)", "peak RSS per rank (MiB, VmHWM)")
-    for ax, y_label in zip(axes, labels, strict=True):
+            ax.plot([n for n, _ in pts], [s[field] / scale for _, s in pts], label=label, **style)
+    for ax, y_label in zip(
+        axes, ("median step time (s)", "peak RSS per rank (MiB, VmHWM)"), strict=True
+    ):
         ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel=y_label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{TITLE}\n{machine_line(payload['machine'])}", fontsize=9)
+    fig.suptitle(f"{TITLE}\n{machine_line(p['machine'])}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

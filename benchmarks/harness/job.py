@@ -1,0 +1,120 @@
+"""The ``zero3-offload train`` job as a user runs it, for the suites that measure the CLI (soak,
+wire): one builder of the command, run by the job runner and sampled from outside, and the
+ranks' JSON logs read with ``zero3_offload.analyze``.
+
+The job's rank processes are found from outside: the descendants of the job that hold
+``logs/rank<r>.jsonl`` open. The events ``analyze`` does not parse (``train_step``,
+``train_done``, the ``collectives`` of a ``step`` event) are read from the same JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from harness.runner import Processes, progress, tail
+from harness.sampler import Sampler
+from zero3_offload.analyze import StepRecord, WorkRecord, parse_record
+
+WORLD = 2  # the default job's ranks (zero3-offload train's --world-size default)
+DEFAULT_THREADS = max(1, (os.cpu_count() or 1) // WORLD)  # what the job picks by itself
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def command(steps: int, threads: int, flags: list[str], out: str = "DIR") -> list[str]:
+    """``python -m zero3_offload train`` with every option at its default but these."""
+    return [
+        "python",
+        "-m",
+        "zero3_offload",
+        "train",
+        "--steps",
+        str(steps),
+        "--out",
+        out,
+        "--threads",
+        str(threads),
+        *flags,
+    ]
+
+
+def find_ranks(parent: int, logs: Path) -> dict[int, int]:
+    """rank -> pid of the descendants of ``parent`` that hold ``logs/rank<r>.jsonl`` open."""
+    wanted, found = {os.path.realpath(logs / f"rank{r}.jsonl"): r for r in range(WORLD)}, {}
+    try:
+        children = psutil.Process(parent).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    for child in children:
+        try:
+            fds = os.listdir(f"/proc/{child.pid}/fd")
+            links = [os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds]
+        except OSError:  # gone, or an fd closed between listing and reading
+            continue
+        found.update({wanted[link]: child.pid for link in links if link in wanted})
+    return found
+
+
+def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = None) -> dict:
+    """Run the job (``argv`` from :func:`command`) with ``--out out``; with ``sample_s``, each
+    rank sampled from outside at that interval. Its outcome and each rank's log."""
+    argv = [sys.executable, *(str(out) if a == "DIR" else a for a in argv[1:])]
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}  # local ranks
+    sampler = Sampler(sample_s, keep=True) if sample_s else None
+    t0, started, reported = time.perf_counter(), time.time(), [0.0]
+
+    def poll() -> None:
+        if sampler and len(sampler.pids) < WORLD:
+            for rank, pid in find_ranks(procs.procs[0].pid, out / "logs").items():
+                sampler.watch(rank, pid)
+        if sampler and (now := time.perf_counter() - t0) > reported[0] + 60:
+            reported[0] = now
+            rss = [s[-1][1] >> 20 for s in sampler.samples.values() if s]
+            progress(f"  {now:.0f} s: RSS per rank {rss} MiB")
+
+    try:
+        with Processes([(argv, env)], [out.with_suffix(".log")]) as procs:
+            error = procs.wait(timeout_s, poll)
+    finally:
+        if sampler:
+            sampler.stop()
+    logs = [out / "logs" / f"rank{r}.jsonl" for r in range(WORLD)]
+    return {
+        "started": started,
+        "wall_s": time.perf_counter() - t0,
+        "error": error and error.replace("process 0", "the job"),
+        "output_tail": tail(out.with_suffix(".log"), 12),
+        "samples": [sampler.samples.get(r, []) for r in range(WORLD)] if sampler else None,
+        "logs": [read_log(path) if path.exists() else None for path in logs],
+    }
+
+
+def read_log(path: Path) -> dict[str, Any]:
+    """One rank's log: its ``step`` records (analyze's :class:`StepRecord`, and each one's
+    ``collectives``), its count of ``work`` records, each ``train_step`` event's step, loss and
+    seconds, the ``train_done`` event, and the file's size."""
+    out: dict[str, Any] = {"steps": [], "collectives": [], "work": 0, "train": [], "done": None}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = parse_record(line)
+            except ValueError:  # a line cut short, or not an event
+                continue
+            if isinstance(record, WorkRecord):
+                out["work"] += 1
+            elif isinstance(record, StepRecord):
+                out["steps"].append(record)
+                out["collectives"].append(json.loads(line).get("collectives", {}))
+            elif record == "train_step":
+                event = json.loads(line)
+                out["train"].append((event["step"], event["loss"], event["seconds"]))
+            elif record == "train_done":
+                out["done"] = json.loads(line)
+    out["bytes"] = path.stat().st_size
+    return out

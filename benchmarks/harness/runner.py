@@ -1,0 +1,242 @@
+"""The one job runner: every measured job in fresh processes, watched from outside, bounded in
+time and cleaned up; and the plan that orders a suite's runs.
+
+:class:`Processes` starts commands, each in its own session, waits until they exit, one fails or
+the deadline passes, and kills the groups it started. :func:`launch` runs a suite's ``target``
+(``module:function``) on ``world`` rank processes (``python -m harness.runner SPEC.json``, with
+torchrun's environment and the spec's threads); in the child :func:`rank_main` calls it and
+writes what it returns, with the rank's marks, to ``result-rank<r>.json``. CLI jobs
+(``zero3-offload train``) run through :mod:`harness.job`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.sampler import Sampler, mark
+
+BENCHMARKS = Path(__file__).resolve().parent.parent
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def work_directory(prefix: str, keep: bool, parent: Path | None = None) -> Iterator[Path]:
+    """A fresh temporary directory for a suite's runs, removed afterwards unless ``keep``."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield path
+    finally:
+        if keep:
+            progress(f"work directory kept: {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class Processes(contextlib.AbstractContextManager):
+    """``(command, env)`` pairs started in their own sessions, output to ``logs``."""
+
+    def __init__(self, jobs: Sequence[tuple[list[str], dict[str, str]]], logs: list[Path]) -> None:
+        self.procs: list[subprocess.Popen] = []
+        for (command, env), path in zip(jobs, logs, strict=True):
+            with open(path, "wb") as log:
+                out = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
+                self.procs.append(subprocess.Popen(command, env=env, **out))
+
+    def wait(self, timeout_s: float, poll: Callable[[], None] | None = None) -> str | None:
+        """Wait for every process (calling ``poll`` meanwhile); the first failure, or None."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if (
+                bad := next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            ) is not None:
+                return f"process {bad} exited with code {codes[bad]}"
+            if None not in codes:
+                return None
+            if time.monotonic() > deadline:
+                return f"did not finish within {timeout_s:g} s"
+            if poll is not None:
+                poll()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[codes.index(None)].wait(timeout=0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:  # only the processes started here, by their own process group
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def tail(path: Path, lines: int = 15) -> list[str]:
+    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def launch(
+    target: str,
+    spec: dict[str, Any],
+    run_dir: Path,
+    *,
+    world: int = 1,
+    torchrun: bool = True,
+    timeout_s: float = 900.0,
+    sample_s: float | None = None,
+    keep_samples: bool = False,
+) -> dict[str, Any]:
+    """Run ``target`` on ``world`` fresh ranks with the spec's ``threads`` (1) and glibc's
+    ``mmap_threshold``, sampled from outside every ``sample_s`` (peaks per rank, and with
+    ``keep_samples`` every sample): ``{"ok", "ranks", "wall_s", ...}`` or the error."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = spec.get("threads", 1)
+    spec = {**spec, "target": target, "threads": threads, "out_dir": str(run_dir)}
+    spec["deadline"] = time.time() + timeout_s  # for a target that paces itself
+    (run_dir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    extensions = Path(tempfile.gettempdir()) / "zero3_offload_peers_torch_extensions"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))  # DeepSpeed's compiled ops
+    if spec.get("mmap_threshold") is not None:  # glibc mmaps blocks this large, returns them
+        env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
+    if torchrun:
+        with socket.socket() as s:  # a port free a moment ago
+            s.bind(("127.0.0.1", 0))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    command = [sys.executable, "-m", "harness.runner", str(run_dir / "spec.json")]
+    ranks = [
+        dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(r)) if torchrun else {}
+        for r in range(world)
+    ]
+    logs = [run_dir / f"rank{r}.log" for r in range(world)]
+    sampler = Sampler(sample_s, keep=keep_samples) if sample_s else None
+    load, t0 = list(os.getloadavg()), time.perf_counter()
+    try:
+        with Processes([(command, {**env, **r}) for r in ranks], logs) as procs:
+            for r, p in enumerate(procs.procs if sampler else []):
+                sampler.watch(r, p.pid)
+            error = procs.wait(timeout_s)
+    finally:
+        if sampler:
+            sampler.stop()
+    run: dict[str, Any] = {"ok": error is None, "ranks": [], "wall_s": time.perf_counter() - t0}
+    run["load_average_at_start"] = load
+    for r in range(world):
+        if (path := run_dir / f"result-rank{r}.json").exists():
+            run["ranks"].append(json.loads(path.read_text(encoding="utf-8")))
+            if sampler:
+                run["ranks"][-1]["sampled_peak_bytes"] = sampler.peaks.get(r, {})
+                run["ranks"][-1]["samples"] = sampler.samples.get(r, [])
+    if error is not None:
+        run["error"] = error.replace("process", "rank")
+        run["log_tails"] = {r: tail(path) for r, path in enumerate(logs)}
+    return run
+
+
+class Rank:
+    """What a target gets: its rank, the world size, memory marks and a partial-result save."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.out = Path(spec["out_dir"]) / f"result-rank{self.rank}.json"
+        self.marks: dict[str, dict[str, Any]] = {}
+        self.partial: dict[str, Any] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = mark()
+
+    def save(self, result: dict[str, Any]) -> None:
+        """Write ``result`` now: kept if the process dies later, the base of an error's result."""
+        self.partial = result
+        self.out.write_text(json.dumps(result, default=str), encoding="utf-8")
+
+
+def load(target: str) -> Any:
+    """The object a ``module:name`` string names."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def rank_main(spec_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    torch.set_num_threads(spec["threads"])
+    for name in spec.get("imports", []):  # counted in the "imported" mark
+        importlib.import_module(name)
+    fn, ctx = load(spec["target"]), Rank(spec)
+    ctx.mark("imported")
+    t0, code = time.perf_counter(), 0
+    try:
+        result = fn(spec, ctx)
+        result = asyncio.run(result) if inspect.isawaitable(result) else result
+    except BaseException as exc:
+        result, code = {**ctx.partial, "error": f"{type(exc).__name__}: {exc}"}, 1
+        print(traceback.format_exc(), file=sys.stderr)
+    ctx.mark("end")
+    result.update(rank=ctx.rank, world_size=ctx.world, pid=os.getpid(), marks=ctx.marks)
+    result.update(torch_threads=torch.get_num_threads(), run_s=time.perf_counter() - t0)
+    result["peak_rss_bytes"] = ctx.marks["end"]["hwm_bytes"]
+    ctx.save(result)
+    sys.stderr.flush()
+    os._exit(code)  # DeepSpeed, NCCL and worker threads can abort or hold up a normal exit
+
+
+def plan(keys: Sequence[str], rounds: int, sizes: Sequence = ("",), rotate: bool = True) -> list:
+    """Every run in order, ``{"index", "round", "key"}`` (and ``"size"``): in a round every case
+    once, the order rotated by one per round and per size."""
+    out: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for i, size in enumerate(sizes):
+            k = (i + r) % len(keys) if rotate else 0
+            for key in [*keys[k:], *keys[:k]]:
+                entry = {"index": len(out), "round": r, "key": key}
+                out.append({**entry, "size": size} if size else entry)
+    return out
+
+
+def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list[dict]:
+    """Run every entry (``run_one`` returns the run: ``ok``, ``wall_s``, or an ``error``); a case
+    that failed is not run again. Progress, and the time elapsed, go to stderr."""
+    runs, failed, started = [], set(), time.perf_counter()
+    for e in entries:
+        case = (e.get("size", ""), e["key"])
+        tag = f"[{e['index'] + 1}/{len(entries)}] round {e['round']} {' '.join(filter(None, case))}"
+        if case in failed:
+            progress(f"{tag}: skipped (failed before)")
+            continue
+        progress(f"{tag}: running ...")
+        runs.append(run := {**run_one(e), **e})
+        took = f"(run {run['wall_s']:.1f} s, {time.perf_counter() - started:.0f} s in all)"
+        if run["ok"]:
+            progress(f"{tag}: {describe(run)} {took}")
+            continue
+        failed.add(case)
+        progress(f"{tag}: FAILED: {run['error']} {took}")
+        for rank, lines in run.get("log_tails", {}).items():
+            progress("\n    ".join([f"  rank {rank} log tail:", *lines]))
+    return runs
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1])
