@@ -175,3 +175,31 @@ def test_the_wiring_check_finds_an_assignment_after_construction() -> None:
         "        other.limit = 2\n"
     )
     assert [f.split(":")[0] for f in writes_to_other_objects(source)] == ["3", "4", "5", "6", "10"]
+
+
+def public_method_code_lines(source: str, class_name: str) -> dict[str, int]:
+    """Code lines (no docstring, comments or blank lines) of each public method of a class."""
+    lines = source.splitlines()
+    out: dict[str, int] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.ClassDef) and node.name == class_name):
+            continue
+        for fn in node.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if fn.name.startswith("_") and not fn.name.startswith("__"):
+                continue
+            body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+            if not body:
+                continue
+            code = lines[body[0].lineno - 1 : fn.end_lineno]
+            out[fn.name] = sum(1 for ln in code if ln.strip() and not ln.strip().startswith("#"))
+    return out
+
+
+def test_the_managers_public_methods_only_order_components() -> None:
+    source = (PACKAGE / "manager.py").read_text()
+    counts = public_method_code_lines(source, "Zero3CpuOffloadManager")
+    assert {"forward_pass", "backward_pass", "optimizer_step", "save_pretrained"} <= set(counts)
+    long = {name: n for name, n in counts.items() if n > 30}
+    assert long == {}, f"manager methods longer than 30 code lines: {long}"
