@@ -154,11 +154,25 @@ def writes_to_other_objects(source: str) -> list[str]:
     return found
 
 
+def positional_construction(source: str) -> list[str]:
+    """Calls of a class (a capitalised name, errors aside) with positional arguments."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        name = node.func.id
+        if name[:1].isupper() and not name.endswith("Error") and node.args:
+            found.append(f"{node.lineno}: {name}")
+    return found
+
+
 def test_the_engine_wires_components_only_through_their_constructors() -> None:
     files = sorted(ENGINE.glob("*.py"))
     assert {f.name for f in files} >= {"engine.py", "step_state.py"}
     for file in files:
         assert writes_to_other_objects(file.read_text()) == [], file
+    # build_engine names what each component receives: keyword arguments only.
+    assert positional_construction((ENGINE / "engine.py").read_text()) == []
 
 
 def test_the_wiring_check_finds_an_assignment_after_construction() -> None:

@@ -228,11 +228,11 @@ def build_engine(
     comm = _build_comm(config, process_group, device, stats)
     disk = _DiskTiers()
     try:
-        streams = CopyStreams(device)
+        streams = CopyStreams(device=device)
         workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
         codec = ShardCodec(
-            config.compute_copy_compression(),
-            config.compute_dtype,
+            method=config.compute_copy_compression(),
+            compute_dtype=config.compute_dtype,
             block_size=config.compression_block_size,
         )
         disk = _open_disk_tiers(config, comm, split.layouts, codec, timeline, device)
@@ -277,7 +277,7 @@ def _build_comm(
 ) -> Collectives:
     """The group's collectives (a collective: probes, the heartbeat's start)."""
     return Collectives(
-        process_group,
+        group=process_group,
         device=device,
         timeout_s=config.collective_timeout_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
@@ -480,12 +480,12 @@ def _build_optimizer(
 ) -> tuple[ShardOptimizers, SpeculationBackup, StepRunner]:
     """The per-shard optimizers, the speculative updates' backup and the step runner."""
     optimizer = ShardOptimizers(
-        config.optimizer,
-        [(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
+        cfg=config.optimizer,
+        masters=[(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
         device=params.master_device,
         tier=disk.tier,
     )
-    backup = SpeculationBackup(optimizer)
+    backup = SpeculationBackup(optimizer=optimizer)
     steps = StepRunner(
         config=config,
         params=params,
@@ -643,11 +643,11 @@ def _open_disk_tiers(
     error: DiskTierError | None = None
     try:
         directory = RankDirectory(
-            config.nvme_path, comm.rank, replace_stale=config.nvme_replace_stale
+            root=config.nvme_path, rank=comm.rank, replace_stale=config.nvme_replace_stale
         )
         if optimizer:
             tier = NvmeShardTier(
-                directory.path,
+                directory=directory.path,
                 layers=shards,
                 state_keys=full_size_state_keys(config),
                 buffers=_DISK_TIER_BUFFERS,
@@ -656,7 +656,7 @@ def _open_disk_tiers(
             )
         if params:
             copies = DiskComputeCopies(
-                directory.path,
+                directory=directory.path,
                 codec=codec,
                 layers=shards,
                 buffers=_param_read_buffers(config),
