@@ -95,12 +95,12 @@ def in_memory(cfg: OptimizerConfig | None = None) -> ShardOptimizers:
 def test_records_are_aligned_in_layer_order_and_the_file_is_allocated_at_once(
     tmp_path: Path,
 ) -> None:
+    keys = ("exp_avg", "exp_avg_sq")
+    assert record_bytes(1000, keys) == 3 * ALIGN, "rule: each tensor is 4096-byte aligned"
+    assert record_bytes(1500, keys) == 3 * 2 * ALIGN and record_bytes(3, ()) == ALIGN
     t = tiered(tmp_path, buffers=3)
     try:
-        keys = t.tier.state_keys
-        assert keys == ("exp_avg", "exp_avg_sq"), "rule: AdamW's full-size state, in order"
-        assert record_bytes(1000, keys) == 3 * ALIGN, "rule: each tensor is 4096-byte aligned"
-        assert record_bytes(1500, keys) == 3 * 2 * ALIGN and record_bytes(3, ()) == ALIGN
+        assert t.tier.state_keys == keys, "rule: AdamW's full-size state, in record order"
         expected = sum(record_bytes(n, keys) for n in LAYERS.values())
         assert t.tier.file.path == tmp_path / "state.bin"
         assert t.tier.file.nbytes == expected, "rule: the file holds every layer's record"

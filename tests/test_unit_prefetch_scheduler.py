@@ -382,18 +382,25 @@ async def test_suspend_stops_persistence_and_lowers_the_depth_and_resume_restore
 
 
 async def test_a_forward_keeps_the_planned_tail_and_its_backward_gathers_none_of_it_again() -> None:
-    names = list("abcde")
-    prefetch, g = scheduler(dict.fromkeys(names, 100), depth=1, budget=450, keep_for_backward=True)
+    names = list("abcdef")
+    prefetch, g = scheduler(dict.fromkeys(names, 100), depth=1, budget=500, keep_for_backward=True)
     await run_pass(prefetch, FWD, names)
-    # e and d fit beside room for the 2 largest others (300 + 200 <= 450 stops at c).
-    assert prefetch.status().kept_layers == ("d", "e"), "rule: the plan keeps the tail that fits"
-    assert g.gathered_layers() == ["d", "e"], "rule: kept layers stay gathered after the forward"
+    # f, e, d fit beside room for the 2 largest others (300 + 200 <= 500; c would need 600).
+    assert prefetch.status().kept_layers == ("d", "e", "f"), (
+        "rule: the plan keeps the longest tail that fits"
+    )
+    assert g.gathered_layers() == ["d", "e", "f"], (
+        "rule: kept layers stay gathered after the forward"
+    )
     g.clear()
+    # d is beyond the backward's first window (f, e): only keeping holds it until its turn.
     await run_pass(prefetch, BWD, names[::-1])
     assert g.trail("launch") == [("launch", "c"), ("launch", "b"), ("launch", "a")], (
         "rule: the backward does not gather a kept layer again"
     )
-    assert g.trail("gather", "release")[:4] == [
+    assert g.trail("gather", "release")[:6] == [
+        ("gather", "f"),
+        ("release", "f"),
         ("gather", "e"),
         ("release", "e"),
         ("gather", "d"),
@@ -402,7 +409,7 @@ async def test_a_forward_keeps_the_planned_tail_and_its_backward_gathers_none_of
     assert all(c.keep_grads for c in g.calls if c.op == "release"), (
         "rule: a backward's releases leave the gradients for their reduce-scatter"
     )
-    assert prefetch.metrics.gathered_bytes == 800, "rule: each gather's bytes are counted"
+    assert prefetch.metrics.gathered_bytes == 900, "rule: each gather's bytes are counted"
 
 
 async def test_a_forward_not_followed_by_its_backward_keeps_nothing() -> None:
