@@ -97,12 +97,16 @@ def test_records_are_aligned_in_layer_order_and_the_file_is_allocated_at_once(
 ) -> None:
     keys = ("exp_avg", "exp_avg_sq")
     assert record_bytes(1000, keys) == 3 * ALIGN, "rule: each tensor is 4096-byte aligned"
-    assert record_bytes(1500, keys) == 3 * 2 * ALIGN and record_bytes(3, ()) == ALIGN
+    assert record_bytes(1500, keys) == 3 * 2 * ALIGN and record_bytes(3, ()) == ALIGN, (
+        "rule: each tensor is 4096-byte aligned; a record without state is its master alone"
+    )
     t = tiered(tmp_path, buffers=3)
     try:
         assert t.tier.state_keys == keys, "rule: AdamW's full-size state, in record order"
         expected = sum(record_bytes(n, keys) for n in LAYERS.values())
-        assert t.tier.file.path == tmp_path / "state.bin"
+        assert t.tier.file.path == tmp_path / "state.bin", (
+            "rule: the file is state.bin in the rank's directory"
+        )
         assert t.tier.file.nbytes == expected, "rule: the file holds every layer's record"
         assert t.tier.file.allocated_bytes() >= expected, "rule: allocated when it is built"
         assert t.tier.buffer_bytes == 3 * record_bytes(1500, keys), (
@@ -134,7 +138,7 @@ async def test_a_master_is_in_memory_only_while_its_layer_is_resident(tmp_path: 
             )
             assert t.tier.owns(t.masters["b"]), "rule: ... as a view of one of the tier's buffers"
         assert t.masters["b"].numel() == 0, "rule: after, the master points at nothing again"
-        assert not t.tier.has_state("b")
+        assert not t.tier.has_state("b"), "rule: reading a layer gives it no state"
     finally:
         t.tier.close()
 
@@ -148,7 +152,9 @@ async def test_training_through_the_tier_is_bitwise_training_in_memory(tmp_path:
                 if step == 2:  # a reset between steps: the records' state is unused again
                     t.optimizer.reset()
                     memory.reset()
-                    assert not any(t.tier.has_state(n) for n in LAYERS)
+                    assert not any(t.tier.has_state(n) for n in LAYERS), (
+                        "rule: a reset leaves every record's state part unused"
+                    )
                 for name in LAYERS:
                     await t.step(name, gradient(name, step))
                     memory.step(name, gradient(name, step), LR)
@@ -158,7 +164,9 @@ async def test_training_through_the_tier_is_bitwise_training_in_memory(tmp_path:
                     f"rule: the tier's {cfg.kind} masters are bitwise those trained in memory"
                 )
                 want = memory.layer_state(name)
-                assert state.keys() == want.keys()
+                assert state.keys() == want.keys(), (
+                    "rule: the tier's state has the keys the optimizer keeps in memory"
+                )
                 for key in want:
                     assert torch.equal(state[key], want[key]), f"rule: and its {key}, bitwise"
         finally:
@@ -172,7 +180,9 @@ async def test_the_first_step_moves_the_state_into_the_record_and_gives_memory_b
     try:
         await t.step("a", gradient("a", 0))
         assert t.given_back == [1], "rule: state made in memory by a first step is given back"
-        assert t.tier.has_state("a") and not t.tier.has_state("b")
+        assert t.tier.has_state("a") and not t.tier.has_state("b"), (
+            "rule: a record holds state once its layer has been stepped"
+        )
         assert set(t.optimizer.layer_state("a")) == {"step"}, (
             "rule: between updates only the scalar step stays in memory"
         )
@@ -248,7 +258,7 @@ async def test_state_with_other_tensors_than_the_records_is_refused(tmp_path: Pa
         with pytest.raises(StateError, match=r"has \['exp_avg'\]; the disk tier expects"):
             async with t.optimizer.resident("a", write=True):
                 t.optimizer.load_layer_state("a", {"exp_avg": torch.zeros(LAYERS["a"])})
-        assert t.masters["a"].numel() == 0
+        assert t.masters["a"].numel() == 0, "rule: a refused write-back leaves the master empty"
         master, _ = await t.read("a")  # the one buffer was given back
         assert torch.equal(master, initial("a")), "rule: a refused write-back leaves the record"
     finally:

@@ -116,7 +116,7 @@ async def test_a_gather_binds_every_parameter_as_a_view_of_one_flat_buffer(
         "rule: a sharded layer's parameters hold no values between uses"
     )
     module = await s.gatherer.gather("b", Phase.FORWARD)
-    assert module is s.layers["b"]
+    assert module is s.layers["b"], "rule: a gather returns the layer's module"
     flat = s.gatherer.gathered_flat("b")
     for slot in s.layouts["b"].slots:
         param = s.params("b")[slot.name]
@@ -126,7 +126,9 @@ async def test_a_gather_binds_every_parameter_as_a_view_of_one_flat_buffer(
         assert param.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), (
             "rule: each parameter is a view of the layer's one flat buffer"
         )
-        assert param.storage_offset() == flat.storage_offset() + slot.offset
+        assert param.storage_offset() == flat.storage_offset() + slot.offset, (
+            "rule: each parameter sits at its slot's offset in the flat buffer"
+        )
 
 
 async def test_a_release_empties_the_parameters_and_drops_grads_unless_asked_to_keep_them(
@@ -137,7 +139,7 @@ async def test_a_release_empties_the_parameters_and_drops_grads_unless_asked_to_
     for p in s.layers["a"].parameters():
         p.grad = torch.ones_like(p)
     s.gatherer.release("a", Phase.BACKWARD, keep_grads=True)
-    assert not s.gatherer.is_gathered("a")
+    assert not s.gatherer.is_gathered("a"), "rule: a released layer is not gathered"
     assert all(p.numel() == 0 for p in s.layers["a"].parameters()), (
         "rule: a release points every parameter at an empty tensor"
     )
@@ -160,7 +162,9 @@ async def test_a_gathered_layer_is_not_gathered_again(comm: Collectives) -> None
     first = await s.gatherer.gather("a", Phase.FORWARD)
     flat = s.gatherer.gathered_flat("a")
     again = await s.gatherer.gather("a", Phase.FORWARD)
-    assert again is first and s.gatherer.gathered_flat("a") is flat
+    assert again is first and s.gatherer.gathered_flat("a") is flat, (
+        "rule: a gathered layer is returned as it is, with its buffer"
+    )
     assert [k for k, *_ in kinds(s.timeline)].count("gather") == 1, (
         "rule: gathering a gathered layer launches no all-gather"
     )
@@ -168,13 +172,17 @@ async def test_a_gathered_layer_is_not_gathered_again(comm: Collectives) -> None
 
 async def test_a_layer_without_parameters_gathers_without_a_collective(comm: Collectives) -> None:
     s = build(comm)
-    assert s.gatherer.nbytes("act") == 0
+    assert s.gatherer.nbytes("act") == 0, "rule: a layer without parameters holds no bytes"
     handle = s.gatherer.launch("act", Phase.FORWARD)
     assert handle.pending is None and handle.is_completed(), (
         "rule: a layer without parameters needs no all-gather"
     )
-    assert await s.gatherer.complete("act", Phase.FORWARD) is s.layers["act"]
-    assert s.gatherer.is_gathered("act") and s.gatherer.gathered_bytes() == 0
+    assert await s.gatherer.complete("act", Phase.FORWARD) is s.layers["act"], (
+        "rule: a layer without parameters completes at once"
+    )
+    assert s.gatherer.is_gathered("act") and s.gatherer.gathered_bytes() == 0, (
+        "rule: a layer without parameters is gathered with no bytes"
+    )
 
 
 # ------------------------------------------------------------------ bytes
@@ -189,17 +197,23 @@ async def test_in_flight_and_gathered_bytes_are_the_buffers_bytes(comm: Collecti
     )
     g.launch("a", Phase.FORWARD)
     g.launch("b", Phase.FORWARD)
-    assert g.is_inflight("a") and not g.is_gathered("a")
-    assert (g.inflight_bytes(), g.gathered_bytes()) == (sizes["a"] + sizes["b"], 0)
+    assert g.is_inflight("a") and not g.is_gathered("a"), (
+        "rule: a launched gather is in flight until completed"
+    )
+    assert (g.inflight_bytes(), g.gathered_bytes()) == (sizes["a"] + sizes["b"], 0), (
+        "rule: launched buffers count as in flight"
+    )
     await g.complete("a", Phase.FORWARD)
     assert (g.inflight_bytes(), g.gathered_bytes()) == (sizes["b"], sizes["a"]), (
         "rule: a completed gather's bytes move from in flight to gathered"
     )
-    assert g.reserved_bytes() == sizes["a"] + sizes["b"]
+    assert g.reserved_bytes() == sizes["a"] + sizes["b"], (
+        "rule: reserved bytes are gathered plus in flight"
+    )
     await g.complete("b", Phase.FORWARD)
     g.release("a", Phase.FORWARD)
     g.release("b", Phase.FORWARD)
-    assert g.reserved_bytes() == 0
+    assert g.reserved_bytes() == 0, "rule: released buffers are not reserved"
     assert g.high_water_bytes == sizes["a"] + sizes["b"], (
         "rule: the high-water mark is the most launched plus gathered bytes at once"
     )
@@ -233,8 +247,10 @@ async def test_a_released_buffer_is_reused_by_the_next_gather_of_its_size(
     assert g.pooled_bytes() == g.nbytes("a"), "rule: a released CPU buffer is pooled"
     await g.gather("a", Phase.FORWARD)
     assert g.gathered_flat("a").data_ptr() == buffer, "rule: the next gather of its size reuses it"
-    assert g.pooled_bytes() == 0
-    assert torch.equal(s.params("a")["weight"], s.values["a"]["weight"])
+    assert g.pooled_bytes() == 0, "rule: a pooled buffer taken by a gather leaves the pool"
+    assert torch.equal(s.params("a")["weight"], s.values["a"]["weight"]), (
+        "rule: a reused buffer holds the gathered values"
+    )
     g.release("a", Phase.FORWARD, pool=False)
     assert g.pooled_bytes() == 0, "rule: pool=False frees the buffer at once"
 
@@ -244,7 +260,9 @@ async def test_gathered_in_flight_and_pooled_bytes_stay_within_the_pool_limit(
 ) -> None:
     s = build(comm, pool_layers=1, pool_budget=10**6)  # the limit: b's bytes, the largest
     g = s.gatherer
-    assert g.pool_limit == g.nbytes("b")
+    assert g.pool_limit == g.nbytes("b"), (
+        "rule: the pool's limit is pool_layers times the largest layer's gather bytes"
+    )
     await g.gather("a", Phase.FORWARD)
     await g.gather("b", Phase.FORWARD)
     g.release("a", Phase.FORWARD)  # b still gathered: a + b > the limit
@@ -267,7 +285,9 @@ async def test_a_compressed_gather_is_bitwise_the_decoded_gather(
     comm: Collectives, method: CpuCompressionMethod
 ) -> None:
     plain, wire = build(comm, method=method), build(comm, method=method, compressed_wire=True)
-    assert not plain.gatherer.compressed_wire and wire.gatherer.compressed_wire
+    assert not plain.gatherer.compressed_wire and wire.gatherer.compressed_wire, (
+        "rule: compressed_wire holds where the stored format differs from the compute dtype"
+    )
     for name in ("a", "b"):
         layout = plain.layouts[name]
         codec = plain.store.codec
@@ -292,7 +312,9 @@ def test_a_compressed_wire_is_off_where_the_stored_format_is_the_compute_dtype(
     assert not s.gatherer.compressed_wire, (
         "rule: with the compute dtype stored, a compressed wire changes nothing"
     )
-    assert s.gatherer.nbytes("a") == s.layouts["a"].padded_numel * 4
+    assert s.gatherer.nbytes("a") == s.layouts["a"].padded_numel * 4, (
+        "rule: without a compressed wire a gather holds the compute-dtype buffer only"
+    )
 
 
 # ------------------------------------------------------------------ compute copies on disk

@@ -40,9 +40,11 @@ def test_each_pass_kind_has_its_own_order() -> None:
     assert trace.order(Phase.FORWARD) == ORDER, (
         "rule: evaluation and generation do not disturb the training forward's order"
     )
-    assert trace.order(Phase.BACKWARD) == ORDER[::-1]
-    assert trace.order(Phase.INFERENCE) == ORDER[:3]
-    assert trace.order(Phase.GENERATE) == ORDER[1:]
+    assert trace.order(Phase.BACKWARD) == ORDER[::-1], "rule: the backward's order is its own"
+    assert trace.order(Phase.INFERENCE) == ORDER[:3], (
+        "rule: the inference forward's order is its own"
+    )
+    assert trace.order(Phase.GENERATE) == ORDER[1:], "rule: generation's order is its own"
 
 
 def test_the_order_is_kept_as_a_tuple_not_the_callers_list() -> None:
@@ -61,7 +63,9 @@ def test_a_backward_is_predicted_after_a_forward_until_two_forwards_run_in_a_row
         "rule: a forward's backward runs its layers in reverse"
     )
     ran(trace, Phase.FORWARD)
-    assert trace.backward_follows_forward()
+    assert trace.backward_follows_forward(), (
+        "rule: one training forward still predicts its backward"
+    )
     ran(trace, Phase.FORWARD)
     assert not trace.backward_follows_forward(), (
         "rule: two training forwards in a row mean no backward follows each"
@@ -69,7 +73,9 @@ def test_a_backward_is_predicted_after_a_forward_until_two_forwards_run_in_a_row
     assert trace.next_after_forward(ORDER) == (), "rule: then no backward is predicted"
     ran(trace, Phase.BACKWARD, ORDER[::-1])
     assert trace.backward_follows_forward(), "rule: a backward restores the prediction"
-    assert trace.next_after_forward(ORDER) == ORDER[::-1]
+    assert trace.next_after_forward(ORDER) == ORDER[::-1], (
+        "rule: after a backward, a forward's backward is its reverse again"
+    )
 
 
 def test_an_evaluation_between_steps_does_not_change_the_prediction() -> None:

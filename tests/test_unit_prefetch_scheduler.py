@@ -203,7 +203,9 @@ async def test_each_boundary_launches_the_next_depth_layers_and_a_used_layer_is_
         ("release", "d"),
     ], "rule: each boundary launches the next `depth` layers; a layer is released after its use"
     assert {c.phase for c in g.calls} == {FWD}, "rule: an inference pass's work is labelled forward"
-    assert prefetch.metrics.requests == 3 and prefetch.metrics.misses == 1
+    assert prefetch.metrics.requests == 3 and prefetch.metrics.misses == 1, (
+        "rule: a window's launches count as requests; only the first layer was a miss"
+    )
 
 
 async def test_depth_zero_gathers_each_layer_only_when_it_is_needed() -> None:
@@ -213,7 +215,9 @@ async def test_depth_zero_gathers_each_layer_only_when_it_is_needed() -> None:
     for name in ABCD:
         expected += [("launch", name), ("gather", name), ("complete", name), ("release", name)]
     assert g.trail() == expected, "rule: prefetch off (depth 0) launches no gather ahead"
-    assert prefetch.metrics.requests == 0 and prefetch.metrics.misses == 4
+    assert prefetch.metrics.requests == 0 and prefetch.metrics.misses == 4, (
+        "rule: without prefetch no request is made and every use is a miss"
+    )
 
 
 async def test_a_prefetch_that_does_not_fit_the_budget_is_queued_not_launched() -> None:
@@ -229,7 +233,7 @@ async def test_a_prefetch_that_does_not_fit_the_budget_is_queued_not_launched() 
     assert g.trail("launch")[2:] == [("launch", "c")], (
         "rule: a queued prefetch is retried at the next boundary, when it fits"
     )
-    assert prefetch.status().queued_requests == 1
+    assert prefetch.status().queued_requests == 1, "rule: the queue is recounted at each boundary"
     assert g.high_water <= 250, "rule: gathered plus in-flight bytes never exceed the budget"
 
 
@@ -241,7 +245,9 @@ async def test_a_prefetch_over_the_bucket_waits_until_in_flight_bytes_drop() -> 
     assert g.trail("launch") == [("launch", "a"), ("launch", "b")], (
         "rule: at most `bucket` bytes are in flight ahead of use"
     )
-    assert prefetch.status().queued_requests == 2
+    assert prefetch.status().queued_requests == 2, (
+        "rule: the layers over the bucket are counted as queued"
+    )
 
 
 async def test_the_budget_is_never_exceeded_over_passes_of_every_kind() -> None:
@@ -259,7 +265,9 @@ async def test_the_budget_is_never_exceeded_over_passes_of_every_kind() -> None:
         assert g.high_water <= budget, (
             f"rule: gathered plus in-flight bytes stay within the budget: {g.high_water} > {budget}"
         )
-        assert prefetch.status().inflight_bytes + prefetch.status().gathered_bytes <= budget
+        assert prefetch.status().inflight_bytes + prefetch.status().gathered_bytes <= budget, (
+            "rule: the status's bytes stay within the budget"
+        )
 
 
 async def test_the_read_ahead_names_the_layers_past_the_window_not_gathered_or_in_flight() -> None:
@@ -287,13 +295,15 @@ async def test_a_layer_needed_now_evicts_cached_then_persistent_then_in_flight_p
     sizes = {"p": 10, "a": 100, "b": 100, "c": 100, "x": 300}
     numels = {"p": 2, "a": 25, "b": 25, "c": 25, "x": 75}
     prefetch, g = scheduler(sizes, depth=2, budget=310, numels=numels, threshold=5)
-    assert prefetch.persistent == {"p"}
+    assert prefetch.persistent == {"p"}, "setup: p is the one persistent layer"
     predicted = ["p", "a", "b", "a", "c"]  # a is used twice: it stays gathered between
     await prefetch.begin_pass(EVAL, predicted)
     for i in range(3):
         await prefetch.acquire(predicted, i)
         prefetch.finish(predicted, i)
-    assert g.gathered_layers() == ["p", "a"] and [f.layer for f in g.inflight()] == ["c"]
+    assert g.gathered_layers() == ["p", "a"] and [f.layer for f in g.inflight()] == ["c"], (
+        "setup: a stays gathered (used again soon), c is prefetched"
+    )
     g.clear()
     # The pass leaves the prediction (module mode observes its order as it runs): x now.
     observed = ["p", "a", "b", "x"]
@@ -308,7 +318,7 @@ async def test_a_layer_needed_now_evicts_cached_then_persistent_then_in_flight_p
         ("complete", "x"),
     ], "rule: a layer needed now evicts cached layers, then persistent ones, then prefetches"
     assert prefetch.metrics.cancelled == 1, "rule: an evicted prefetch counts as cancelled"
-    assert g.high_water <= 310
+    assert g.high_water <= 310, "rule: evicting keeps the bytes within the budget"
 
 
 async def test_a_layer_in_use_is_never_evicted_and_one_that_cannot_fit_beside_it_raises() -> None:
@@ -351,7 +361,9 @@ async def test_a_persistent_layer_stays_gathered_between_passes_and_is_gathered_
     for _ in range(3):
         await run_pass(prefetch, EVAL, ["p", "a", "b"])
     assert g.trail("launch").count(("launch", "p")) == 1, "rule: a persistent layer persists"
-    assert g.gathered_layers() == ["p"]
+    assert g.gathered_layers() == ["p"], (
+        "rule: only the persistent layer stays gathered after a pass"
+    )
     await prefetch.release_all()
     assert g.gathered_layers() == ["p"], "rule: release_all keeps persistent layers by default"
     await prefetch.release_all(keep_persistent=False)
@@ -364,7 +376,9 @@ async def test_suspend_stops_persistence_and_lowers_the_depth_and_resume_restore
     prefetch, g = scheduler(sizes, depth=2, numels=numels, threshold=5, keep_for_backward=True)
     prefetch.suspend(0)
     status = prefetch.status()
-    assert (status.depth, status.max_depth, status.persistence_enabled) == (0, 2, False)
+    assert (status.depth, status.max_depth, status.persistence_enabled) == (0, 2, False), (
+        "rule: suspend lowers the depth and stops persistence; the configured depth stays"
+    )
     order = ["p", "a", "b", "c"]
     await run_pass(prefetch, FWD, order)
     assert prefetch.kept == set(), "rule: memory pressure suspends keeping for the backward"
@@ -373,7 +387,9 @@ async def test_suspend_stops_persistence_and_lowers_the_depth_and_resume_restore
     assert "p" in released, "rule: a suspended persistent layer is released like the others"
     prefetch.resume()
     status = prefetch.status()
-    assert (status.depth, status.persistence_enabled) == (2, True)
+    assert (status.depth, status.persistence_enabled) == (2, True), (
+        "rule: resume restores the configured depth and persistence"
+    )
     prefetch.suspend(5)
     assert prefetch.depth == 2, "rule: the depth never exceeds the configured depth"
 
@@ -417,8 +433,10 @@ async def test_a_forward_not_followed_by_its_backward_keeps_nothing() -> None:
     prefetch, g = scheduler(dict.fromkeys(names, 100), depth=1, budget=450, keep_for_backward=True)
     await run_pass(prefetch, FWD, names)
     await run_pass(prefetch, FWD, names)
-    assert not prefetch.backward_follows_forward()
-    assert prefetch.next_after_forward(names) == ()
+    assert not prefetch.backward_follows_forward(), (
+        "rule: two training forwards in a row predict no backward"
+    )
+    assert prefetch.next_after_forward(names) == (), "rule: then no backward order is predicted"
     await run_pass(prefetch, FWD, names)
     assert prefetch.kept == set(), "rule: two training forwards in a row: nothing is kept"
     assert g.gathered_layers() == [], "rule: without a backward to follow, every layer is released"
@@ -428,7 +446,7 @@ async def test_an_evaluation_forward_keeps_nothing_and_drops_what_was_kept() -> 
     names = list("abcde")
     prefetch, g = scheduler(dict.fromkeys(names, 100), depth=1, budget=450, keep_for_backward=True)
     await run_pass(prefetch, FWD, names)
-    assert prefetch.kept == {"d", "e"}
+    assert prefetch.kept == {"d", "e"}, "setup: the forward kept d and e"
     await run_pass(prefetch, EVAL, names)
     assert prefetch.kept == set() and g.gathered_layers() == [], (
         "rule: only a training forward keeps layers, and only for the backward right after it"
@@ -442,7 +460,9 @@ async def test_a_prefetch_for_another_order_is_awaited_and_released_unused_as_wa
     prefetch, g = scheduler(EQUAL, depth=2)
     await run_pass(prefetch, FWD, ABCD)
     # The last layer launched the predicted backward's window: d stays, c is in flight.
-    assert g.gathered_layers() == ["d"] and [f.layer for f in g.inflight()] == ["c"]
+    assert g.gathered_layers() == ["d"] and [f.layer for f in g.inflight()] == ["c"], (
+        "setup: the forward's end left d gathered and c in flight"
+    )
     g.clear()
     await prefetch.begin_pass(EVAL, ["a", "b"])  # an evaluation instead of the backward
     assert g.trail() == [("complete", "c"), ("release", "c"), ("release", "d")], (
@@ -455,7 +475,7 @@ async def test_an_order_that_differs_from_the_trace_is_learnt_and_counted() -> N
     prefetch, _ = scheduler(EQUAL)
     await run_pass(prefetch, EVAL, ABCD)
     await run_pass(prefetch, EVAL, ABCD)
-    assert prefetch.metrics.trace_rebuilds == 0
+    assert prefetch.metrics.trace_rebuilds == 0, "rule: an unchanged order rebuilds nothing"
     await run_pass(prefetch, EVAL, ["a", "c"])
     assert prefetch.metrics.trace_rebuilds == 1, "rule: a pass whose order changed is counted"
     assert prefetch.predicted(EVAL) == ("a", "c"), "rule: the trace is rebuilt from the new order"
@@ -484,28 +504,36 @@ async def test_updated_layers_are_released_and_gathered_fresh_for_the_next_forwa
     prefetch, g = scheduler(sizes, depth=2, numels=numels, threshold=5)
     await run_pass(prefetch, FWD, order)
     await run_pass(prefetch, BWD, order[::-1])
-    assert g.gathered_layers() == ["p"] and not g.inflight()
+    assert g.gathered_layers() == ["p"] and not g.inflight(), (
+        "setup: after the backward only p is gathered"
+    )
     g.clear()
     await prefetch.drain()
     window = prefetch.forward_window()
-    assert window == ("p", "a")
+    assert window == ("p", "a"), "rule: the forward window is the trace's first `depth` layers"
     fresh = prefetch.launch_updated(window)  # ready(first): those layers hold new values
-    assert fresh == ["p", "a"]
+    assert fresh == ["p", "a"], "rule: launch_updated returns the gathers it launched"
     assert g.trail() == [("release", "p"), ("launch", "p"), ("launch", "a")], (
         "rule: a copy gathered before the update is stale: released, then gathered again"
     )
-    assert {c.phase for c in g.calls} == {STEP}
+    assert {c.phase for c in g.calls} == {STEP}, (
+        "rule: gathers and releases around an update are labelled step"
+    )
     g.clear()
     await prefetch.after_update(order, fresh=fresh)
     assert g.trail() == [], "rule: gathers launched after their update stay; nothing else held"
-    assert [f.layer for f in g.inflight()] == ["p", "a"]
+    assert [f.layer for f in g.inflight()] == ["p", "a"], (
+        "rule: the fresh gathers stay in flight for the forward"
+    )
 
 
 async def test_after_an_update_gathers_launched_before_it_are_discarded() -> None:
     order = ABCD
     prefetch, g = scheduler(EQUAL, depth=2)
     await run_pass(prefetch, FWD, order)
-    assert g.gathered_layers() == ["d"] and [f.layer for f in g.inflight()] == ["c"]
+    assert g.gathered_layers() == ["d"] and [f.layer for f in g.inflight()] == ["c"], (
+        "setup: the forward's end left d gathered and c in flight"
+    )
     g.clear()
     await prefetch.after_update(order)  # no drain first: this gather read the old shard
     assert g.trail() == [
@@ -515,7 +543,9 @@ async def test_after_an_update_gathers_launched_before_it_are_discarded() -> Non
         ("launch", "a"),  # the next forward's window, from the trace
         ("launch", "b"),
     ], "rule: gathers of the old values are dropped, then the next forward is prefetched"
-    assert prefetch.metrics.cancelled == 1
+    assert prefetch.metrics.cancelled == 1, (
+        "rule: a gather launched before the update counts as cancelled"
+    )
 
 
 async def test_drain_awaits_and_releases_every_gather_in_flight() -> None:
@@ -532,7 +562,9 @@ async def test_drain_awaits_and_releases_every_gather_in_flight() -> None:
         ("complete", "d"),
         ("release", "d"),
     ], "rule: drain awaits every gather in flight and releases it"
-    assert prefetch.metrics.cancelled == 3 and g.gathered_layers() == ["a"]
+    assert prefetch.metrics.cancelled == 3 and g.gathered_layers() == ["a"], (
+        "rule: drained gathers count as cancelled; the layer in use stays gathered"
+    )
 
 
 # ------------------------------------------------------------------ counters and depth
@@ -552,7 +584,9 @@ async def test_uses_are_counted_as_hits_partial_hits_or_misses() -> None:
     assert (m.misses, m.hits, m.partial_hits) == (1, 1, 1), (
         "rule: a use is a miss (not launched), a hit (completed) or a partial hit (in flight)"
     )
-    assert m.hit_rate() == pytest.approx(2 / 3)
+    assert m.hit_rate() == pytest.approx(2 / 3), (
+        "rule: the hit rate is (hits + partial hits) / uses"
+    )
 
 
 @pytest.mark.parametrize(
@@ -573,7 +607,7 @@ def test_adapt_sets_the_depth_to_gather_over_compute_clamped(
     assert prefetch.adapt_prefetch_strategy(gather_s, compute_s) == depth, (
         "rule: depth = clamp(ceil(gather / compute), 1, prefetch_buffer_size), 0 stays 0"
     )
-    assert prefetch.status().depth == depth
+    assert prefetch.status().depth == depth, "rule: the status reports the depth set"
 
 
 # ------------------------------------------------------------------ determinism
@@ -608,4 +642,6 @@ async def test_the_same_calls_give_the_same_gathers_whatever_their_timing() -> N
     assert first == settled, (
         "rule: no prefetch decision depends on timing (which gathers finished first)"
     )
-    assert counts == counts_again == counts_settled
+    assert counts == counts_again == counts_settled, (
+        "rule: the counters do not depend on timing either (hits and partial hits aside)"
+    )

@@ -44,7 +44,7 @@ def test_records_follow_one_another_in_their_given_order() -> None:
         "rule: each record starts where the one before it ends, in the mapping's order"
     )
     assert end == 16384, "rule: the file's size is the records' bytes"
-    assert record_offsets({}) == ({}, 0)
+    assert record_offsets({}) == ({}, 0), "rule: no records make an empty file"
 
 
 def test_the_file_is_created_and_allocated_in_full_at_construction(tmp_path: Path) -> None:
@@ -55,7 +55,9 @@ def test_the_file_is_created_and_allocated_in_full_at_construction(tmp_path: Pat
         assert file.allocated_bytes() >= 3 * ALIGN, (
             "rule: the blocks are allocated at once, so a later write never meets a full disk"
         )
-        assert file.reads == (0, 0.0, 0) and file.writes == (0, 0.0, 0)
+        assert file.reads == (0, 0.0, 0) and file.writes == (0, 0.0, 0), (
+            "rule: a new file has counted nothing"
+        )
     finally:
         file.close()
 
@@ -79,7 +81,7 @@ def test_what_is_written_at_an_offset_is_read_back_and_every_transfer_is_counted
         file.read(memoryview(back), ALIGN)
         assert back[:] == bytes([9]) * (2 * ALIGN), "rule: a read returns what was written there"
         file.read(memoryview(back)[:ALIGN], 0)
-        assert back[:ALIGN] == bytes([7]) * ALIGN
+        assert back[:ALIGN] == bytes([7]) * ALIGN, "rule: a read returns what was written there"
         assert (file.writes[0], file.writes[2]) == (2, 3 * ALIGN), (
             "rule: writes count their calls and bytes"
         )
@@ -96,14 +98,20 @@ def test_step_figures_are_the_transfers_since_the_previous_call(tmp_path: Path) 
     try:
         file.write(memoryview(page(1, pages=2)), 0)
         first = file.step_figures()
-        assert (first["write_bytes"], first["read_bytes"]) == (2 * ALIGN, 0)
+        assert (first["write_bytes"], first["read_bytes"]) == (2 * ALIGN, 0), (
+            "rule: step_figures gives the bytes moved since it was last called"
+        )
         file.read(memoryview(page(0)), ALIGN)
         second = file.step_figures()
         assert (second["write_bytes"], second["read_bytes"]) == (0, ALIGN), (
             "rule: step_figures gives one step's bytes, not the run's"
         )
-        assert second["write_seconds"] == 0 and second["read_seconds"] > 0
-        assert file.step_figures() == dict.fromkeys(second, 0)
+        assert second["write_seconds"] == 0 and second["read_seconds"] > 0, (
+            "rule: a step without writes has no write seconds"
+        )
+        assert file.step_figures() == dict.fromkeys(second, 0), (
+            "rule: a step without transfers has nothing to report"
+        )
     finally:
         file.close()
 
@@ -140,11 +148,15 @@ def test_transfers_from_several_threads_at_once_are_all_counted(tmp_path: Path) 
             worker.start()
         for worker in workers:
             worker.join()
-        assert [b[:] == bytes([k + 1]) * ALIGN for k, b in enumerate(back)] == [True] * threads
+        assert [b[:] == bytes([k + 1]) * ALIGN for k, b in enumerate(back)] == [True] * threads, (
+            "rule: each thread reads back what it wrote"
+        )
         assert (file.writes[0], file.writes[2]) == (threads, threads * ALIGN), (
             "rule: transfers in several threads at once are each counted"
         )
-        assert (file.reads[0], file.reads[2]) == (threads, threads * ALIGN)
+        assert (file.reads[0], file.reads[2]) == (threads, threads * ALIGN), (
+            "rule: reads in several threads at once are each counted"
+        )
     finally:
         file.close()
 
@@ -154,7 +166,7 @@ def test_close_deletes_the_file(tmp_path: Path) -> None:
     file = RecordFile(path, ALIGN, holds="test records")
     file.close()
     assert not path.exists(), "rule: close deletes the file it created"
-    assert file.allocated_bytes() == 0
+    assert file.allocated_bytes() == 0, "rule: a closed file occupies nothing"
     file.close()  # a second close does nothing
 
 
@@ -168,5 +180,5 @@ def test_a_full_disk_fails_at_construction_naming_path_bytes_and_room_leaving_no
     assert f"{path}: no room" in message and "2097152 bytes (masters of this test)" in message, (
         "rule: a full disk is named with the path, the bytes needed and what they hold"
     )
-    assert "are free" in message
+    assert "are free" in message, "rule: the message gives the bytes free"
     assert not any(small_fs.iterdir()), "rule: a refused file leaves nothing behind"

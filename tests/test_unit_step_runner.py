@@ -209,7 +209,7 @@ async def test_a_step_updates_each_layer_with_its_window_mean_and_refreshes_its_
 async def test_a_layer_without_a_gradient_is_not_updated(comm: Collectives) -> None:
     s = build(comm)
     await s.commit("a", gradient("a", 0))
-    assert await s.step() == ["a"]
+    assert await s.step() == ["a"], "rule: only layers with a gradient are updated"
     assert torch.equal(s.store.master("b"), s.initial["b"]), (
         "rule: a layer that got no gradient is skipped, as torch.optim skips grad=None"
     )
@@ -270,7 +270,7 @@ async def test_an_early_update_drops_its_shard_and_the_step_does_not_update_it_a
         assert s.grads.get(name) is None, "rule: an early update drops its gradient shard"
     expected = reference(s, [{n: gradient(n, 0) for n in NAMES}])
     assert_bitwise(s.masters(), expected, "an early update is the step's update")
-    assert s.runner.stepped == set(NAMES)
+    assert s.runner.stepped == set(NAMES), "rule: early updates are remembered for the window"
     assert await s.step() == ["a", "b"], "rule: early updates count as the window's"
     assert_bitwise(s.masters(), expected, "a layer updated early is not updated again")
 
@@ -292,7 +292,9 @@ async def test_speculative_updates_stand_when_clipping_does_not_apply(comm: Coll
     assert_bitwise(s.masters(), expected, "speculative updates that stand are the step's")
     assert s.backup.saved() == [], "rule: after the step no save is left pending"
     flat = torch.cat([gradient(n, 0) for n in NAMES]).double()
-    assert s.runner.last_grad_norm == pytest.approx(float(flat.norm()), rel=1e-12)
+    assert s.runner.last_grad_norm == pytest.approx(float(flat.norm()), rel=1e-12), (
+        "rule: the global norm before clipping is recorded"
+    )
 
 
 async def test_a_rollback_restores_master_and_state_bitwise_and_the_step_is_redone_clipped(
@@ -313,7 +315,7 @@ async def test_a_rollback_restores_master_and_state_bitwise_and_the_step_is_redo
         assert_bitwise(spec.masters(), plain.masters(), "a rolled-back step is the plain step")
         for name in NAMES:
             got, want = spec.states()[name], plain.states()[name]
-            assert got.keys() == want.keys()
+            assert got.keys() == want.keys(), "rule: a rollback restores the state's keys"
             assert_bitwise(got, want, f"a rollback restores {name}'s optimizer state bitwise")
     assert_bitwise(spec.masters(), reference(plain, windows, clip=0.5), "clipped as torch clips")
 
@@ -324,7 +326,9 @@ async def test_an_inf_under_fp16_rolls_the_speculative_updates_back_and_skips_th
     s = build(comm, compute_dtype="fp16", speculative_step=True)
     scale = s.runner.loss_scaler.scale  # type: ignore[union-attr]  # fp16 has one
     await s.land_early("a", gradient("a", 0, scale))
-    assert not torch.equal(s.store.master("a"), s.initial["a"])  # updated speculatively
+    assert not torch.equal(s.store.master("a"), s.initial["a"]), (
+        "setup: the speculative update changed the master"
+    )  # updated speculatively
     bad = gradient("b", 0, scale)
     bad[3] = float("inf")
     await s.commit("b", bad)
@@ -367,17 +371,19 @@ async def test_the_backup_holds_an_adamw_layers_master_and_moments_once_it_has_s
 async def test_reset_forgets_the_window_the_loss_scale_and_the_backup(comm: Collectives) -> None:
     s = build(comm, compute_dtype="fp16", speculative_step=True)
     scaler = s.runner.loss_scaler
-    assert scaler is not None
+    assert scaler is not None, "setup: fp16 compute has a loss scaler"
     await s.land_early("a", gradient("a", 0, scaler.scale))
     await s.commit("b", torch.full((8,), float("nan")))
     await s.step()
-    assert s.runner.loss_scaler is not None and s.runner.loss_scaler.skipped_steps == 1
+    assert s.runner.loss_scaler is not None and s.runner.loss_scaler.skipped_steps == 1, (
+        "rule: the skipped step is counted"
+    )
     s.runner.reset()
     assert s.runner.loss_scaler is not None and s.runner.loss_scaler.scale == 2.0**16, (
         "rule: reset starts the loss scale again"
     )
     assert s.backup.nbytes() == 0 and s.backup.saved() == [], "rule: reset frees the backup"
-    assert s.runner.stepped == set()
+    assert s.runner.stepped == set(), "rule: reset forgets the window's updates"
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
