@@ -11,6 +11,7 @@ import mmap
 import os
 import re
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,20 @@ from test_disk_tier import small_fs  # noqa: F401  # the 1 MiB tmpfs fixture
 
 from zero3_offload.errors import DiskTierError
 from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned, record_offsets
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Iterator[Callable[..., RecordFile]]:
+    """Makes record files under tmp_path (``f.bin`` unless named); closes them after."""
+    made: list[RecordFile] = []
+
+    def make(nbytes: int, name: str = "f.bin") -> RecordFile:
+        made.append(RecordFile(tmp_path / name, nbytes, holds="test records"))
+        return made[-1]
+
+    yield make
+    for file in made:
+        file.close()
 
 
 def page(fill: int, pages: int = 1) -> mmap.mmap:
@@ -47,19 +62,18 @@ def test_records_follow_one_another_in_their_given_order() -> None:
     assert record_offsets({}) == ({}, 0), "rule: no records make an empty file"
 
 
-def test_the_file_is_created_and_allocated_in_full_at_construction(tmp_path: Path) -> None:
-    path = tmp_path / "state.bin"
-    file = RecordFile(path, 3 * ALIGN, holds="test records")
-    try:
-        assert path.stat().st_size == 3 * ALIGN, "rule: the file has its size from the start"
-        assert file.allocated_bytes() >= 3 * ALIGN, (
-            "rule: the blocks are allocated at once, so a later write never meets a full disk"
-        )
-        assert file.reads == (0, 0.0, 0) and file.writes == (0, 0.0, 0), (
-            "rule: a new file has counted nothing"
-        )
-    finally:
-        file.close()
+def test_the_file_is_created_and_allocated_in_full_at_construction(
+    files: Callable[..., RecordFile],
+) -> None:
+    file = files(3 * ALIGN, "state.bin")
+    path = file.path
+    assert path.stat().st_size == 3 * ALIGN, "rule: the file has its size from the start"
+    assert file.allocated_bytes() >= 3 * ALIGN, (
+        "rule: the blocks are allocated at once, so a later write never meets a full disk"
+    )
+    assert file.reads == (0, 0.0, 0) and file.writes == (0, 0.0, 0), (
+        "rule: a new file has counted nothing"
+    )
 
 
 def test_a_file_that_exists_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
@@ -71,99 +85,91 @@ def test_a_file_that_exists_is_refused_and_left_as_it_was(tmp_path: Path) -> Non
 
 
 def test_what_is_written_at_an_offset_is_read_back_and_every_transfer_is_counted(
-    tmp_path: Path,
+    files: Callable[..., RecordFile],
 ) -> None:
-    file = RecordFile(tmp_path / "f.bin", 3 * ALIGN, holds="test records")
-    try:
-        file.write(memoryview(page(7)), 0)
-        file.write(memoryview(page(9, pages=2)), ALIGN)
-        back = page(0, pages=2)
-        file.read(memoryview(back), ALIGN)
-        assert back[:] == bytes([9]) * (2 * ALIGN), "rule: a read returns what was written there"
-        file.read(memoryview(back)[:ALIGN], 0)
-        assert back[:ALIGN] == bytes([7]) * ALIGN, "rule: a read returns what was written there"
-        assert (file.writes[0], file.writes[2]) == (2, 3 * ALIGN), (
-            "rule: writes count their calls and bytes"
-        )
-        assert (file.reads[0], file.reads[2]) == (2, 3 * ALIGN), (
-            "rule: reads count their calls and bytes"
-        )
-        assert file.reads[1] > 0 and file.writes[1] > 0, "rule: and the seconds they took"
-    finally:
-        file.close()
+    file = files(3 * ALIGN)
+    file.write(memoryview(page(7)), 0)
+    file.write(memoryview(page(9, pages=2)), ALIGN)
+    back = page(0, pages=2)
+    file.read(memoryview(back), ALIGN)
+    assert back[:] == bytes([9]) * (2 * ALIGN), "rule: a read returns what was written there"
+    file.read(memoryview(back)[:ALIGN], 0)
+    assert back[:ALIGN] == bytes([7]) * ALIGN, "rule: a read returns what was written there"
+    assert (file.writes[0], file.writes[2]) == (2, 3 * ALIGN), (
+        "rule: writes count their calls and bytes"
+    )
+    assert (file.reads[0], file.reads[2]) == (2, 3 * ALIGN), (
+        "rule: reads count their calls and bytes"
+    )
+    assert file.reads[1] > 0 and file.writes[1] > 0, "rule: and the seconds they took"
 
 
-def test_step_figures_are_the_transfers_since_the_previous_call(tmp_path: Path) -> None:
-    file = RecordFile(tmp_path / "f.bin", 2 * ALIGN, holds="test records")
-    try:
-        file.write(memoryview(page(1, pages=2)), 0)
-        first = file.step_figures()
-        assert (first["write_bytes"], first["read_bytes"]) == (2 * ALIGN, 0), (
-            "rule: step_figures gives the bytes moved since it was last called"
-        )
+def test_step_figures_are_the_transfers_since_the_previous_call(
+    files: Callable[..., RecordFile],
+) -> None:
+    file = files(2 * ALIGN)
+    file.write(memoryview(page(1, pages=2)), 0)
+    first = file.step_figures()
+    assert (first["write_bytes"], first["read_bytes"]) == (2 * ALIGN, 0), (
+        "rule: step_figures gives the bytes moved since it was last called"
+    )
+    file.read(memoryview(page(0)), ALIGN)
+    second = file.step_figures()
+    assert (second["write_bytes"], second["read_bytes"]) == (0, ALIGN), (
+        "rule: step_figures gives one step's bytes, not the run's"
+    )
+    assert second["write_seconds"] == 0 and second["read_seconds"] > 0, (
+        "rule: a step without writes has no write seconds"
+    )
+    assert file.step_figures() == dict.fromkeys(second, 0), (
+        "rule: a step without transfers has nothing to report"
+    )
+
+
+def test_a_read_past_the_end_stops_short_and_names_the_file(
+    files: Callable[..., RecordFile],
+) -> None:
+    file = files(ALIGN)
+    path = file.path
+    with pytest.raises(
+        DiskTierError, match=re.escape(f"read of {path} at byte {ALIGN} stopped short")
+    ):
         file.read(memoryview(page(0)), ALIGN)
-        second = file.step_figures()
-        assert (second["write_bytes"], second["read_bytes"]) == (0, ALIGN), (
-            "rule: step_figures gives one step's bytes, not the run's"
-        )
-        assert second["write_seconds"] == 0 and second["read_seconds"] > 0, (
-            "rule: a step without writes has no write seconds"
-        )
-        assert file.step_figures() == dict.fromkeys(second, 0), (
-            "rule: a step without transfers has nothing to report"
-        )
-    finally:
-        file.close()
+    os.truncate(path, 0)  # the file loses its contents under the reader
+    with pytest.raises(DiskTierError, match=re.escape(f"read of {path} at byte 0 stopped short")):
+        file.read(memoryview(page(0)), 0)
 
 
-def test_a_read_past_the_end_stops_short_and_names_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "f.bin"
-    file = RecordFile(path, ALIGN, holds="test records")
-    try:
-        with pytest.raises(
-            DiskTierError, match=re.escape(f"read of {path} at byte {ALIGN} stopped short")
-        ):
-            file.read(memoryview(page(0)), ALIGN)
-        os.truncate(path, 0)  # the file loses its contents under the reader
-        with pytest.raises(
-            DiskTierError, match=re.escape(f"read of {path} at byte 0 stopped short")
-        ):
-            file.read(memoryview(page(0)), 0)
-    finally:
-        file.close()
-
-
-def test_transfers_from_several_threads_at_once_are_all_counted(tmp_path: Path) -> None:
+def test_transfers_from_several_threads_at_once_are_all_counted(
+    files: Callable[..., RecordFile],
+) -> None:
     threads = 8
-    file = RecordFile(tmp_path / "f.bin", threads * ALIGN, holds="test records")
+    file = files(threads * ALIGN)
     back = [page(0) for _ in range(threads)]
 
     def work(k: int) -> None:
         file.write(memoryview(page(k + 1)), k * ALIGN)
         file.read(memoryview(back[k]), k * ALIGN)
 
-    try:
-        workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        assert [b[:] == bytes([k + 1]) * ALIGN for k, b in enumerate(back)] == [True] * threads, (
-            "rule: each thread reads back what it wrote"
-        )
-        assert (file.writes[0], file.writes[2]) == (threads, threads * ALIGN), (
-            "rule: transfers in several threads at once are each counted"
-        )
-        assert (file.reads[0], file.reads[2]) == (threads, threads * ALIGN), (
-            "rule: reads in several threads at once are each counted"
-        )
-    finally:
-        file.close()
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert [b[:] == bytes([k + 1]) * ALIGN for k, b in enumerate(back)] == [True] * threads, (
+        "rule: each thread reads back what it wrote"
+    )
+    assert (file.writes[0], file.writes[2]) == (threads, threads * ALIGN), (
+        "rule: transfers in several threads at once are each counted"
+    )
+    assert (file.reads[0], file.reads[2]) == (threads, threads * ALIGN), (
+        "rule: reads in several threads at once are each counted"
+    )
 
 
-def test_close_deletes_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "f.bin"
-    file = RecordFile(path, ALIGN, holds="test records")
+def test_close_deletes_the_file(files: Callable[..., RecordFile]) -> None:
+    file = files(ALIGN)
+    path = file.path
     file.close()
     assert not path.exists(), "rule: close deletes the file it created"
     assert file.allocated_bytes() == 0, "rule: a closed file occupies nothing"
