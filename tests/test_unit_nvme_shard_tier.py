@@ -266,9 +266,9 @@ async def test_state_with_other_tensors_than_the_records_is_refused(
 async def test_a_failed_read_raises_a_disk_tier_error_naming_the_file(
     tiers: Callable[..., Tiered],
 ) -> None:
-    t = tiers(buffers=1)
+    t = tiers(buffers=2)
     os.truncate(t.tier.file.path, 0)  # the disk loses the records
-    with pytest.raises(DiskTierError, match=r"read of .*state\.bin at byte 0 stopped short"):
-        async with t.optimizer.resident("a", write=True):
-            pass
-    assert t.masters["a"].numel() == 0, "rule: a failed read leaves the master empty"
+    for _ in range(2):  # a failed read leaves the layer not resident: the same error again
+        with pytest.raises(DiskTierError, match=r"read of .*state\.bin at byte 0 stopped short"):
+            async with t.optimizer.resident("a", write=True):
+                pass
