@@ -214,6 +214,8 @@ class NvmeShardTier:
             tensor = state[key]
             if tensor.data_ptr() != view.data_ptr():
                 view.copy_(tensor)
+                # Drop the tensor of its own now, so that the heap's pages go back to the
+                # OS (give_back, after the write) while the layer is still resident.
                 state[key] = view
                 fresh = True
         self._written.add(layer)

@@ -265,7 +265,7 @@ class PrefetchScheduler:
             raise MemoryBudgetError(
                 f"layer {name!r} ({self._sizes[name]} bytes) does not fit "
                 f"gpu_param_memory_budget={self.budget} next to the layers in use "
-                f"{sorted(self._in_use)}: raise the budget"
+                f"{sorted(self._in_use - {name})}: raise the budget"
             )
 
     def _release(self, name: str, *, keep_grads: bool = False, pool: bool = True) -> None:
