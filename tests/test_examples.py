@@ -1,15 +1,23 @@
-"""Every example runs, in a short mode, as a user would run it."""
+"""Every example runs, in a short mode, as a user would run it.
+
+``train_tiny.py`` runs once per option, each run shared by the tests that read it: the
+same 20 steps with clipping at 0.5 (so that speculative updates have something to
+undo), plain and with one option each, which must not change the losses.
+"""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+TINY = ("examples/train_tiny.py", "--steps", str(STEPS), "--gradient-clipping", "0.5")
 
 
 def run_example(*args: str) -> str:
@@ -20,6 +28,26 @@ def run_example(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, Path | None]]:
+    """``tiny(*options)``: the output of ``train_tiny.py`` (``TINY`` and ``options``) and
+    its ``--nvme-path`` directory; each distinct run happens once per module."""
+    runs: dict[tuple[str, ...], tuple[str, Path | None]] = {}
+
+    def run(*options: str) -> tuple[str, Path | None]:
+        if options not in runs:
+            disk = None
+            if "--nvme-path" in options:
+                disk = tmp_path_factory.mktemp("tier")
+                options_run = tuple(str(disk) if o == "DISK" else o for o in options)
+            else:
+                options_run = options
+            runs[options] = run_example(*TINY, *options_run), disk
+        return runs[options]
+
+    return run
+
+
 def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
     losses = re.findall(r"step +\d+ +loss (\d+\.\d+)", out)
     kept = int(re.search(r"kept for backward after the first forward: (\d+) bytes", out)[1])
@@ -28,49 +56,47 @@ def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
 
 
 @pytest.mark.slow
-def test_train_tiny_loss_falls() -> None:
-    out = run_example("examples/train_tiny.py", "--steps", "20")
+def test_train_tiny_loss_falls(tiny) -> None:
+    out, _ = tiny()
     losses, kept, evaluated = _losses_and_kept(out)
-    assert len(losses) == 20
+    assert len(losses) == STEPS
     assert float(losses[-1]) < 0.6 * float(losses[0])
     assert evaluated < 0.6 * float(losses[0])
     # Activation checkpointing: the same losses (no dropout), fewer bytes kept.
-    ckpt = run_example("examples/train_tiny.py", "--steps", "20", "--activation-checkpointing")
-    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(ckpt)
+    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(tiny("--activation-checkpointing")[0])
     assert ckpt_losses == losses
     assert ckpt_eval == evaluated
     assert 0 < 3 * ckpt_kept < kept
 
 
 @pytest.mark.slow
-def test_train_tiny_speculative_updates_give_the_same_losses() -> None:
-    clip = ("examples/train_tiny.py", "--steps", "8", "--gradient-clipping", "0.5")
-    waiting, speculative = run_example(*clip), run_example(*clip, "--speculative")
+def test_train_tiny_speculative_updates_give_the_same_losses(tiny) -> None:
+    waiting, speculative = tiny()[0], tiny("--speculative")[0]
     assert _losses_and_kept(speculative) == _losses_and_kept(waiting)
     undone = int(re.search(r"speculative updates undone: (\d+) steps", speculative)[1])
-    assert 0 < undone <= 8  # clipping at 0.5 applies in this run: updates were redone
+    assert 0 < undone <= STEPS  # clipping at 0.5 applies in this run: updates were redone
     assert "speculative updates undone: 0 steps" in waiting
 
 
 @pytest.mark.slow
-def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tmp_path: Path) -> None:
-    steps = ("examples/train_tiny.py", "--steps", "6")
-    memory, disk = run_example(*steps), run_example(*steps, "--nvme-path", str(tmp_path))
+def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tiny) -> None:
+    memory = tiny()[0]
+    disk, tier = tiny("--nvme-path", "DISK")
     assert _losses_and_kept(disk) == _losses_and_kept(memory)
     read, written = (
         int(v)
         for v in re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", disk).groups()
     )
-    # Every update of the 6 steps read its layer's record and wrote it back; construction
+    # Every update of the steps read its layer's record and wrote it back; construction
     # wrote every record's master part, a third of it (AdamW's master and two moments).
-    assert read > 0 and written * 18 == read * 19
-    assert not any(tmp_path.iterdir())  # the ranks' files are gone
+    assert read > 0 and written * 3 * STEPS == read * (3 * STEPS + 1)
+    assert not any(tier.iterdir())  # the ranks' files are gone
     # The compute copies on disk too: the same losses, more bytes read and written.
-    both = run_example(*steps, "--nvme-path", str(tmp_path), "--nvme-params")
+    both, tier = tiny("--nvme-path", "DISK", "--nvme-params")
     assert _losses_and_kept(both) == _losses_and_kept(memory)
     more = re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", both).groups()
     assert int(more[0]) > read and int(more[1]) > written
-    assert not any(tmp_path.iterdir())
+    assert not any(tier.iterdir())
 
 
 @pytest.mark.slow
