@@ -2,15 +2,19 @@
 
 ``train_tiny.py`` runs once per option, each run shared by the tests that read it: the
 same 20 steps with clipping at 0.5 (so that speculative updates have something to
-undo), plain and with one option each, which must not change the losses.
+undo), plain and with one option each, which must not change the losses. The runs are
+independent processes: they start with the module, two at a time, so that one's imports
+use the core the other leaves idle.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,34 +22,45 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 TINY = ("examples/train_tiny.py", "--steps", str(STEPS), "--gradient-clipping", "0.5")
+FINETUNE = ("examples/finetune_transformers.py", "--steps", "20")
+# Every run of an example below; DISK stands for a fresh directory.
+RUNS = (
+    TINY,
+    (*TINY, "--activation-checkpointing"),
+    (*TINY, "--speculative"),
+    (*TINY, "--nvme-path", "DISK"),
+    (*TINY, "--nvme-path", "DISK", "--nvme-params"),
+    FINETUNE,
+)
 
 
-def run_example(*args: str) -> str:
-    proc = subprocess.run(
+def example(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, Path | None]]:
-    """``tiny(*options)``: the output of ``train_tiny.py`` (``TINY`` and ``options``) and
-    its ``--nvme-path`` directory; each distinct run happens once per module."""
-    runs: dict[tuple[str, ...], tuple[str, Path | None]] = {}
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tuple[str, Path]]]:
+    """``run(*args)``: the output of the example run ``args`` (one of ``RUNS``) and its
+    DISK directory. Every run starts with the module, two at a time; a test waits for
+    the runs it reads, and a run that failed fails those tests."""
+    started: dict[tuple[str, ...], tuple[Future[subprocess.CompletedProcess[str]], Path]] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for args in RUNS:
+            if args == FINETUNE and importlib.util.find_spec("transformers") is None:
+                continue  # its test skips
+            disk = tmp_path_factory.mktemp("tier")
+            actual = (str(disk) if a == "DISK" else a for a in args)
+            started[args] = pool.submit(example, *actual), disk
 
-    def run(*options: str) -> tuple[str, Path | None]:
-        if options not in runs:
-            disk = None
-            if "--nvme-path" in options:
-                disk = tmp_path_factory.mktemp("tier")
-                options_run = tuple(str(disk) if o == "DISK" else o for o in options)
-            else:
-                options_run = options
-            runs[options] = run_example(*TINY, *options_run), disk
-        return runs[options]
+        def output(*args: str) -> tuple[str, Path]:
+            future, disk = started[args]
+            proc = future.result()
+            assert proc.returncode == 0, proc.stderr
+            return proc.stdout, disk
 
-    return run
+        yield output
 
 
 def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
@@ -56,22 +71,24 @@ def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
 
 
 @pytest.mark.slow
-def test_train_tiny_loss_falls(tiny) -> None:
-    out, _ = tiny()
+def test_train_tiny_loss_falls(run) -> None:
+    out, _ = run(*TINY)
     losses, kept, evaluated = _losses_and_kept(out)
     assert len(losses) == STEPS
     assert float(losses[-1]) < 0.6 * float(losses[0])
     assert evaluated < 0.6 * float(losses[0])
     # Activation checkpointing: the same losses (no dropout), fewer bytes kept.
-    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(tiny("--activation-checkpointing")[0])
+    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(
+        run(*TINY, "--activation-checkpointing")[0]
+    )
     assert ckpt_losses == losses
     assert ckpt_eval == evaluated
     assert 0 < 3 * ckpt_kept < kept
 
 
 @pytest.mark.slow
-def test_train_tiny_speculative_updates_give_the_same_losses(tiny) -> None:
-    waiting, speculative = tiny()[0], tiny("--speculative")[0]
+def test_train_tiny_speculative_updates_give_the_same_losses(run) -> None:
+    waiting, speculative = run(*TINY)[0], run(*TINY, "--speculative")[0]
     assert _losses_and_kept(speculative) == _losses_and_kept(waiting)
     undone = int(re.search(r"speculative updates undone: (\d+) steps", speculative)[1])
     assert 0 < undone <= STEPS  # clipping at 0.5 applies in this run: updates were redone
@@ -79,9 +96,9 @@ def test_train_tiny_speculative_updates_give_the_same_losses(tiny) -> None:
 
 
 @pytest.mark.slow
-def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tiny) -> None:
-    memory = tiny()[0]
-    disk, tier = tiny("--nvme-path", "DISK")
+def test_train_tiny_on_the_disk_tier_gives_the_same_losses(run) -> None:
+    memory = run(*TINY)[0]
+    disk, tier = run(*TINY, "--nvme-path", "DISK")
     assert _losses_and_kept(disk) == _losses_and_kept(memory)
     read, written = (
         int(v)
@@ -92,7 +109,7 @@ def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tiny) -> None:
     assert read > 0 and written * 3 * STEPS == read * (3 * STEPS + 1)
     assert not any(tier.iterdir())  # the ranks' files are gone
     # The compute copies on disk too: the same losses, more bytes read and written.
-    both, tier = tiny("--nvme-path", "DISK", "--nvme-params")
+    both, tier = run(*TINY, "--nvme-path", "DISK", "--nvme-params")
     assert _losses_and_kept(both) == _losses_and_kept(memory)
     more = re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", both).groups()
     assert int(more[0]) > read and int(more[1]) > written
@@ -100,9 +117,9 @@ def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tiny) -> None:
 
 
 @pytest.mark.slow
-def test_finetune_transformers_trains_and_exports() -> None:
+def test_finetune_transformers_trains_and_exports(run) -> None:
     pytest.importorskip("transformers")
-    out = run_example("examples/finetune_transformers.py", "--steps", "20")
+    out = run(*FINETUNE)[0]
     losses = [float(v) for v in re.findall(r"step +\d+ +loss (\d+\.\d+)", out)]
     assert len(losses) == 20
     assert losses[-1] < 0.8 * losses[0]
