@@ -13,7 +13,10 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,13 +63,55 @@ def latest(out_dir: Path) -> str:
 BUDGET = ("--cpu-memory-budget", "300000")
 
 
+def two_ranks_args(run: Path) -> tuple[str, ...]:
+    """A 2-rank run of 12 steps under ``BUDGET`` (without --save-every)."""
+    return ("--world-size", "2", "--steps", "12", "--out", str(run), *BUDGET, *SMALL)
+
+
+def toml_config(path: Path) -> Path:
+    """``SMALL`` as a TOML config file."""
+    pairs = zip(SMALL[0::2], SMALL[1::2], strict=True)
+    path.write_text("".join(f"{flag[2:].replace('-', '_')} = {v}\n" for flag, v in pairs))
+    return path
+
+
+TORCHRUN = ("torchrun", "--standalone", "--nproc-per-node", "2", "-m")
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[str, ...], str]:
-    """One 2-rank run of 12 steps under ``BUDGET``, saving every 4 steps, shared by the
-    tests that read it: its directory, its arguments (without --save-every) and stdout."""
-    run = tmp_path_factory.mktemp("two-ranks") / "run"
-    args = ("--world-size", "2", "--steps", "12", "--out", str(run), *BUDGET, *SMALL)
-    return run, args, ok(train(*args, "--save-every", "4"))
+def started(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[Future[subprocess.CompletedProcess], Path]]]:
+    """The runs that need no run before them, started with the module, two at a time
+    (independent processes: one's imports use the core the other leaves idle), each
+    with its directory: the 2-rank run under ``BUDGET`` saving every 4 steps, the
+    1-rank run that budget refuses, the torchrun job with a TOML config, and a
+    ``--resume`` without a checkpoint."""
+    dirs = {n: tmp_path_factory.mktemp(n) for n in ("two", "one", "torchrun", "no-ckpt")}
+    config = toml_config(dirs["torchrun"] / "small.toml")
+    calls = {
+        "two": ((*two_ranks_args(dirs["two"] / "run"), "--save-every", "4"), None),
+        "one": (("--world-size", "1", "--steps", "2", *BUDGET, *SMALL), None),
+        "torchrun": (
+            ("--steps", "4", "--config", str(config), "--out", str(dirs["torchrun"] / "run")),
+            TORCHRUN,
+        ),
+        "no-ckpt": (("--resume", "--out", str(dirs["no-ckpt"])), None),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            name: (pool.submit(train, *args, launcher=launcher), dirs[name])
+            for name, (args, launcher) in calls.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(started: dict[str, Any]) -> tuple[Path, tuple[str, ...], str]:
+    """The 2-rank run under ``BUDGET``, shared by the tests that read it: its
+    directory, its arguments (without --save-every) and stdout."""
+    future, directory = started["two"]
+    run = directory / "run"
+    return run, two_ranks_args(run), ok(future.result())
 
 
 @pytest.mark.slow
@@ -109,13 +154,10 @@ def test_two_ranks_save_resume_and_continue_the_data(
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_with_a_toml_config(tmp_path: Path) -> None:
-    config = tmp_path / "small.toml"
-    pairs = zip(SMALL[0::2], SMALL[1::2], strict=True)
-    config.write_text("".join(f"{flag[2:].replace('-', '_')} = {v}\n" for flag, v in pairs))
-    run = tmp_path / "run"
-    launcher = ("torchrun", "--standalone", "--nproc-per-node", "2", "-m")
-    out = ok(train("--steps", "4", "--config", str(config), "--out", str(run), launcher=launcher))
+def test_torchrun_two_processes_with_a_toml_config(started: dict[str, Any]) -> None:
+    future, directory = started["torchrun"]
+    run = directory / "run"
+    out = ok(future.result())
     loss_fell(out)
     assert "on 2 rank(s) (gloo, cpu)" in out or "nccl" in out
     assert sorted(steps(out)) == [1, 2, 3, 4]  # rank 0 alone prints
@@ -125,9 +167,9 @@ def test_torchrun_two_processes_with_a_toml_config(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_model_larger_than_one_ranks_budget_trains_on_two_ranks(
-    two_ranks: tuple[Path, tuple[str, ...], str],
+    started: dict[str, Any], two_ranks: tuple[Path, tuple[str, ...], str]
 ) -> None:
-    one = train("--world-size", "1", "--steps", "2", *BUDGET, *SMALL)
+    one = started["one"][0].result()
     assert one.returncode == 2, one.stderr
     assert "but --cpu-memory-budget=300000: raise the budget, use more ranks" in one.stderr
     assert len(one.stderr.strip().splitlines()) == 1 and "Traceback" not in one.stderr
@@ -351,8 +393,9 @@ def test_bad_config_file_values_name_the_file_and_key(tmp_path: Path, capsys) ->
 
 
 @pytest.mark.slow
-def test_resume_without_a_checkpoint_in_a_real_process(tmp_path: Path) -> None:
-    proc = train("--resume", "--out", str(tmp_path))
+def test_resume_without_a_checkpoint_in_a_real_process(started: dict[str, Any]) -> None:
+    future, tmp_path = started["no-ckpt"]
+    proc = future.result()
     assert proc.returncode == 2
     assert proc.stderr == (
         f"zero3-offload train: error: --resume: no checkpoint in {tmp_path / 'checkpoints'} "
