@@ -1,6 +1,6 @@
 """Kill a rank at a named point of a checkpoint save; replay a training history.
 
-Shared by ``test_checkpoint_crash.py`` and benchmarks. A *point* is
+Shared by ``test_checkpoint_crash.py`` and ``test_faults.py`` (the fault table). A *point* is
 ``"before:STEP"`` or ``"after:STEP"`` for a STEP of
 ``zero3_offload.checkpoint.atomic_save.SAVE_STEPS``: :func:`kill_at` wraps the
 real function of that name in the calling process so that the process SIGKILLs

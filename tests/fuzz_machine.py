@@ -27,8 +27,8 @@ same setup, replays only the calls that succeeded, and every call's result and
 the final fingerprint are bitwise equal to the fuzzed run's. So whatever failed
 in between, the successful calls still train to the numbers of a clean run.
 
-``run_fuzz`` runs it with given hypothesis settings: ``tests/test_fuzz.py`` (the
-fast CI profile) and ``benchmarks/fuzz.py`` (the long profile) share it.
+``run_fuzz`` runs it with given hypothesis settings: the fast CI profile and the
+long one (``-m fuzz_long``) of ``tests/test_fuzz.py`` share it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 and a fingerprint of the training state.
 
 :func:`serve` is the rank function ``run_ranks`` starts (module level, so rank
-processes import it by name; ``conftest.py`` and ``benchmarks/fuzz.py`` put
-``tests/`` on the path). It connects back to the driver, then answers messages
-until told to stop:
+processes import it by name; ``conftest.py`` puts ``tests/`` on the path). It
+connects back to the driver, then answers messages until told to stop:
 
 - ``("open", Setup)``: build a manager (closing the previous one); an Outcome.
 - ``("call", Call)``: run one API call on it; an :class:`~fuzz_calls.Outcome`

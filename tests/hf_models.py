@@ -36,7 +36,7 @@ SEQ = 16
 ACC = 2  # micro-steps per optimizer step
 CLIP = 1.0
 LR = 1e-3
-MICRO_STEPS = 20  # 10 AdamW steps
+MICRO_STEPS = 12  # 6 AdamW steps
 
 # ------------------------------------------------------------------------------- models
 

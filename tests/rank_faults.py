@@ -8,7 +8,7 @@ reduce-scatter of a backward, the gradient-norm all-reduce of an optimizer step
 the point is found by wrapping the real call, which then does not run. Every
 other rank records when and how it noticed, in a JSON file per rank, and kills
 a stopped peer so the run ends. Used by ``tests/test_liveness.py`` and
-``benchmarks/faults.py``.
+``tests/test_faults.py`` (the fault table).
 """
 
 from __future__ import annotations

@@ -1,23 +1,66 @@
-"""Every example runs, in a short mode, as a user would run it."""
+"""Every example runs, in a short mode, as a user would run it.
+
+``train_tiny.py`` runs once per option, each run shared by the tests that read it: the
+same 20 steps with clipping at 0.5 (so that speculative updates have something to
+undo), plain and with one option each, which must not change the losses. The runs are
+independent processes: they start with the module, two at a time, so that one's imports
+use the core the other leaves idle.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+TINY = ("examples/train_tiny.py", "--steps", str(STEPS), "--gradient-clipping", "0.5")
+FINETUNE = ("examples/finetune_transformers.py", "--steps", "20")
+# Every run of an example below; DISK stands for a fresh directory.
+RUNS = (
+    TINY,
+    (*TINY, "--activation-checkpointing"),
+    (*TINY, "--speculative"),
+    (*TINY, "--nvme-path", "DISK"),
+    (*TINY, "--nvme-path", "DISK", "--nvme-params"),
+    FINETUNE,
+)
 
 
-def run_example(*args: str) -> str:
-    proc = subprocess.run(
+def example(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tuple[str, Path]]]:
+    """``run(*args)``: the output of the example run ``args`` (one of ``RUNS``) and its
+    DISK directory. Every run starts with the module, two at a time; a test waits for
+    the runs it reads, and a run that failed fails those tests."""
+    started: dict[tuple[str, ...], tuple[Future[subprocess.CompletedProcess[str]], Path]] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for args in RUNS:
+            if args == FINETUNE and importlib.util.find_spec("transformers") is None:
+                continue  # its test skips
+            disk = tmp_path_factory.mktemp("tier")
+            actual = (str(disk) if a == "DISK" else a for a in args)
+            started[args] = pool.submit(example, *actual), disk
+
+        def output(*args: str) -> tuple[str, Path]:
+            future, disk = started[args]
+            proc = future.result()
+            assert proc.returncode == 0, proc.stderr
+            return proc.stdout, disk
+
+        yield output
 
 
 def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
@@ -28,55 +71,55 @@ def _losses_and_kept(out: str) -> tuple[list[str], int, float]:
 
 
 @pytest.mark.slow
-def test_train_tiny_loss_falls() -> None:
-    out = run_example("examples/train_tiny.py", "--steps", "20")
+def test_train_tiny_loss_falls(run) -> None:
+    out, _ = run(*TINY)
     losses, kept, evaluated = _losses_and_kept(out)
-    assert len(losses) == 20
+    assert len(losses) == STEPS
     assert float(losses[-1]) < 0.6 * float(losses[0])
     assert evaluated < 0.6 * float(losses[0])
     # Activation checkpointing: the same losses (no dropout), fewer bytes kept.
-    ckpt = run_example("examples/train_tiny.py", "--steps", "20", "--activation-checkpointing")
-    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(ckpt)
+    ckpt_losses, ckpt_kept, ckpt_eval = _losses_and_kept(
+        run(*TINY, "--activation-checkpointing")[0]
+    )
     assert ckpt_losses == losses
     assert ckpt_eval == evaluated
     assert 0 < 3 * ckpt_kept < kept
 
 
 @pytest.mark.slow
-def test_train_tiny_speculative_updates_give_the_same_losses() -> None:
-    clip = ("examples/train_tiny.py", "--steps", "8", "--gradient-clipping", "0.5")
-    waiting, speculative = run_example(*clip), run_example(*clip, "--speculative")
+def test_train_tiny_speculative_updates_give_the_same_losses(run) -> None:
+    waiting, speculative = run(*TINY)[0], run(*TINY, "--speculative")[0]
     assert _losses_and_kept(speculative) == _losses_and_kept(waiting)
     undone = int(re.search(r"speculative updates undone: (\d+) steps", speculative)[1])
-    assert 0 < undone <= 8  # clipping at 0.5 applies in this run: updates were redone
+    assert 0 < undone <= STEPS  # clipping at 0.5 applies in this run: updates were redone
     assert "speculative updates undone: 0 steps" in waiting
 
 
 @pytest.mark.slow
-def test_train_tiny_on_the_disk_tier_gives_the_same_losses(tmp_path: Path) -> None:
-    steps = ("examples/train_tiny.py", "--steps", "6")
-    memory, disk = run_example(*steps), run_example(*steps, "--nvme-path", str(tmp_path))
+def test_train_tiny_on_the_disk_tier_gives_the_same_losses(run) -> None:
+    memory = run(*TINY)[0]
+    disk, tier = run(*TINY, "--nvme-path", "DISK")
     assert _losses_and_kept(disk) == _losses_and_kept(memory)
     read, written = (
         int(v)
         for v in re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", disk).groups()
     )
-    # Every update of the 6 steps read its layer's record and wrote it back; construction
+    # Every update of the steps read its layer's record and wrote it back; construction
     # wrote every record's master part, a third of it (AdamW's master and two moments).
-    assert read > 0 and written * 18 == read * 19
-    assert not any(tmp_path.iterdir())  # the ranks' files are gone
+    assert read > 0 and written * 3 * STEPS == read * (3 * STEPS + 1)
+    assert not any(tier.iterdir())  # the ranks' files are gone
     # The compute copies on disk too: the same losses, more bytes read and written.
-    both = run_example(*steps, "--nvme-path", str(tmp_path), "--nvme-params")
+    both, tier = run(*TINY, "--nvme-path", "DISK", "--nvme-params")
     assert _losses_and_kept(both) == _losses_and_kept(memory)
     more = re.search(r"disk tier: (\d+) bytes read .* (\d+) bytes written", both).groups()
     assert int(more[0]) > read and int(more[1]) > written
-    assert not any(tmp_path.iterdir())
+    assert not any(tier.iterdir())
 
 
 @pytest.mark.slow
-def test_finetune_transformers_trains_and_exports() -> None:
+def test_finetune_transformers_trains_and_exports(run) -> None:
     pytest.importorskip("transformers")
-    out = run_example("examples/finetune_transformers.py", "--steps", "20")
+    out = run(*FINETUNE)[0]
     losses = [float(v) for v in re.findall(r"step +\d+ +loss (\d+\.\d+)", out)]
     assert len(losses) == 20
     assert losses[-1] < 0.8 * losses[0]

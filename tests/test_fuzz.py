@@ -1,8 +1,15 @@
-"""Property-based fuzzing of the public API on 2 real ranks (the fast CI profile).
+"""Property-based fuzzing of the public API on 2 real ranks.
 
 The state machine, its invariants and the rank processes are in ``fuzz_machine``
-and the modules it names; ``benchmarks/fuzz.py`` runs the same machine longer.
-The tests after the profile check that the harness itself can fail: a state
+and the modules it names. Two profiles run it: the CI one (short, derandomized, in
+the default run) and the long one, left out of the default run::
+
+    python -m pytest -m fuzz_long --fuzz-examples 200 --fuzz-steps 40 [--fuzz-seed S]
+
+(also ``--fuzz-timeout`` seconds per call, default 60, and ``--fuzz-no-shrink``). It
+prints what it did (examples, steps, calls by kind, refusals by error class, wall
+time, failures); without ``--fuzz-seed`` its examples are new on every run.
+The tests after the profiles check that the harness itself can fail: a state
 change behind the manager's back, a hang and a dead rank are each reported.
 """
 
@@ -16,7 +23,7 @@ from fuzz_calls import Call, Outcome
 from fuzz_machine import FuzzStats, make_machine, run_fuzz
 from fuzz_server import RankFailure, RankServer
 from fuzz_strategies import plain_setup
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Reproducible in CI: the same examples every run, no example database.
 CI_PROFILE = settings(
@@ -46,6 +53,36 @@ def test_api_fuzz_ci_profile(server: RankServer) -> None:
     # It refused bad input, and reached updates and loads of checkpoints.
     assert sum(stats.refusals.values()) > 0
     assert stats.reached["updates"] and stats.reached["loads"]
+
+
+@pytest.mark.fuzz_long
+@pytest.mark.slow
+def test_api_fuzz_long_profile(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    option = request.config.getoption
+    phases = tuple(Phase)
+    if option("--fuzz-no-shrink"):
+        phases = tuple(p for p in phases if p != Phase.shrink)
+    profile = settings(
+        max_examples=option("--fuzz-examples"),
+        stateful_step_count=option("--fuzz-steps"),
+        deadline=None,
+        database=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+    )
+    stats = FuzzStats()
+    seed = option("--fuzz-seed")
+    try:
+        with RankServer(2, timeout_s=option("--fuzz-timeout")) as ranks:
+            run_fuzz(ranks, profile, stats, seed=seed)
+    finally:
+        with capsys.disabled():
+            heading = f"fuzz: {profile.max_examples} examples x {profile.stateful_step_count}"
+            print(f"\n{heading} steps, seed {seed}\n{stats.report()}")
+    assert not stats.failures
+    assert stats.examples >= profile.max_examples
 
 
 def _machine(server: RankServer):

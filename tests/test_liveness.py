@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers import assert_bitwise
+from helpers import assert_bitwise, run_named
 from rank_faults import FaultSpec, faulty_run, read_record, resumed_run, throttled_run
 
 from zero3_offload.comm.heartbeat import Heartbeat
@@ -41,10 +41,20 @@ def run_fault(tmp_path: Path, **fields: object) -> tuple[FaultSpec, list[dict | 
     return spec, results
 
 
+THROTTLED_STEPS = 2  # each throttled step waits 3 heartbeats: two show it every step
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    spec = FaultSpec(out=str(tmp_path_factory.mktemp("reference")))
-    return asyncio.run(run_ranks(faulty_run, 2, spec, timeout_s=120))[0]
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Uninterrupted runs (rank 0's results) in one rank start: ``FaultSpec``'s steps, and
+    ``THROTTLED_STEPS``."""
+    root = tmp_path_factory.mktemp("reference")
+    specs = {
+        "full": FaultSpec(out=str(root / "full")),
+        "throttled": FaultSpec(out=str(root / "throttled"), steps=THROTTLED_STEPS),
+    }
+    runs = run_named(2, {name: (faulty_run, spec) for name, spec in specs.items()})
+    return {name: results[0] for name, results in runs.items()}
 
 
 @pytest.mark.slow
@@ -76,7 +86,8 @@ def test_silent_or_dead_rank_is_named_within_seconds(
 
 
 @pytest.mark.slow
-def test_resume_after_a_stopped_save_is_bitwise(tmp_path: Path, reference: dict) -> None:
+def test_resume_after_a_stopped_save_is_bitwise(tmp_path: Path, references: dict) -> None:
+    reference = references["full"]
     spec, results = run_fault(tmp_path, kind="stop", rank=1, phase="save")
     assert results[0] is not None and results[0]["error"] == "CommunicationError"
     resumed = asyncio.run(run_ranks(resumed_run, 2, spec, timeout_s=120))[0]
@@ -87,8 +98,9 @@ def test_resume_after_a_stopped_save_is_bitwise(tmp_path: Path, reference: dict)
 
 
 @pytest.mark.slow
-def test_throttled_rank_that_keeps_beating_never_trips(tmp_path: Path, reference: dict) -> None:
-    spec = FaultSpec(out=str(tmp_path), heartbeat_s=HEARTBEAT_S)
+def test_throttled_rank_that_keeps_beating_never_trips(tmp_path: Path, references: dict) -> None:
+    reference = references["throttled"]
+    spec = FaultSpec(out=str(tmp_path), heartbeat_s=HEARTBEAT_S, steps=THROTTLED_STEPS)
     busy = 3 * HEARTBEAT_S
     results = asyncio.run(run_ranks(throttled_run, 2, spec, busy, timeout_s=120))
     # Rank 0 waited in the backward's collectives for longer than the heartbeat's

@@ -43,7 +43,7 @@ from hf_models import (
 from zero3_offload import CpuCompressionMethod, consolidate_checkpoint
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 
-SAVE_AT = 11  # micro-steps before the checkpoint: in the middle of an accumulation window
+SAVE_AT = 7  # micro-steps before the checkpoint: in the middle of an accumulation window
 OFFLOAD = [
     (p, g, o) for p in (True, False) for g in (True, False) for o in (True, False)
 ]  # (offload_params, offload_grads, offload_optimizer_states)

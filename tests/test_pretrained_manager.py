@@ -35,6 +35,7 @@ from hf_models import (
 )
 
 from zero3_offload import CheckpointError, Zero3CpuOffloadManager
+from zero3_offload.cli import main
 from zero3_offload.errors import Zero3Error
 from zero3_offload.testing import RankContext
 
@@ -304,21 +305,30 @@ def test_generate_equals_the_unsharded_model(world, kind):
 
 
 def export(*args: Any) -> subprocess.CompletedProcess[str]:
+    """``zero3-offload export`` in a new process."""
     cmd = [sys.executable, "-m", "zero3_offload", "export", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def test_export_of_a_module_mode_checkpoint_loads(world):
+def export_here(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    """``zero3-offload export``'s main in this process: its exit status and stderr
+    (``test_export_of_a_chain_mode_checkpoint_needs_a_config`` runs the real process)."""
+    capsys.readouterr()
+    code = main(["export", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_export_of_a_module_mode_checkpoint_loads(world, capsys):
     out = world["root"] / "exported-module"
-    done = export(world["ckpts"]["module"], out, "--max-shard-mib", "1")
-    assert done.returncode == 0, done.stderr
+    code, err = export_here(capsys, world["ckpts"]["module"], out, "--max-shard-mib", "1")
+    assert code == 0, err
     back = load_hf(out)
     logits = ranks(world, "checkpoints")[0]
     torch.testing.assert_close(hf_logits(back, eval_ids("gpt2")), logits, atol=1e-5, rtol=0)
     assert back.lm_head.weight is back.transformer.wte.weight
 
 
-def test_export_of_a_chain_mode_checkpoint_needs_a_config(world):
+def test_export_of_a_chain_mode_checkpoint_needs_a_config(world, capsys):
     ranks(world, "checkpoints")  # the checkpoints were saved
     out = world["root"] / "exported-chain"
     refused = export(world["ckpts"]["chain"], out)
@@ -327,8 +337,9 @@ def test_export_of_a_chain_mode_checkpoint_needs_a_config(world):
     assert len(lines) == 1 and "--config" in lines[0], refused.stderr
     assert not out.exists()
     # The mapping's layers are the Llama's children: its own names, so its config fits.
-    done = export(world["ckpts"]["chain"], out, "--config", world["src"]["llama-single"])
-    assert done.returncode == 0, done.stderr
+    code, err = export_here(capsys, world["ckpts"]["chain"], out, "--config",
+                            world["src"]["llama-single"])  # fmt: skip
+    assert code == 0, err
     ids = eval_ids("llama")
     torch.testing.assert_close(
         hf_logits(load_hf(out), ids), hf_logits(build("llama").eval(), ids), atol=1e-5, rtol=0

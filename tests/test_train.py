@@ -13,7 +13,10 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,11 +58,67 @@ def latest(out_dir: Path) -> str:
     return (out_dir / "checkpoints" / "latest").read_text().strip()
 
 
+# 30336 parameters: fp32 values and Adam state take 364032 bytes, more than this budget;
+# one rank (which would hold them all) is refused, two ranks train.
+BUDGET = ("--cpu-memory-budget", "300000")
+
+
+def two_ranks_args(run: Path) -> tuple[str, ...]:
+    """A 2-rank run of 12 steps under ``BUDGET`` (without --save-every)."""
+    return ("--world-size", "2", "--steps", "12", "--out", str(run), *BUDGET, *SMALL)
+
+
+def toml_config(path: Path) -> Path:
+    """``SMALL`` as a TOML config file."""
+    pairs = zip(SMALL[0::2], SMALL[1::2], strict=True)
+    path.write_text("".join(f"{flag[2:].replace('-', '_')} = {v}\n" for flag, v in pairs))
+    return path
+
+
+TORCHRUN = ("torchrun", "--standalone", "--nproc-per-node", "2", "-m")
+
+
+@pytest.fixture(scope="module")
+def started(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[Future[subprocess.CompletedProcess], Path]]]:
+    """The runs that need no run before them, started with the module, two at a time
+    (independent processes: one's imports use the core the other leaves idle), each
+    with its directory: the 2-rank run under ``BUDGET`` saving every 4 steps, the
+    1-rank run that budget refuses, the torchrun job with a TOML config, and a
+    ``--resume`` without a checkpoint."""
+    dirs = {n: tmp_path_factory.mktemp(n) for n in ("two", "one", "torchrun", "no-ckpt")}
+    config = toml_config(dirs["torchrun"] / "small.toml")
+    calls = {
+        "two": ((*two_ranks_args(dirs["two"] / "run"), "--save-every", "4"), None),
+        "one": (("--world-size", "1", "--steps", "2", *BUDGET, *SMALL), None),
+        "torchrun": (
+            ("--steps", "4", "--config", str(config), "--out", str(dirs["torchrun"] / "run")),
+            TORCHRUN,
+        ),
+        "no-ckpt": (("--resume", "--out", str(dirs["no-ckpt"])), None),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            name: (pool.submit(train, *args, launcher=launcher), dirs[name])
+            for name, (args, launcher) in calls.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(started: dict[str, Any]) -> tuple[Path, tuple[str, ...], str]:
+    """The 2-rank run under ``BUDGET``, shared by the tests that read it: its
+    directory, its arguments (without --save-every) and stdout."""
+    future, directory = started["two"]
+    run = directory / "run"
+    return run, two_ranks_args(run), ok(future.result())
+
+
 @pytest.mark.slow
-def test_two_ranks_save_resume_and_continue_the_data(tmp_path: Path, capsys) -> None:
-    run = tmp_path / "run"
-    args = ("--world-size", "2", "--steps", "12", "--out", str(run), *SMALL)
-    out = ok(train(*args, "--save-every", "4"))
+def test_two_ranks_save_resume_and_continue_the_data(
+    two_ranks: tuple[Path, tuple[str, ...], str], capsys
+) -> None:
+    run, args, out = two_ranks
     loss_fell(out)
     straight = steps(out)
     assert sorted(straight) == list(range(1, 13))
@@ -95,13 +154,10 @@ def test_two_ranks_save_resume_and_continue_the_data(tmp_path: Path, capsys) -> 
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_with_a_toml_config(tmp_path: Path) -> None:
-    config = tmp_path / "small.toml"
-    pairs = zip(SMALL[0::2], SMALL[1::2], strict=True)
-    config.write_text("".join(f"{flag[2:].replace('-', '_')} = {v}\n" for flag, v in pairs))
-    run = tmp_path / "run"
-    launcher = ("torchrun", "--standalone", "--nproc-per-node", "2", "-m")
-    out = ok(train("--steps", "4", "--config", str(config), "--out", str(run), launcher=launcher))
+def test_torchrun_two_processes_with_a_toml_config(started: dict[str, Any]) -> None:
+    future, directory = started["torchrun"]
+    run = directory / "run"
+    out = ok(future.result())
     loss_fell(out)
     assert "on 2 rank(s) (gloo, cpu)" in out or "nccl" in out
     assert sorted(steps(out)) == [1, 2, 3, 4]  # rank 0 alone prints
@@ -110,15 +166,14 @@ def test_torchrun_two_processes_with_a_toml_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_model_larger_than_one_ranks_budget_trains_on_two_ranks() -> None:
-    # 30336 parameters: fp32 values and Adam state take 364032 bytes, more than the
-    # budget; one rank (which would hold them all) is refused, two ranks train.
-    budget = ("--cpu-memory-budget", "300000")
-    one = train("--world-size", "1", "--steps", "2", *budget, *SMALL)
+def test_a_model_larger_than_one_ranks_budget_trains_on_two_ranks(
+    started: dict[str, Any], two_ranks: tuple[Path, tuple[str, ...], str]
+) -> None:
+    one = started["one"][0].result()
     assert one.returncode == 2, one.stderr
     assert "but --cpu-memory-budget=300000: raise the budget, use more ranks" in one.stderr
     assert len(one.stderr.strip().splitlines()) == 1 and "Traceback" not in one.stderr
-    loss_fell(ok(train("--world-size", "2", "--steps", "4", *budget, *SMALL)))
+    loss_fell(two_ranks[2])  # the shared run: 2 ranks under the same budget
 
 
 @pytest.mark.slow
@@ -313,6 +368,7 @@ CUDA_ABSENT = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a mach
         (["--compute-dtype", "int4"], "argument --compute-dtype: invalid choice: 'int4'"),
         (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
         (["--stepz", "3"], "unrecognized arguments: --stepz"),
+        (["--batch-size", "-3"], "--batch-size=-3 is invalid"),
         (["--config", "missing.toml"], "--config missing.toml: cannot read"),
         pytest.param(["--device", "cuda"], "--device=cuda is invalid: CUDA", marks=CUDA_ABSENT),
     ],
@@ -337,16 +393,14 @@ def test_bad_config_file_values_name_the_file_and_key(tmp_path: Path, capsys) ->
 
 
 @pytest.mark.slow
-def test_resume_without_a_checkpoint_and_bad_flags_in_a_real_process(tmp_path: Path) -> None:
-    proc = train("--resume", "--out", str(tmp_path))
+def test_resume_without_a_checkpoint_in_a_real_process(started: dict[str, Any]) -> None:
+    future, tmp_path = started["no-ckpt"]
+    proc = future.result()
     assert proc.returncode == 2
     assert proc.stderr == (
         f"zero3-offload train: error: --resume: no checkpoint in {tmp_path / 'checkpoints'} "
         "(no 'latest' file)\n"
     )
-    proc = train("--batch-size", "-3")
-    assert proc.returncode == 2 and "--batch-size=-3 is invalid" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
@@ -359,7 +413,8 @@ def test_world_size_must_match_torchrun(capsys, monkeypatch) -> None:
 
 
 def rank_pids(run: Path, world_size: int) -> dict[int, int]:
-    """Each rank's pid, from the ``manager_ready`` event of its JSON log."""
+    """Each rank's pid, from the last ``manager_ready`` event of its JSON log (the logs
+    of a resumed run go on the same files)."""
     pids = {}
     for rank in range(world_size):
         for line in (run / "logs" / f"rank{rank}.jsonl").read_text().splitlines():
@@ -369,21 +424,21 @@ def rank_pids(run: Path, world_size: int) -> dict[int, int]:
     return pids
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
-def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(
-    tmp_path: Path, fault: signal.Signals
-) -> None:
-    run = tmp_path / "run"
+def fault_rank_1(run: Path, fault: signal.Signals, at_step: int, *extra: str) -> tuple[int, int]:
+    """A 2-rank run (heartbeat 2 s, saving every step) whose rank 1 gets ``fault`` once
+    rank 0 printed step ``at_step``; checks the one-line error. Returns (the first step
+    the run printed, the step of the last committed checkpoint)."""
     command = [sys.executable, "-m", "zero3_offload", "train", "--world-size", "2",
                "--steps", "100000", "--save-every", "1", "--out", str(run),
-               "--heartbeat-timeout-s", "2", *SMALL]  # fmt: skip
+               "--heartbeat-timeout-s", "2", *extra, *SMALL]  # fmt: skip
     proc = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
+    printed = []
     for line in proc.stdout:
-        if line.startswith("step 3/"):
+        printed += [int(m[1]) for m in STEP.finditer(line)]
+        if line.startswith(f"step {at_step}/"):
             pid = rank_pids(run, 2)[1]
             os.kill(pid, fault)
             break
@@ -395,7 +450,19 @@ def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(
     assert ("the process is stopped" if fault == signal.SIGSTOP else "has exited") in lines[0]
     assert "this rank (0) was waiting for" in lines[0]
     committed = int(latest(run).removeprefix("step-"))
-    assert committed >= 2  # step 3 may have been in its save when the fault came
-    resumed = ok(train("--world-size", "2", "--steps", str(committed + 2), "--out", str(run),
+    assert committed >= at_step - 1  # step at_step may have been in its save when the fault came
+    return printed[0], committed
+
+
+@pytest.mark.slow
+def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP) at step 3; the run resumed from the last committed
+    checkpoint has its rank 1 killed (SIGKILL) two steps later; the next resume trains on."""
+    run = tmp_path / "run"
+    first, stopped = fault_rank_1(run, signal.SIGSTOP, 3)
+    assert first == 1
+    first, killed = fault_rank_1(run, signal.SIGKILL, stopped + 2, "--resume")
+    assert first == stopped + 1  # resumed after the last checkpoint of the stopped run
+    resumed = ok(train("--world-size", "2", "--steps", str(killed + 2), "--out", str(run),
                        "--resume", *SMALL))  # fmt: skip
-    assert set(steps(resumed)) == {committed + 1, committed + 2}
+    assert set(steps(resumed)) == {killed + 1, killed + 2}

@@ -17,6 +17,8 @@ import random
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +73,22 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name.split(".")[0]: root / name for name in names}
 
 
-def train(*args: str) -> str:
-    """Run ``zero3-offload train`` in a new process; its stdout (it must succeed)."""
+def run_train(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``zero3-offload train`` in a new process."""
     command = [sys.executable, "-m", "zero3_offload", "train", *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    """The stdout of a run that must have succeeded."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def train(*args: str) -> str:
+    """Run ``zero3-offload train`` in a new process; its stdout (it must succeed)."""
+    return ok(run_train(*args))
 
 
 def steps(out: str) -> dict[int, str]:
@@ -113,14 +124,45 @@ def exported_params(directory: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def pretrained_args(dirs: dict[str, Path], root: Path) -> tuple[str, ...]:
+    return ("--model", str(dirs["pretrained"]), "--data", str(dirs["data"]), "--steps", "6",
+            "--out", str(root / "run"), *SMALL)  # fmt: skip
+
+
+def config_only_args(dirs: dict[str, Path], root: Path) -> tuple[str, ...]:
+    ds = root / "ds_config.json"
+    concrete = {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+                "train_micro_batch_size_per_gpu": 4, "train_batch_size": 16}  # fmt: skip
+    ds.write_text(json.dumps(DEEPSPEED_HF | concrete))
+    return ("--model", str(dirs["config_only"]), "--data", str(dirs["data"]), "--steps", "3",
+            "--deepspeed-config", str(ds), "--export", str(root / "export"), *SMALL)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def first_runs(
+    dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[Future[subprocess.CompletedProcess[str]], Path]]]:
+    """The two independent runs, started together with the module (one's imports use
+    the core the other leaves idle): from the pretrained directory (saving every 3
+    steps, exporting) and from the config-only one; each with its directory."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("pretrained", "config_only")}
+    export = ("--export", str(roots["pretrained"] / "export"))
+    args = {
+        "pretrained": (*pretrained_args(dirs, roots["pretrained"]), "--save-every", "3", *export),
+        "config_only": config_only_args(dirs, roots["config_only"]),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: (pool.submit(run_train, *args[name]), roots[name]) for name in roots}
+
+
 @pytest.mark.slow
 def test_pretrained_with_tokenizer_trains_exports_and_resumes(
-    dirs: dict[str, Path], tmp_path: Path
+    dirs: dict[str, Path], first_runs: dict[str, Any]
 ) -> None:
+    future, tmp_path = first_runs["pretrained"]
+    args = pretrained_args(dirs, tmp_path)
     run, export = tmp_path / "run", tmp_path / "export"
-    args = ("--model", str(dirs["pretrained"]), "--data", str(dirs["data"]), "--steps", "6",
-            "--out", str(run), *SMALL)  # fmt: skip
-    out = train(*args, "--save-every", "3", "--export", str(export))
+    out = ok(future.result())
     assert "starting from pretrained weights" in out
     assert "TokenizersBackend of" in out or "TokenizerFast of" in out, out
     initial, final = evals(out)
@@ -185,15 +227,11 @@ DEEPSPEED_HF = {  # as the transformers integration writes them: "auto" where Tr
 
 @pytest.mark.slow
 def test_config_only_directory_starts_from_seeded_random_init_with_bytes(
-    dirs: dict[str, Path], tmp_path: Path
+    dirs: dict[str, Path], first_runs: dict[str, Any]
 ) -> None:
-    ds = tmp_path / "ds_config.json"
-    concrete = {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-                "train_micro_batch_size_per_gpu": 4, "train_batch_size": 16}  # fmt: skip
-    ds.write_text(json.dumps(DEEPSPEED_HF | concrete))
+    future, tmp_path = first_runs["config_only"]
     export = tmp_path / "export"
-    out = train("--model", str(dirs["config_only"]), "--data", str(dirs["data"]), "--steps", "3",
-                "--deepspeed-config", str(ds), "--export", str(export), *SMALL)  # fmt: skip
+    out = ok(future.result())
     assert "starting from random init (seed 0)" in out
     assert "bytes as tokens: no tokenizer" in out
     assert "512 tokens per step (4 x 32 tokens per rank x accumulation)" in out

@@ -1,0 +1,367 @@
+"""The fault table: every injected fault, whether and how fast it was noticed, and what was lost.
+
+    python -m pytest -m faults                      # every row: a few minutes on 2 cores
+    python -m pytest -m faults -k "stop and rank1"  # some rows (the table is not written)
+
+Not in the default run (``addopts`` deselects the ``faults`` marker). Each row is
+one test on real rank processes (gloo on 127.0.0.1) through the library's public
+calls, with the default ``heartbeat_timeout_s`` (5 s):
+
+* kill -9 / SIGSTOP of rank 0 or rank 1 in a forward, a backward, an optimizer step
+  (the gradient-norm all-reduce of clipping) and a checkpoint save: the time from the
+  fault to the surviving rank's CommunicationError, its message, and whether the last
+  committed checkpoint loads and a resumed run ends bitwise equal to an uninterrupted one;
+* ranks whose calls diverge (different layers, grad mode, call, a skipped micro-step,
+  same-sized layers): RankDivergenceError on every rank, the processes alive;
+* kill -9 of a rank at each step of a checkpoint save, and a full disk (ENOSPC) at each
+  write of a save: the previous checkpoint loads and training resumes bitwise;
+* hostile checkpoint directories: refused with CheckpointError before anything is allocated.
+
+A row fails when a fault goes unnoticed, a process crashes, a run hangs (a rank run
+that hits its limit) or data is lost. When every row ran, the table goes to
+benchmarks/results/faults.md and faults.json (the README links it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fault_points import (
+    CONTINUE,
+    DISTINCT,
+    OTHER_RANK_POINTS,
+    RANK0_POINTS,
+    WRITE_SITES,
+    committed,
+    kill,
+    no_space,
+    replay,
+    save,
+    save_failing,
+    step,
+)
+from helpers import run_in_turn
+from rank_faults import KINDS, PHASES, FaultSpec, faulty_run, read_record, resumed_run
+from test_checkpoint_hostile import HOSTILE, _meta, load_one, save_one
+from test_divergence import CASES, diverge
+
+from zero3_offload.checkpoint.format import resolve_checkpoint
+from zero3_offload.testing import RankFailedError, run_ranks
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+HEARTBEAT_S = 5.0  # the default heartbeat_timeout_s
+RUN_LIMIT_S = 300.0  # a rank run still going after this long counts as a hang
+AFTER = ((step, 10), (step, 11))  # what the references and the resumed runs train last
+
+RANK_FAULTS = [(kind, rank, phase) for kind in KINDS for rank in (0, 1) for phase in PHASES]
+SAVE_KILLS = [(0, p) for p in RANK0_POINTS] + [(1, p) for p in OTHER_RANK_POINTS]
+FULL_DISK = [(1, "shard"), *((0, site) for site in WRITE_SITES)]
+TRUNCATED = "tensor bytes shorter than their header"
+
+
+def rank_fault_name(kind: str, rank: int, phase: str) -> str:
+    return f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank {rank} in {phase}"
+
+
+# Every row of the table, in its order.
+ROWS = [
+    *(rank_fault_name(*fault) for fault in RANK_FAULTS),
+    *(f"ranks diverge: {case.replace('_', ' ')}" for case in CASES),
+    *(f"kill -9 rank {rank} at {point} of a save" for rank, point in SAVE_KILLS),
+    *(f"ENOSPC on rank {rank} writing the {site} of a save" for rank, site in FULL_DISK),
+    *(f"hostile checkpoint: {case}" for case in [*HOSTILE, TRUNCATED]),
+]
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[list[Any] | None, str | None]:
+    """``run_ranks`` of ``fn`` on 2 ranks: (results, None), or (None, why it failed)."""
+    try:
+        return asyncio.run(run_ranks(fn, 2, *args, timeout_s=RUN_LIMIT_S, **kw)), None
+    except RankFailedError as exc:
+        text = str(exc)
+        return None, "hang" if "did not finish within" in text else text.splitlines()[0]
+
+
+def _row(
+    fault: str,
+    detected: bool,
+    message: str | None,
+    lost: str,
+    *,
+    failure: str | None = None,
+    seconds: float | None = None,
+) -> dict[str, Any]:
+    """A row of the table (``failure``: how the faulty run's ``run_ranks`` failed, if it did)."""
+    return {
+        "fault": fault,
+        "detected": detected,
+        "seconds": seconds,
+        "message": message or "",
+        "crashed": int(failure is not None and failure != "hang"),
+        "hang": int(failure == "hang"),
+        "lost": lost,
+    }
+
+
+# ------------------------------------------------------------------------------- the table
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    rows, cfg = payload["rows"], payload["config"]
+    lines = [
+        "# Fault table",
+        "",
+        f"`{payload['command']}`: heartbeat_timeout_s {cfg['heartbeat_timeout_s']:g}, "
+        f"collective_timeout_s 300, 2 gloo ranks on 127.0.0.1; {payload['machine']}; "
+        f"took {payload['wall_s']:.0f} s.",
+        "",
+        "| fault | detected | seconds to detection | message (first 300 characters) | data lost |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        seconds = r.get("seconds")
+        shown = f"{seconds:.2f}" if isinstance(seconds, float) else "-"
+        message = (r.get("message") or "").replace("|", "\\|")
+        message = message.replace("they were about to run different collectives; ", "")
+        message = message if len(message) <= 300 else message[:297] + "..."
+        lines.append(
+            f"| {r['fault']} | {'yes' if r['detected'] else 'NO'} | {shown} | {message} | "
+            f"{r['lost']} |"
+        )
+    s = payload["summary"]
+    lines += [
+        "",
+        f"Faults: {s['faults']}; detected: {s['detected']}; slowest detection: "
+        f"{s['slowest_s']:.2f} s; crashed processes: {s['crashed']}; hangs: {s['hangs']}; "
+        f"rows with data lost: {s['lost']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def payload_of(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    timed = [r["seconds"] for r in rows if isinstance(r.get("seconds"), float)]
+    return {
+        "command": "python -m pytest -m faults",
+        "config": {"heartbeat_timeout_s": HEARTBEAT_S},
+        "machine": f"{torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "wall_s": wall_s,
+        "rows": rows,
+        "summary": {
+            "faults": len(rows),
+            "detected": sum(r["detected"] for r in rows),
+            "slowest_s": max(timed, default=0.0),
+            "crashed": sum(r["crashed"] for r in rows),
+            "hangs": sum(r["hang"] for r in rows),
+            "lost": sum(not r["lost"].startswith("none") for r in rows),
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, Any]]]:
+    """The rows the tests made, by fault. Once every row is in, the table is written to
+    benchmarks/results/faults.md and faults.json; a partial table goes to the session's
+    temporary directory."""
+    rows: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    yield rows
+    wall_s = time.perf_counter() - started
+    # The results name no path of this machine: the session's temporary directory is <tmp>.
+    basetemp = str(tmp_path_factory.getbasetemp())
+    named = [rows[name] for name in ROWS if name in rows]
+    named = [r | {"message": r["message"].replace(basetemp, "<tmp>")} for r in named]
+    payload = payload_of(named, wall_s)
+    complete = rows.keys() == set(ROWS)
+    out = RESULTS if complete else tmp_path_factory.getbasetemp()
+    (out / "faults.json").write_text(json.dumps(payload, separators=(",", ":")) + "\n")
+    (out / "faults.md").write_text(markdown(payload))
+    print(f"\nfault table ({len(rows)} of {len(ROWS)} rows): {out / 'faults.md'}")
+
+
+def record(table: dict[str, dict[str, Any]], row: dict[str, Any]) -> None:
+    """Add ``row`` to the table; it must show the fault noticed, no crash, no hang, no loss."""
+    assert row["fault"] in ROWS, row["fault"]
+    table[row["fault"]] = row
+    assert row["detected"], row
+    assert not row["crashed"] and not row["hang"], row
+    assert row["lost"].startswith("none"), row
+
+
+# ------------------------------------------------------------------- a rank stops or dies
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted run of the rank faults (rank 0's results)."""
+    out = tmp_path_factory.mktemp("reference")
+    results, why = _run(faulty_run, FaultSpec(out=str(out), heartbeat_s=HEARTBEAT_S))
+    assert results is not None, f"the reference run failed: {why}"
+    return results[0]
+
+
+@pytest.mark.parametrize(
+    ("kind", "rank", "phase"), RANK_FAULTS, ids=[f"{k}-rank{r}-{p}" for k, r, p in RANK_FAULTS]
+)
+def test_rank_fault(
+    table: dict, reference: dict, tmp_path: Path, kind: str, rank: int, phase: str
+) -> None:
+    spec = FaultSpec(out=str(tmp_path), kind=kind, rank=rank, phase=phase, heartbeat_s=HEARTBEAT_S)
+    results, failure = _run(faulty_run, spec, may_die={rank})
+    fault = read_record(tmp_path, "fault")
+    survivor = None if results is None else results[1 - rank]
+    detected = bool(survivor and survivor.get("error") and fault)
+    seconds = message = None
+    if detected:
+        seconds = survivor["detected_at"] - fault["at"]
+        message = f"{survivor['error']}: {survivor['message']}"
+    resumed, why = _run(resumed_run, spec)
+    intact = resumed is not None and _bitwise(resumed[0]["state"], reference["state"])
+    lost = "none" if intact else f"resume failed: {why or 'not bitwise'}"
+    message = message or failure or "no error raised"
+    name = rank_fault_name(kind, rank, phase)
+    record(table, _row(name, detected, message, lost, failure=failure, seconds=seconds))
+
+
+# ------------------------------------------------------------------------- ranks diverge
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_divergence(table: dict, tmp_path: Path, case: str) -> None:
+    started = time.perf_counter()
+    results, failure = _run(diverge, case, str(tmp_path))
+    took = time.perf_counter() - started
+    errors = [r.get("error") for r in results or []]
+    detected = bool(errors) and all(e == "RankDivergenceError" for e in errors)
+    message = f"RankDivergenceError: {results[0]['message']}" if results else failure
+    lost = "none (nothing launched; processes alive)" if detected else "?"
+    # Detected before anything launched: no detection time; the whole run took `took`.
+    name = f"ranks diverge: {case.replace('_', ' ')}"
+    record(table, _row(name, detected, message, lost, failure=failure) | {"run_s": took})
+
+
+# ------------------------------------------------------------------- a save is killed
+
+
+@pytest.fixture(scope="module")
+def save_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Uninterrupted runs by the checkpoint they saved last: A (the save of B never
+    committed) and B, in one rank start."""
+    root = tmp_path_factory.mktemp("save-references")
+    refs = {"A": (*DISTINCT[:3], *AFTER), "B": (*DISTINCT, (save,), *AFTER)}
+    runs = asyncio.run(run_in_turn(2, *((replay, str(root / k), h) for k, h in refs.items())))
+    return dict(zip(refs, runs, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("rank", "point"), SAVE_KILLS, ids=[f"rank{r}-{p.replace(':', '-')}" for r, p in SAVE_KILLS]
+)
+def test_save_killed(
+    table: dict, save_references: dict, tmp_path: Path, rank: int, point: str
+) -> None:
+    """kill -9 of ``rank`` at ``point`` of a save: what ``latest`` resolves to, and a resumed
+    run against the uninterrupted run that saved that checkpoint last."""
+    root, marker = tmp_path / "ckpt", tmp_path / "marker"
+    _, failure = _run(replay, str(root), (*DISTINCT, (kill, rank, point, str(marker)), (save,)))
+    died = failure is not None and marker.is_file() and marker.read_text() == point
+    name = resolve_checkpoint(root).name
+    resumed, why = _run(replay, str(root), CONTINUE)
+    want = save_references["B" if committed(point, same_name=False) else "A"]
+    intact = (
+        resumed is not None
+        and [r["losses"][-2:] for r in resumed] == [r["losses"][-2:] for r in want]
+        and _bitwise(resumed[0]["state"], want[0]["state"])
+    )
+    lost = "none" if intact else f"resume failed: {why or 'not bitwise'}"
+    fault = f"kill -9 rank {rank} at {point} of a save"
+    # The killed rank's death is the expected failure of that run: not a crash.
+    failure = "hang" if failure == "hang" else None
+    record(table, _row(fault, died, f"latest resolves to {name}", lost, failure=failure))
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """ENOSPC at each write of a save in turn, in one run that then trains on and saves;
+    the run resumed from its root, and the uninterrupted reference."""
+    tmp = tmp_path_factory.mktemp("enospc")
+    history = (
+        *DISTINCT,
+        *(a for rank, site in FULL_DISK for a in ((no_space, rank, site), (save_failing,))),
+        (step, 3),
+        (save,),
+    )
+    runs, failure = _run(replay, f"{tmp}/ckpt", history)
+    reference, _ = _run(replay, f"{tmp}/ref", (*DISTINCT, (step, 3), (save,), *AFTER))
+    resumed, why = _run(replay, f"{tmp}/ckpt", CONTINUE)
+    intact = (
+        resumed is not None
+        and reference is not None
+        and _bitwise(resumed[0]["state"], reference[0]["state"])
+    )
+    return {"runs": runs, "failure": failure, "intact": intact, "why": why}
+
+
+@pytest.mark.parametrize(
+    ("index", "rank", "site"),
+    [(i, rank, site) for i, (rank, site) in enumerate(FULL_DISK)],
+    ids=[f"rank{rank}-{site}" for rank, site in FULL_DISK],
+)
+def test_full_disk(table: dict, full_disk: dict, index: int, rank: int, site: str) -> None:
+    runs, failure = full_disk["runs"], full_disk["failure"]
+    errors = runs[rank]["errors"] if runs else []
+    message = f"CheckpointError: {errors[index]}" if len(errors) > index else failure
+    lost = "none (trained on, saved, resumed bitwise)" if full_disk["intact"] else full_disk["why"]
+    fault = f"ENOSPC on rank {rank} writing the {site} of a save"
+    record(table, _row(fault, len(errors) > index, message, str(lost), failure=failure))
+
+
+# -------------------------------------------------------------------- hostile checkpoints
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each hostile directory loaded by 2 ranks, all in one rank start: every rank's
+    message by case, and the time per load."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    saved = Path(asyncio.run(run_ranks(save_one, 2, f"{tmp}/ok"))[0])
+    paths = {}
+    for i, (case, change) in enumerate(HOSTILE.items()):
+        bad = tmp / f"bad{i}"
+        shutil.copytree(saved, bad)
+        _meta(bad, change)
+        paths[case] = str(bad)
+    truncated = tmp / "truncated"
+    shutil.copytree(saved, truncated)
+    shard = next(p for p in truncated.iterdir() if p.name.startswith("rank-00001"))
+    shard.write_bytes(shard.read_bytes()[:-64])  # the header promises 64 more bytes
+    paths[TRUNCATED] = str(truncated)
+    started = time.perf_counter()
+    results = asyncio.run(run_in_turn(2, *((load_one, p) for p in paths.values())))
+    took = time.perf_counter() - started
+    return {"messages": dict(zip(paths, results, strict=True)), "run_s": took / len(paths)}
+
+
+@pytest.mark.parametrize("case", [*HOSTILE, TRUNCATED])
+def test_hostile_checkpoint(table: dict, hostile: dict, case: str) -> None:
+    per_rank = hostile["messages"][case]
+    refused = all(r.startswith("CheckpointError") for r in per_rank)
+    message = next((r for r in per_rank if "another rank" not in r), per_rank[0])
+    lost = "none (refused; the manager unchanged)" if refused else "LOADED"
+    row = _row(f"hostile checkpoint: {case}", refused, message, lost)
+    record(table, row | {"run_s": hostile["run_s"]})
