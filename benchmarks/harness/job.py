@@ -27,21 +27,10 @@ DEFAULT_THREADS = max(1, (os.cpu_count() or 1) // WORLD)  # what the job picks b
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def command(steps: int, threads: int, flags: list[str], out: str = "DIR") -> list[str]:
+def command(steps: int, threads: int, flags: list[str]) -> list[str]:
     """``python -m zero3_offload train`` with every option at its default but these."""
-    return [
-        "python",
-        "-m",
-        "zero3_offload",
-        "train",
-        "--steps",
-        str(steps),
-        "--out",
-        out,
-        "--threads",
-        str(threads),
-        *flags,
-    ]
+    job = f"python -m zero3_offload train --steps {steps} --out DIR --threads {threads}"
+    return [*job.split(), *flags]
 
 
 def find_ranks(parent: int, logs: Path) -> dict[int, int]:
@@ -53,8 +42,10 @@ def find_ranks(parent: int, logs: Path) -> dict[int, int]:
         return {}
     for child in children:
         try:
-            fds = os.listdir(f"/proc/{child.pid}/fd")
-            links = [os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds]
+            links = [
+                os.readlink(f"/proc/{child.pid}/fd/{fd}")
+                for fd in os.listdir(f"/proc/{child.pid}/fd")
+            ]
         except OSError:  # gone, or an fd closed between listing and reading
             continue
         found.update({wanted[link]: child.pid for link in links if link in wanted})
@@ -116,5 +107,4 @@ def read_log(path: Path) -> dict[str, Any]:
                 out["train"].append((event["step"], event["loss"], event["seconds"]))
             elif record == "train_done":
                 out["done"] = json.loads(line)
-    out["bytes"] = path.stat().st_size
-    return out
+    return {**out, "bytes": path.stat().st_size}

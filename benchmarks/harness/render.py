@@ -68,10 +68,8 @@ FORMATS: dict[str, Callable[[Any], str]] = {
     "mib1": lambda v: mib(v, 1),
     "sig": fmt,
     "rate": fmt_rate,
-    "gb": lambda v: fmt(v / 1e9),
     "ms": lambda v: f"{1e3 * v:.0f}",
     "ms1": lambda v: f"{1e3 * v:.1f}",
-    "pct": lambda v: f"{100 * v:.0f}%",
     "yes": lambda v: "yes" if v else "NO",
 }
 
@@ -84,10 +82,8 @@ def cell(col: Col, row: Mapping[str, Any], rows: Mapping[str, Any]) -> str:
         ref = row[col.ref] if isinstance(row.get(col.ref), dict) else rows.get(col.ref) or {}
         a, b = value, ref.get(col.field)
         return ratio(a, b) if col.fmt == "x" else ratio(b, a)
-    if value is None:
-        return col.missing
-    if isinstance(value, str):
-        return value
+    if value is None or isinstance(value, str):
+        return col.missing if value is None else value
     return FORMATS[col.fmt](value) if col.fmt in FORMATS else format(value, col.fmt)
 
 
@@ -139,8 +135,7 @@ def markdown(payload: Mapping[str, Any], suite: Any) -> str:
             text = fill(block, payload)
         parts += ["", text] if text else []
     notes = []
-    for template in suite.NOTES:  # a function may give several lines
-        got = fill(template, payload)
+    for got in (fill(template, payload) for template in suite.NOTES):  # a function: lines too
         notes += [got] if isinstance(got, str) else got or []
     return "\n".join([*parts, "", *(f"- {n}" for n in notes)]).rstrip() + "\n"
 
@@ -160,11 +155,11 @@ def dumps(value: Any, indent: int = 0, width: int = 120) -> str:
     """Compact JSON: a record (whose values are scalars, or lists of them) on one line, and any
     container that fits in ``width``."""
 
-    def leaf(v: Any) -> bool:
-        return not isinstance(v, dict | list) or (isinstance(v, list) and all(map(scalar, v)))
-
     def scalar(v: Any) -> bool:
         return not isinstance(v, dict | list)
+
+    def leaf(v: Any) -> bool:
+        return scalar(v) or (isinstance(v, list) and all(map(scalar, v)))
 
     flat = json.dumps(value, default=str)
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
@@ -198,17 +193,12 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpus = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    info = {
-        "cpu_model": cpus[0] if cpus else platform.processor() or "?",
-        "logical_cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python_version": platform.python_version(),
-        "load_average_at_start": list(os.getloadavg()),  # other work skews timings
-        "date_utc": now,
-    }
+    info = dict(cpu_model=cpus[0] if cpus else platform.processor() or "?")
+    info.update(logical_cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)))
+    info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads())
+    info.update(python_version=platform.python_version(), date_utc=now)
+    info["load_average_at_start"] = list(os.getloadavg())  # other work skews timings
     if torch.cuda.is_available():
         info.update(gpu_name=torch.cuda.get_device_name(0), cuda_version=torch.version.cuda)
     print(f"machine: {machine_line(info)}", file=sys.stderr, flush=True)

@@ -66,10 +66,8 @@ class Processes(contextlib.AbstractContextManager):
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in self.procs]
-            if (
-                bad := next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            ) is not None:
-                return f"process {bad} exited with code {codes[bad]}"
+            if bad := [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]:
+                return f"process {bad[0][0]} exited with code {bad[0][1]}"
             if None not in codes:
                 return None
             if time.monotonic() > deadline:
@@ -101,35 +99,31 @@ def launch(
     torchrun: bool = True,
     timeout_s: float = 900.0,
     sample_s: float | None = None,
-    keep_samples: bool = False,
 ) -> dict[str, Any]:
     """Run ``target`` on ``world`` fresh ranks with the spec's ``threads`` (1) and glibc's
-    ``mmap_threshold``, sampled from outside every ``sample_s`` (peaks per rank, and with
-    ``keep_samples`` every sample): ``{"ok", "ranks", "wall_s", ...}`` or the error."""
+    ``mmap_threshold``, their peaks sampled from outside every ``sample_s``: ``{"ok", "ranks",
+    "wall_s", ...}`` or the error."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    threads = spec.get("threads", 1)
-    spec = {**spec, "target": target, "threads": threads, "out_dir": str(run_dir)}
-    spec["deadline"] = time.time() + timeout_s  # for a target that paces itself
+    spec = {"threads": 1, **spec, "target": target, "out_dir": str(run_dir)}
     (run_dir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
+    threads = str(spec["threads"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     extensions = Path(tempfile.gettempdir()) / "zero3_offload_peers_torch_extensions"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))  # DeepSpeed's compiled ops
     if spec.get("mmap_threshold") is not None:  # glibc mmaps blocks this large, returns them
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
+    ranks: list[dict[str, str]] = [{} for _ in range(world)]
     if torchrun:
         with socket.socket() as s:  # a port free a moment ago
             s.bind(("127.0.0.1", 0))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
         env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+        ranks = [dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(r)) for r in range(world)]
     command = [sys.executable, "-m", "harness.runner", str(run_dir / "spec.json")]
-    ranks = [
-        dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(r)) if torchrun else {}
-        for r in range(world)
-    ]
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
-    sampler = Sampler(sample_s, keep=keep_samples) if sample_s else None
+    sampler = Sampler(sample_s) if sample_s else None
     load, t0 = list(os.getloadavg()), time.perf_counter()
     try:
         with Processes([(command, {**env, **r}) for r in ranks], logs) as procs:
@@ -146,7 +140,6 @@ def launch(
             run["ranks"].append(json.loads(path.read_text(encoding="utf-8")))
             if sampler:
                 run["ranks"][-1]["sampled_peak_bytes"] = sampler.peaks.get(r, {})
-                run["ranks"][-1]["samples"] = sampler.samples.get(r, [])
     if error is not None:
         run["error"] = error.replace("process", "rank")
         run["log_tails"] = {r: tail(path) for r, path in enumerate(logs)}
@@ -154,21 +147,15 @@ def launch(
 
 
 class Rank:
-    """What a target gets: its rank, the world size, memory marks and a partial-result save."""
+    """What a target gets: its rank, the world size and its memory marks."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.out = Path(spec["out_dir"]) / f"result-rank{self.rank}.json"
         self.marks: dict[str, dict[str, Any]] = {}
-        self.partial: dict[str, Any] = {}
 
     def mark(self, name: str) -> None:
         self.marks[name] = mark()
-
-    def save(self, result: dict[str, Any]) -> None:
-        """Write ``result`` now: kept if the process dies later, the base of an error's result."""
-        self.partial = result
-        self.out.write_text(json.dumps(result, default=str), encoding="utf-8")
 
 
 def load(target: str) -> Any:
@@ -191,13 +178,13 @@ def rank_main(spec_path: str) -> None:
         result = fn(spec, ctx)
         result = asyncio.run(result) if inspect.isawaitable(result) else result
     except BaseException as exc:
-        result, code = {**ctx.partial, "error": f"{type(exc).__name__}: {exc}"}, 1
+        result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1
         print(traceback.format_exc(), file=sys.stderr)
     ctx.mark("end")
     result.update(rank=ctx.rank, world_size=ctx.world, pid=os.getpid(), marks=ctx.marks)
     result.update(torch_threads=torch.get_num_threads(), run_s=time.perf_counter() - t0)
     result["peak_rss_bytes"] = ctx.marks["end"]["hwm_bytes"]
-    ctx.save(result)
+    ctx.out.write_text(json.dumps(result, default=str), encoding="utf-8")
     sys.stderr.flush()
     os._exit(code)  # DeepSpeed, NCCL and worker threads can abort or hold up a normal exit
 

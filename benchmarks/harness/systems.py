@@ -37,12 +37,11 @@ def storage_bytes(groups: dict[str, Iterable[Any]]) -> dict[str, int]:
     seen, out = set(), {}
     for name, tensors in groups.items():
         out[name] = 0
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-                if s.data_ptr() not in seen and s.nbytes():
-                    seen.add(s.data_ptr())
-                    out[name] += s.nbytes()
+        for t in (t for t in tensors if isinstance(t, torch.Tensor)):
+            s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+            if s.data_ptr() not in seen and s.nbytes():
+                seen.add(s.data_ptr())
+                out[name] += s.nbytes()
     return {**out, "total": sum(out.values())}
 
 
@@ -54,37 +53,32 @@ class Torch:
     """Plain torch (one process, the whole batch), and FSDP2 (``fsdp2``: ``fully_shard`` on every
     child and the root, or with ``wrap="decoder_layers"`` on each of an HF model's
     ``model.model.layers`` and the root, as torchtitan does; ``cpu_offload`` adds
-    ``CPUOffloadPolicy``, pinned on CUDA, ``param_dtype`` a ``MixedPrecisionPolicy`` reducing in
-    fp32); then torch's AdamW."""
+    ``CPUOffloadPolicy``, pinned on CUDA); then torch's AdamW."""
 
     def __init__(self, spec: dict[str, Any], rank: Any) -> None:
         self.spec, self.rank, self.options = spec, rank, dict(spec["options"])
+        self.device = torch.device(spec.get("device", "cpu"))
 
     async def start(self) -> None:
         if self.spec["kind"] == "fsdp2":
             dist.init_process_group(self.spec.get("backend", "gloo"))
 
-    async def setup(self, model: torch.nn.Module) -> None:
-        opts = self.options
-        if self.spec["kind"] == "fsdp2":
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    def adamw(self, params: Iterable[torch.Tensor]) -> torch.optim.AdamW:
+        fused = {"fused": self.options["fused"]} if "fused" in self.options else {}
+        hyper = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
+        return torch.optim.AdamW(params, betas=BETAS, eps=EPS, **hyper)
 
-            kw: dict[str, Any] = {}
-            if opts.get("cpu_offload"):
-                pin = self.spec.get("device") == "cuda"  # pinned host memory for the copies
-                kw["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-            if opts.get("param_dtype"):
-                dtype = getattr(torch, opts["param_dtype"])
-                kw["mp_policy"] = MixedPrecisionPolicy(
-                    param_dtype=dtype, reduce_dtype=torch.float32
-                )
-            by_layer = opts.get("wrap") == "decoder_layers"
+    async def setup(self, model: torch.nn.Module) -> None:
+        if self.spec["kind"] == "fsdp2":
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            pin = self.device.type == "cuda"  # pinned host memory for the copies
+            kw = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)}
+            by_layer = self.options.get("wrap") == "decoder_layers"
             for module in [*(model.model.layers if by_layer else model.children()), model]:
-                fully_shard(module, **kw)
-        fused = {"fused": opts["fused"]} if "fused" in opts else {}
-        adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
-        self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), betas=BETAS, eps=EPS, **adamw)
+                fully_shard(module, **kw if self.options.get("cpu_offload") else {})
+        self.model = model if self.spec["kind"] == "fsdp2" else model.to(self.device)
+        self.opt = self.adamw(model.parameters())
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
         """``call``'s forward (awaited if async), then the loss: an HF model's own from ``labels``
@@ -98,16 +92,13 @@ class Torch:
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         clock.phase("forward")
-        self.zero_grad()
+        self.model.zero_grad(set_to_none=True)
         loss = await self.forward_loss(self.model, x, y, clock)
         clock.phase("backward")
         loss.backward()
         clock.phase("optimizer")
         self.update()
         return loss
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
 
     def update(self) -> None:
         self.opt.step()
@@ -137,15 +128,11 @@ class DeepSpeed(Torch):
         batch, adamw = self.spec["dims"]["global_batch"], {"lr": self.spec["lr"], "eps": EPS}
         adamw.update(betas=list(BETAS), weight_decay=self.spec["weight_decay"])
         offload = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
-        config = {
-            "train_batch_size": batch,
-            "gradient_accumulation_steps": 1,
-            "train_micro_batch_size_per_gpu": batch // self.rank.world,
-            "optimizer": {"type": "AdamW", "params": adamw},
-            "zero_optimization": {"stage": 3, **offload},
-            "gradient_clipping": 0.0,
-            "steps_per_print": 10**9,
-        }
+        config = {"train_batch_size": batch, "gradient_accumulation_steps": 1}
+        config["train_micro_batch_size_per_gpu"] = batch // self.rank.world
+        config["optimizer"] = {"type": "AdamW", "params": adamw}
+        config["zero_optimization"] = {"stage": 3, **offload}
+        config.update(gradient_clipping=0.0, steps_per_print=10**9)
         self.model, params = model, model.parameters()
         self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
 
@@ -160,24 +147,15 @@ class DeepSpeed(Torch):
     def model_state(self) -> dict[str, int]:
         z, params = self.engine.optimizer, list(self.model.parameters())
         flat32 = getattr(z, "fp32_partitioned_groups_flat", [])
-        return storage_bytes(
-            {
-                # this rank's compute partitions (views of one flat CPU buffer), and the parameters
-                # kept gathered (below the persistence threshold)
-                "params": [
-                    *getattr(z, "fp16_partitioned_groups_flat", []),
-                    *(getattr(p, "ds_tensor", None) for p in params),
-                    *(p.data for p in getattr(z, "persistent_parameters", [])),
-                ],
-                "master_params": flat32,
-                "grads": [
-                    getattr(z, "grad_partitions_flat_buffer", None),
-                    *(p.grad for p in params),
-                    *(g.grad for g in flat32),
-                ],
-                "optimizer_state": _state(z.optimizer),
-            }
-        )
+        # this rank's compute partitions (views of one flat CPU buffer), and the parameters kept
+        # gathered (below the persistence threshold)
+        compute = [*getattr(z, "fp16_partitioned_groups_flat", [])]
+        compute += [getattr(p, "ds_tensor", None) for p in params]
+        compute += [p.data for p in getattr(z, "persistent_parameters", [])]
+        grads = [getattr(z, "grad_partitions_flat_buffer", None), *(p.grad for p in params)]
+        groups = {"params": compute, "master_params": flat32, "grads": grads}
+        groups["grads"] += [g.grad for g in flat32]
+        return storage_bytes({**groups, "optimizer_state": _state(z.optimizer)})
 
 
 class Split(Torch):
@@ -196,12 +174,7 @@ class Split(Torch):
             lo, hi = min(rank * -(-n // world), n), min((rank + 1) * -(-n // world), n)
             if hi > lo:  # a view of the parameter's storage: the update writes the model
                 self.shares.append((p, lo, hi, p.detach().view(-1)[lo:hi]))
-        fused = {"fused": self.options["fused"]} if "fused" in self.options else {}
-        adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
-        self.opt = torch.optim.AdamW([v for *_, v in self.shares], betas=BETAS, eps=EPS, **adamw)
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+        self.opt = self.adamw([v for *_, v in self.shares])
 
     def update(self) -> None:
         for p, lo, hi, share in self.shares:
@@ -221,12 +194,8 @@ class Ours(Torch):
 
         wd = self.spec["weight_decay"]
         opt = OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
-        device = self.spec.get("device", "cpu")
-        self.layer_numels = {
-            n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()
-        }  # before the manager shards them
-        self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
-        self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
+        config = Zero3CpuOffloadConfig(optimizer=opt, device=self.device.type, **self.options)
+        self.manager = Zero3CpuOffloadManager(config, self.group, model, **self.units(model))
         self.names = getattr(model, "layer_names", None)
 
     def units(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -297,5 +266,4 @@ class OursModule(Ours):
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
-SYSTEMS["split"] = Split
-SYSTEMS["ours-module"] = OursModule
+SYSTEMS.update({"split": Split, "ours-module": OursModule})

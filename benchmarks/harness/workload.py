@@ -21,19 +21,15 @@ LLAMA = "transformers' `LlamaForCausalLM`"
 DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_heads", "vocab")
 
 
-def shape(dims: dict[str, int]) -> GPTShape:
-    d, seq, layers, heads = dims["d"], dims["seq"], dims["n_layers"], dims["heads"]
-    vocab = dims.get("vocab") or VOCAB_SIZE  # ids are bytes: more rows than 256 go unused
-    return GPTShape(vocab_size=vocab, seq_len=seq, d_model=d, layers=layers, heads=heads)
-
-
 def build(dims: dict[str, Any]) -> torch.nn.Module:
-    """The GPT, or the Llama (its loss from ``labels``) of ``dims``."""
-    if dims.get("model") != "llama":
-        return GPT(shape(dims))
-    from transformers import LlamaForCausalLM
+    """The GPT (a vocabulary above 256 leaves rows unused: the ids are bytes), or the Llama (its
+    loss from ``labels``) of ``dims``."""
+    if dims.get("model") == "llama":
+        from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims["seq"]))
+        return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims["seq"]))
+    shape = dict(vocab_size=dims.get("vocab") or VOCAB_SIZE, seq_len=dims["seq"], d_model=dims["d"])
+    return GPT(GPTShape(**shape, layers=dims["n_layers"], heads=dims["heads"]))
 
 
 def llama_config(dims: dict[str, Any], **extra: Any) -> Any:
@@ -41,15 +37,10 @@ def llama_config(dims: dict[str, Any], **extra: Any) -> Any:
     says otherwise)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=dims["vocab"],
-        hidden_size=dims["d"],
-        intermediate_size=dims["ffn"],
-        num_hidden_layers=dims["n_layers"],
-        num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"],
-        **{"tie_word_embeddings": False, "use_cache": False, **extra},
-    )
+    sizes = dict(vocab_size=dims["vocab"], hidden_size=dims["d"], intermediate_size=dims["ffn"])
+    sizes.update(num_hidden_layers=dims["n_layers"], num_attention_heads=dims["heads"])
+    sizes["num_key_value_heads"] = dims["kv_heads"]
+    return LlamaConfig(**sizes, **{"tie_word_embeddings": False, "use_cache": False, **extra})
 
 
 def layer_params(dims: dict[str, Any]) -> dict[str, int]:
@@ -70,9 +61,8 @@ def corpus() -> ByteCorpus:
 
 
 def corpus_info() -> dict[str, Any]:
-    c = corpus()
-    sha256 = hashlib.sha256(c.train.numpy().tobytes()).hexdigest()
-    return {"description": f"windows of the first 4 MiB of the {c.source}", "sha256": sha256}
+    sha256 = hashlib.sha256(corpus().train.numpy().tobytes()).hexdigest()
+    return {"description": f"windows of the first 4 MiB of the {corpus().source}", "sha256": sha256}
 
 
 def batches(steps: int, dims: dict[str, int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

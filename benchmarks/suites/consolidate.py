@@ -88,11 +88,11 @@ def make_model(widths: list[int], seed: int) -> nn.Sequential:
 
 def digests(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     """name -> [dtype, shape, sha256 of the bytes]."""
-    out = {}
-    for name, t in state.items():
-        data = t.detach().contiguous().reshape(-1).numpy().data
-        out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(data).hexdigest()]
-    return out
+
+    def sha256(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.detach().contiguous().reshape(-1).numpy().data).hexdigest()
+
+    return {n: [str(t.dtype), list(t.shape), sha256(t)] for n, t in state.items()}
 
 
 async def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -126,57 +126,36 @@ def case(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str, Any]]:
     """Per case the medians over the measured rounds, and the peaks above the baseline's, over
     the model's and the largest tensor's bytes."""
-    model, largest = sum(sizes.values()), max(sizes.values())
-
-    def med(label: str, get: Any) -> float:
-        return statistics.median(get(c[label]) for c in rounds)
-
-    peaks = {
-        "rss": lambda c: c["peak_rss_bytes"],
-        "anon": lambda c: c["sampled_peak_bytes"]["RssAnon"],
-    }
-    base = {key: med(BASELINE, get) for key, get in peaks.items()}
-    out = []
+    model, largest, out = sum(sizes.values()), max(sizes.values()), []
+    peaks = {"rss": lambda c: c["peak_rss_bytes"]}
+    peaks["anon"] = lambda c: c["sampled_peak_bytes"]["RssAnon"]
     for label in rounds[0]:
-        row: dict[str, Any] = {"case": label}
+        runs = [c[label] for c in rounds]
+        out.append(row := {"case": label})
         if label != BASELINE:
-            row["wall_s"] = med(label, lambda c: c["wall_s"])
-            if "fsync_s" in rounds[0][label] and (fsync := med(label, lambda c: c["fsync_s"])):
-                row["fsync_s"] = fsync  # runs that timed the fsync apart
+            row["wall_s"] = statistics.median(c["wall_s"] for c in runs)
         for key, get in peaks.items():
-            row[key] = med(label, get)
+            row[key] = statistics.median(map(get, runs))
             if label != BASELINE:
-                more = row[key] - base[key]
-                row.update(
-                    {
-                        f"{key}_more": more,
-                        f"{key}_model": more / model,
-                        f"{key}_largest": more / largest,
-                    }
-                )
-        out.append(row)
+                row[f"{key}_more"] = more = row[key] - out[0][key]
+                row.update({f"{key}_model": more / model, f"{key}_largest": more / largest})
     return out
 
 
-def model_figures(widths: list[int], sizes: dict[str, int]) -> dict[str, Any]:
-    largest = max(sizes, key=sizes.__getitem__)
-    out = {"layers": len(widths) - 1 + len(LN_AFTER), "widths": " -> ".join(map(str, widths))}
-    out.update(
-        norms=", ".join(f"fc{i}" for i in LN_AFTER), tensors=len(sizes), bytes=sum(sizes.values())
-    )
-    return {**out, "mib": out["bytes"] / 2**20, "largest": largest, "largest_bytes": sizes[largest]}
+def load(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".pt":
+        return torch.load(path, weights_only=True)
+    return safetensors.torch.load_file(str(path))
 
 
 def run(args: Any) -> dict[str, Any] | None:
     threads, n_rounds = args.threads or torch.get_num_threads(), args.warmup + args.repeats
     widths = QUICK_WIDTHS if args.quick else FULL_WIDTHS
     with torch.device("meta"):
-        sizes = {
-            n: t.numel() * t.element_size()
-            for n, t in make_model(widths, SEED).state_dict().items()
-        }
+        state = make_model(widths, SEED).state_dict()
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     with work_directory("consolidate-", args.keep, args.workdir) as work:
-        spec = {"widths": widths, "root": str(work / "ckpt"), "work": str(work)}
+        spec = {"widths": widths, "root": str(work / "ckpt"), "work": str(work), "threads": threads}
         saved = launch("suites.consolidate:save", spec, work / "save", world=WORLD)
         if not saved["ok"]:
             progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
@@ -184,58 +163,35 @@ def run(args: Any) -> dict[str, Any] | None:
         files = [f.stat().st_size for f in Path(saved["ranks"][0]["path"]).iterdir()]
 
         def one(e: dict[str, Any]) -> dict[str, Any]:
-            run_dir, case_spec = (
-                work / f"round{e['round']}-{CASES[e['key']]}",
-                {**spec, "case": CASES[e["key"]]},
-            )
-            return launch(
-                "suites.consolidate:case",
-                {**case_spec, "threads": threads},
-                run_dir,
-                torchrun=False,
-                sample_s=SAMPLE_S,
-            )
+            name = CASES[e["key"]]
+            run_dir, case_spec = work / f"round{e['round']}-{name}", {**spec, "case": name}
+            kw = {"torchrun": False, "sample_s": SAMPLE_S}
+            return launch("suites.consolidate:case", case_spec, run_dir, **kw)
 
-        runs = run_plan(
-            plan(list(CASES), n_rounds, rotate=False),
-            one,
-            lambda r: f"{r['ranks'][0]['wall_s']:.2f} s",
-        )
+        entries = plan(list(CASES), n_rounds, rotate=False)
+        runs = run_plan(entries, one, lambda r: f"{r['ranks'][0]['wall_s']:.2f} s")
         if not all(r["ok"] for r in runs):
             return None
-        outputs = {
-            "safetensors": (work / ST_FILE).stat().st_size,
-            "pt": (work / PT_FILE).stat().st_size,
-        }
-        ref = saved["ranks"][0]["digests"]  # each output, loaded strictly, equal to the model
-        for load in (
-            lambda: safetensors.torch.load_file(str(work / ST_FILE)),
-            lambda: torch.load(work / PT_FILE, weights_only=True),
-        ):
-            state = load()
-            with torch.device("meta"):
+        paths = {"safetensors": work / ST_FILE, "pt": work / PT_FILE}
+        outputs = {k: path.stat().st_size for k, path in paths.items()}
+        for state in map(load, paths.values()):
+            with torch.device("meta"):  # each output, loaded strictly, equal to the model
                 make_model(widths, SEED + 1).load_state_dict(state, strict=True, assign=True)
-            if digests(state) != ref:
+            if digests(state) != saved["ranks"][0]["digests"]:
                 progress("consolidated output differs from the model: no results written")
                 return None
-    rounds = [
-        {r["key"]: r["ranks"][0] for r in runs if r["round"] == i}
-        for i in range(args.warmup, n_rounds)
-    ]
-    config = {
-        "world_size": WORLD,
-        "widths": widths,
-        "seed": SEED,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-    }
-    config["sample_ms"] = SAMPLE_S * 1000
-    checkpoint = {"bytes": sum(files), "files": len(files)}
-    return {
+    largest = max(sizes, key=sizes.__getitem__)
+    model = {"layers": len(widths) - 1 + len(LN_AFTER), "widths": " -> ".join(map(str, widths))}
+    model.update(norms=", ".join(f"fc{i}" for i in LN_AFTER), tensors=len(sizes))
+    model["bytes"] = sum(sizes.values())
+    model.update(mib=model["bytes"] / 2**20, largest=largest, largest_bytes=sizes[largest])
+    config = {"world_size": WORLD, "widths": widths, "seed": SEED, "repeats": args.repeats}
+    config.update(warmup=args.warmup, sample_ms=SAMPLE_S * 1000)
+    measured = range(args.warmup, n_rounds)
+    rounds = [{r["key"]: r["ranks"][0] for r in runs if r["round"] == i} for i in measured]
+    out = {
         "config": config,
-        "model": model_figures(widths, sizes),
-        "checkpoint": checkpoint,
-        "outputs": outputs,
-        "threads": threads,
-        "rows": rows(rounds, sizes),
+        "model": model,
+        "checkpoint": {"bytes": sum(files), "files": len(files)},
     }
+    return {**out, "outputs": outputs, "threads": threads, "rows": rows(rounds, sizes)}

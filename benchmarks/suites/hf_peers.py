@@ -61,27 +61,22 @@ def check(args: Any) -> str | None:
     return train.check_loss_steps(args)
 
 
-def loop_ms(runs: list[dict]) -> dict[str, float] | None:
-    """Module mode's event-loop lateness (the worse rank's, over the runs)."""
-    ticks = [
-        rk["loop_worst_tick_ms"]
-        for r in runs
-        if r["ok"] and r["key"] == "ours_module"
-        for rk in r["ranks"]
-    ]
-    return {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
-
-
 def run(args: Any) -> dict[str, Any] | None:
     parts = {}
     for model in args.model_keys:
         systems = {k: s for k, s in SYSTEMS[model].items() if k in args.system_keys}
         dims = {**MODELS[model][args.quick], "global_batch": BATCH}
         threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
-        compared = train.compare(args, systems, dims, threads=threads)
         config = dict(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
-        parts[model] = {"size": model, **train.part(compared, **config)}
-        parts[model]["loop_ms"] = loop_ms(compared["runs"])
+        part, runs = train.compare(args, systems, dims, threads, **config)
+        ticks = [
+            rk["loop_worst_tick_ms"]
+            for r in runs
+            if r["ok"] and r["key"] == "ours_module"
+            for rk in r["ranks"]
+        ]
+        loop = {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
+        parts[model] = {"size": model, **part, "loop_ms": loop}  # the worse rank's, over the runs
     if not any(p["systems"] for p in parts.values()):
         return None
     failed = [f"{m}/{r['key']}" for m, p in parts.items() for r in p["runs"] if not r["ok"]]

@@ -1,7 +1,8 @@
 """zero3_offload vs FSDP2, FSDP2 + CPU offload, DeepSpeed ZeRO-3 offload and plain torch.
 
 The same GPT, initial weights, batches and AdamW in every system; each run fresh processes, the
-order rotated per round. ``--sweep-ours`` compares configurations of zero3_offload instead.
+order rotated per round. ``--sweep-ours`` compares configurations of zero3_offload instead;
+``--device cuda`` runs the systems that support CUDA on one GPU, one rank each.
 Defaults per size (small; --quick; --large): rounds 3/2/1, warm-up 2/1/1, timed steps 6/5/4,
 timeout 900/300/3600 s.
 """
@@ -67,6 +68,7 @@ SWEEP = {  # candidates for ours' fastest configuration
         "lr in backward, clip 1e-6 (fires every step), speculative", **LR_BWD, **CLIP_ALWAYS, **SPEC
     ),
 }
+CUDA_KINDS = ("torch", "fsdp2", "zero3_offload")  # DeepSpeed's ranks run DS_ACCELERATOR=cpu
 TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 OPTIONS = {
     "--large": {"action": "store_true", "help": "the 303M-parameter model"},
@@ -74,12 +76,19 @@ OPTIONS = {
     "--systems": {"help": f"comma-separated subset of {', '.join(SYSTEMS)} (or the sweep's)"},
     "--blocks": {"type": int, "help": "blocks instead of the size's; the name gets -<N>blocks"},
     "--vocab": {"type": int, "help": "the GPT's vocabulary (256: bytes); the name gets -vocab<N>"},
+    "--device": {
+        "default": "cpu",
+        "choices": ["cpu", "cuda"],
+        "help": "cuda: one GPU, 1 rank each",
+    },
 }
 DEFAULTS = {"threads": 1, "seed": 0}  # and the size's (SIZES); plain torch gets 2x the threads
 TITLE = "zero3_offload vs peers ({size} model, same model, data and seed)"
 
 
 def check(args: Any) -> str | None:
+    import torch
+
     if args.quick and args.large:
         return "--quick and --large exclude each other"
     args.size = "quick" if args.quick else "large" if args.large else "small"
@@ -89,6 +98,8 @@ def check(args: Any) -> str | None:
     args.system_keys = args.systems.split(",") if args.systems else list(table)
     if unknown := [k for k in args.system_keys if k not in table]:
         return f"unknown systems {unknown}; known: {', '.join(table)}"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return f"--device cuda: CUDA is not available (torch {torch.__version__})"
     if (args.blocks or 1) < 1 or (args.vocab or 256) < 256:
         return "--blocks must be >= 1, --vocab >= 256 (the token ids are bytes)"
     return train.check_loss_steps(args)
@@ -96,20 +107,22 @@ def check(args: Any) -> str | None:
 
 def run(args: Any) -> dict[str, Any] | None:
     systems = {k: (SWEEP if args.sweep_ours else SYSTEMS)[k] for k in args.system_keys}
+    spec, cuda = {}, args.device == "cuda"
+    if cuda:  # one GPU: every system on one rank of its own
+        systems = {k: s._replace(world=1) for k, s in systems.items() if s.kind in CUDA_KINDS}
+        spec = {"device": "cuda", "backend": "nccl"}
     d, heads, blocks, seq = SIZES[args.size][0]
     dims = dict(d=d, heads=heads, n_layers=args.blocks or blocks, seq=seq, global_batch=8)
     dims.update({"vocab": args.vocab} if args.vocab is not None else {})
-    threads = {k: args.threads * (WORLD if s.kind == "torch" else 1) for k, s in systems.items()}
-    compared = train.compare(args, systems, dims, threads=threads)
+    threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
+    config = dict(world_size=WORLD, threads_per_rank=args.threads, device=args.device)
+    config["malloc_mmap_threshold"] = args.mmap_threshold
+    part, _ = train.compare(args, systems, dims, threads, spec=spec, **config)
     name = "peers-sweep" if args.sweep_ours else "peers"
-    name += "" if args.size == "small" else f"-{args.size}"
+    name += ("" if args.size == "small" else f"-{args.size}") + "-cuda" * cuda
     name += f"-{args.blocks}blocks" if args.blocks else ""
     name += f"-vocab{args.vocab}" if args.vocab is not None else ""
-    name += "-mmap" if args.mmap_threshold is not None else ""
-    config = dict(
-        world_size=WORLD, threads_per_rank=args.threads, malloc_mmap_threshold=args.mmap_threshold
-    )
-    part = train.part(compared, **config)
+    name += "-mmap" * (args.mmap_threshold is not None)
     if not part["systems"]:
         return None
     return {
@@ -151,14 +164,8 @@ def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
     ref = next(s for s in p["systems"].values() if s["label"] == p["agreement"]["reference"])
     k = min(p["config"]["warmup"] + p["config"]["steps"], len(ref["losses"]))
     losses = [Col("system", "label"), *(Col(f"step {i}", f"{{losses[{i}]:.5f}}") for i in range(k))]
-    losses.append(
-        Col(
-            f"max |diff| vs {ref['label']} (first {LOSS_STEPS})",
-            "loss_max_diff",
-            ".2e",
-            missing="- (bound)",
-        )
-    )
+    diff = f"max |diff| vs {ref['label']} (first {LOSS_STEPS})"
+    losses += [Col(diff, "loss_max_diff", ".2e", missing="- (bound)")]
     rounds = []
     for r in range(p["config"]["rounds"]):
         runs = [x for x in p["runs"] if x["round"] == r]
@@ -172,8 +179,7 @@ def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
     return [
         (system_columns(refs or {"FSDP2": "fsdp2", "torch": "torch"}), p["systems"]),
         f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
-        f"weights "
-        "and data for every system):",
+        "weights and data for every system):",
         ([*losses, Col("max spread between runs", "loss_spread", ".1e")], p["systems"]),
         "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and the "
         "1-minute load average at the runs' starts; drift of the machine shows here:",
@@ -192,32 +198,24 @@ def notes(p: dict[str, Any], model: str | None = None) -> list[str]:
         "defaults (dynamic mmap threshold, up to 32 MiB) in every process")  # fmt: skip
     model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
-        f"seq "
-        f"{dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
-        f"{cfg['params']:,} "
-        f"fp32 params in {cfg['layers']} layers (largest {cfg['largest_layer']:,})"
+        f"seq {dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
+        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest {cfg['largest_layer']:,})"
     )
     return [
         f"{model}; global batch {dims['global_batch']}, split evenly over the ranks; seed "
-        f"{cfg['seed']} "
-        f"for every system. Data: {cfg['corpus']['description']} (sha256 "
-        f"{cfg['corpus']['sha256'][:12]}), "
-        "the same batches for every system.",
+        f"{cfg['seed']} for every system. Data: {cfg['corpus']['description']} (sha256 "
+        f"{cfg['corpus']['sha256'][:12]}), the same batches for every system.",
         f"AdamW lr {cfg['lr']}, betas (0.9, 0.999), eps 1e-8, weight decay {cfg['weight_decay']}, "
-        f"fp32. "
-        "torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
+        "fp32. torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
         "(gradient_clipping set to 0: DeepSpeed's default is 1.0); zero3_offload: torch's fused "
-        "AdamW "
-        "kernel per layer shard.",
+        "AdamW kernel per layer shard.",
         f"Each run: fresh processes, {cfg['warmup']} warm-up + {cfg['steps']} timed steps; "
-        f"{cfg['rounds']} "
-        "rounds, the order rotated each round. Columns as docs/benchmarks.md (peers) defines them: "
-        "medians over every timed step of every rank and run; CPU s summed over the ranks; peak "
-        "RSS = "
-        "VmHWM, max over ranks, median over runs; vs X = this / X's.",
+        f"{cfg['rounds']} rounds, the order rotated each round. Columns as docs/benchmarks.md "
+        "(peers) defines them: medians over every timed step of every rank and run; CPU s summed "
+        "over the ranks; peak RSS = VmHWM, max over ranks, median over runs; vs X = this / X's.",
+        *["Device: one CUDA GPU, every system on 1 rank."] * (cfg.get("device") == "cuda"),
         f"Losses agree with {ag['reference']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
-        f"steps: "
-        f"{ag['agree']} (max |diff| {ag['max_diff']:.2e}).",
+        f"steps: {ag['agree']} (max |diff| {ag['max_diff']:.2e}).",
         f"glibc malloc: {malloc}.",
         *(
             f"{'FAILED' if s['failed'] else 'SKIPPED'} {s['label']}: {s['why']}"

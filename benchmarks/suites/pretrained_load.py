@@ -24,7 +24,6 @@ FULL = dict(d=1024, ffn=2816, n_layers=24, heads=16, kv_heads=8, vocab=32000)
 TINY = dict(d=64, ffn=176, n_layers=2, heads=4, kv_heads=2, vocab=1000)
 OURS, PLAIN = "zero3_offload from_pretrained", "transformers from_pretrained (each rank)"
 CASES = {OURS: "ours", PLAIN: "plain"}
-IMPORTS = ["transformers", "zero3_offload"]  # in every rank before the "imported" mark
 TAKES = ["timeout", "keep", "mmap_threshold"]
 OPTIONS = {"--workdir": {"type": Path, "help": "where the saved model goes (default: a temp dir)"}}
 DEFAULTS = {"repeats": 2, "warmup": 0, "threads": 1, "timeout": 900.0}  # repeats: rounds
@@ -33,7 +32,6 @@ TITLE = (
     "Loading a pretrained Llama ({model[params]:,} parameters, {model[fp32_bytes]:mib1} MiB fp32) "
     "on {config[world_size]} ranks: peak RSS per rank"
 )
-FIGURES = ("loaded", "rss_loaded", "read", "written", "peak")
 # fmt: off
 LAYOUT = [([
     Col("case", "case"), Col("rank", "rank", "d"), Col("load s", "load", ".2f", missing="FAILED"),
@@ -80,45 +78,17 @@ async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     ctx.mark("group")
     t0 = time.perf_counter()
     with structlog.testing.capture_logs() as logs:
-        manager = z.Zero3CpuOffloadManager.from_pretrained(
-            z.Zero3CpuOffloadConfig(), group, spec["model_dir"]
-        )
+        config, path = z.Zero3CpuOffloadConfig(), spec["model_dir"]
+        manager = z.Zero3CpuOffloadManager.from_pretrained(config, group, path)
     load_s = time.perf_counter() - t0
     ctx.mark("loaded")
     after_load, stats = proc_status(), manager.get_memory_stats()  # RssAnon / RssFile at load
-    read = [e["bytes_read"] for e in logs if e["event"] == "pretrained_loaded"]
     await manager.close()
     z.destroy_process_group()
+    read = next(e["bytes_read"] for e in logs if e["event"] == "pretrained_loaded")
+    out = {"load_s": load_s, "status_after_load": after_load, "bytes_read": read}
     shard = stats.master_param_bytes + stats.compute_copy_bytes
-    out = {
-        "load_s": load_s,
-        "status_after_load": after_load,
-        "bytes_read": read[0] if read else None,
-    }
     return {**out, "shard_bytes": shard, "model_state_bytes": stats.model_state_bytes()}
-
-
-async def generate(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Launcher target (a rank): greedy decoding under ZeRO-3, units kept gathered between
-    decoding steps within the budget, and gathered at every step; tokens/s of each."""
-    import torch
-
-    import zero3_offload as z
-
-    group = await z.init_process_group_from_env("gloo")
-    manager = z.Zero3CpuOffloadManager.from_pretrained(
-        z.Zero3CpuOffloadConfig(), group, spec["model_dir"]
-    )
-    prompt, out, tokens = torch.arange(16).view(1, 16), {}, {}
-    out["budget_bytes"] = manager.config.gpu_param_memory_budget
-    for keep in (True, False, True):  # the first run warms up
-        t0 = time.perf_counter()
-        ids = await manager.generate(prompt, max_new_tokens=16, do_sample=False, keep_gathered=keep)
-        out[f"keep_gathered={keep}"] = 16 / (time.perf_counter() - t0)
-        tokens[keep] = ids[0].tolist()
-    await manager.close()
-    z.destroy_process_group()
-    return {**out, "same_tokens": tokens[True] == tokens[False]}
 
 
 def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -133,17 +103,26 @@ def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     ctx.mark("loaded")
     # transformers maps the file: parameters are its (copy-on-write) pages, read on first use.
-    params = list(model.parameters())
     with torch.no_grad():
-        sum(float(p.sum()) for p in params)  # a forward reads every weight
+        sum(float(p.sum()) for p in model.parameters())  # a forward reads every weight
         ctx.mark("read")
-        for p in params:  # the first optimizer step writes every weight
+        for p in model.parameters():  # the first optimizer step writes every weight
             p.mul_(1.0)
         ctx.mark("written")
     return {"load_s": load_s}
 
 
-def rows(measured: list[dict[str, dict]], world: int, model_bytes: int) -> list[dict[str, Any]]:
+def at(mark: str, key: str = "hwm_bytes") -> Any:
+    return lambda r: r["marks"][mark][key] if mark in r["marks"] else None
+
+
+FIGURES = {"loaded": at("loaded"), "rss_loaded": at("loaded", "rss_bytes"), "read": at("read")}
+FIGURES.update(written=at("written"), peak=at("end"), imported=at("imported", "rss_bytes"))
+FIGURES.update(load=lambda r: r["load_s"], anon=lambda r: r["sampled_peak_bytes"].get("RssAnon"))
+FIGURES.update(shard=lambda r: r.get("shard_bytes"), bytes_read=lambda r: r.get("bytes_read"))
+
+
+def rows(measured: list[dict[str, dict]], model_bytes: int) -> list[dict[str, Any]]:
     """Per case and rank: the medians over the measured rounds, and the peak over the plain
     case's, the model's fp32 bytes and the rank's shard."""
 
@@ -152,40 +131,15 @@ def rows(measured: list[dict[str, dict]], world: int, model_bytes: int) -> list[
         values = [v for v in map(get, runs) if v is not None]
         return statistics.median(values) if values else None
 
-    def at(mark: str, key: str = "hwm_bytes") -> Any:
-        return lambda r: r["marks"][mark][key] if mark in r["marks"] else None
-
-    marks = dict(
-        zip(
-            FIGURES,
-            (at("loaded"), at("loaded", "rss_bytes"), at("read"), at("written")),
-            strict=False,
-        )
-    )
-    get = {**marks, "peak": lambda r: r["peak_rss_bytes"], "imported": at("imported", "rss_bytes")}
-    get.update(load=lambda r: r["load_s"], anon=lambda r: r["sampled_peak_bytes"].get("RssAnon"))
     out = []
-    for case in CASES:
-        for rank in range(world):
-            row: dict[str, Any] = {
-                "case": case,
-                "rank": rank,
-                **{k: med(case, rank, g) for k, g in get.items()},
-            }
-            shard, plain_peak = (
-                med(OURS, rank, lambda r: r["shard_bytes"]),
-                med(PLAIN, rank, get["peak"]),
-            )
-            if row["peak"] is not None:
-                row["more"] = row["peak"] - row["imported"]
-                row.update(
-                    vs_plain=plain_peak and row["peak"] / plain_peak,
-                    vs_model=row["more"] / model_bytes,
-                )
-                row["vs_shard"] = shard and row["more"] / shard
-            if case == OURS:
-                row.update(shard=shard, bytes_read=med(case, rank, lambda r: r.get("bytes_read")))
-            out.append({k: v for k, v in row.items() if v or k == "rank"})  # a zero shows "-"
+    for case, rank in ((case, rank) for case in CASES for rank in range(WORLD)):
+        row = {"case": case, "rank": rank, **{k: med(case, rank, g) for k, g in FIGURES.items()}}
+        shard, plain = med(OURS, rank, FIGURES["shard"]), med(PLAIN, rank, FIGURES["peak"])
+        if row["peak"] is not None:
+            row["more"] = row["peak"] - row["imported"]
+            row.update(vs_plain=plain and row["peak"] / plain, vs_model=row["more"] / model_bytes)
+            row["vs_shard"] = shard and row["more"] / shard
+        out.append({k: v for k, v in row.items() if v or k == "rank"})  # a zero shows "-"
     return out
 
 
@@ -193,75 +147,45 @@ def run(args: Any) -> dict[str, Any] | None:
     import torch
     import transformers
 
-    dims, n_rounds, started = (
-        TINY if args.quick else FULL,
-        args.warmup + args.repeats,
-        time.perf_counter(),
-    )
+    dims, n_rounds, started = TINY if args.quick else FULL, args.warmup + args.repeats, time.time()
     with torch.device("meta"):
-        params = sum(
-            p.numel() for p in transformers.LlamaForCausalLM(llama_config(dims)).parameters()
-        )
+        params = transformers.LlamaForCausalLM(llama_config(dims)).num_parameters()
     progress(f"Llama of {params:,} parameters ({4 * params / 2**20:,.0f} MiB fp32)")
     with work_directory("pretrained-load-", args.keep, args.workdir) as work:
         base = {"dims": dims, "model_dir": str(work / "model"), "threads": args.threads}
-        base.update(imports=IMPORTS, mmap_threshold=args.mmap_threshold)
+        base.update(imports=["transformers", "zero3_offload"], mmap_threshold=args.mmap_threshold)
         saved = launch("suites.pretrained_load:save", base, work / "save", torchrun=False)
         if not saved["ok"]:
             progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
             return None
 
         def one(e: dict[str, Any]) -> dict[str, Any]:
-            case = CASES[e["key"]]
-            kw = {"world": WORLD, "timeout_s": args.timeout, "sample_s": SAMPLE_S}
-            return launch(
-                f"suites.pretrained_load:{case}", base, work / f"round{e['round']}-{case}", **kw
-            )
+            kw, case = {"world": WORLD, "timeout_s": args.timeout}, CASES[e["key"]]
+            run_dir = work / f"round{e['round']}-{case}"
+            return launch(f"suites.pretrained_load:{case}", base, run_dir, sample_s=SAMPLE_S, **kw)
 
-        runs = run_plan(
-            plan(list(CASES), n_rounds), one, lambda r: f"load {r['ranks'][0]['load_s']:.1f} s"
-        )
-        decoded = launch(
-            "suites.pretrained_load:generate", base, work / "generate", world=WORLD, timeout_s=900
-        )
+        describe = lambda r: f"load {r['ranks'][0]['load_s']:.1f} s"  # noqa: E731
+        runs = run_plan(plan(list(CASES), n_rounds), one, describe)
     if not any(r["ok"] for r in runs):
         return None
-    measured = [
-        {r["key"]: r for r in runs if r["round"] == i} for i in range(args.warmup, n_rounds)
-    ]
-    config = {
-        "world_size": WORLD,
-        "dims": dims,
-        "threads_per_rank": args.threads,
-        "repeats": args.repeats,
-    }
-    config.update(
-        warmup=args.warmup, sample_ms=SAMPLE_S * 1000, malloc_mmap_threshold=args.mmap_threshold
-    )
-    config.update(transformers_version=transformers.__version__)
-    model = {"params": params, "fp32_bytes": 4 * params, **saved["ranks"][0]}
+    measured = [{r["key"]: r for r in runs if r["round"] == i} for i in range(n_rounds)]
+    measured = measured[args.warmup :]
+    config = {"world_size": WORLD, "dims": dims, "threads_per_rank": args.threads}
+    config.update(repeats=args.repeats, warmup=args.warmup, sample_ms=SAMPLE_S * 1000)
+    config["malloc_mmap_threshold"] = args.mmap_threshold
+    config["transformers_version"] = transformers.__version__
     first = next((c[OURS]["ranks"][0] for c in measured if c.get(OURS, {}).get("ok")), {})
-    name = (
-        "pretrained-load"
-        + ("-quick" if args.quick else "")
-        + ("-mmap" if args.mmap_threshold is not None else "")
-    )
-    return {
-        "benchmark": name,
-        "config": config,
-        "model": model,
-        "rows": rows(measured, WORLD, 4 * params),
-        "model_state_bytes": first.get("model_state_bytes"),
-        "generate": decoded["ranks"][0] if decoded["ok"] else None,
-        "failed": [f"{r['key']} (round {r['round']}): {r['error']}" for r in runs if not r["ok"]],
-        "total_wall_s": time.perf_counter() - started,
-    }
+    out = {"benchmark": "pretrained-load" + "-mmap" * (args.mmap_threshold is not None)}
+    out["config"], out["model"] = config, {"params": params, "fp32_bytes": 4 * params}
+    out["model"].update(saved["ranks"][0])
+    out.update(rows=rows(measured, 4 * params), model_state_bytes=first.get("model_state_bytes"))
+    out["failed"] = [f"{r['key']} (round {r['round']}): {r['error']}" for r in runs if not r["ok"]]
+    return {**out, "total_wall_s": time.time() - started}
 
 
 def notes(p: dict[str, Any]) -> list[str]:
-    cfg, model, dims, gen = p["config"], p["model"], p["config"]["dims"], p.get("generate")
+    cfg, model, dims = p["config"], p["model"], p["config"]["dims"]
     files = ", ".join(f"{n} {size:,} B" for n, size in model["files"].items())
-    mmap = cfg["malloc_mmap_threshold"] or "default"
     out = [
         f"model: transformers LlamaForCausalLM, hidden {dims['d']}, MLP {dims['ffn']}, "
         f"{dims['n_layers']} decoder layers, {dims['heads']} heads, {dims['kv_heads']} KV heads, "
@@ -271,20 +195,13 @@ def notes(p: dict[str, Any]) -> list[str]:
         f"{files}, read from the page cache.",
         f"{cfg['world_size']} fresh processes per case, {cfg['threads_per_rank']} torch thread(s) "
         f"each; medians of {cfg['repeats']} round(s) after {cfg['warmup']} unmeasured, cases "
-        f"interleaved; glibc mmap threshold {mmap}; peak anon sampled every {cfg['sample_ms']:g} "
-        "ms from outside. Cases and columns as docs/benchmarks.md (pretrained-load) defines them.",
+        f"interleaved; glibc mmap threshold {cfg['malloc_mmap_threshold'] or 'default'}; peak anon "
+        f"sampled every {cfg['sample_ms']:g} ms from outside. Cases and columns as "
+        "docs/benchmarks.md (pretrained-load) defines them.",
     ]
-    if ms := p.get("model_state_bytes"):
+    if ms := p["model_state_bytes"]:
         out.append(f"{OURS}: model state counted after loading: {ms / 2**20:,.0f} MiB.")
-    if gen:
-        on, off = gen["keep_gathered=True"], gen["keep_gathered=False"]
-        out.append(
-            f"generate (rank 0, 2 ranks, the loaded model, default config: budget "
-            f"{gen['budget_bytes'] / 2**20:,.0f} MiB): greedy, 16 new tokens after 16, {on:.2f} "
-            f"tokens/s with units kept gathered between decoding steps vs {off:.2f} tokens/s "
-            f"gathering them at every step ({on / off:.2f}x); same tokens: {gen['same_tokens']}."
-        )
-    return out + (["FAILED: " + "; ".join(p["failed"])] if p.get("failed") else [])
+    return out + (["FAILED: " + "; ".join(p["failed"])] if p["failed"] else [])
 
 
 NOTES = [notes]

@@ -21,57 +21,49 @@ PLOT = Path(__file__).resolve().parents[2] / "docs" / "scaling.png"
 TORCH = "torch"
 # name: d, heads, blocks, warm-up and timed steps (seq 128, global batch 8). Blocks hold
 # 12 d² + 10 d parameters; 20M and 300M are the peers suite's small and large models.
-SIZES = {
-    "5M": (256, 4, 6, 2, 8),
-    "20M": (512, 8, 6, 2, 6),
-    "80M": (768, 12, 11, 1, 5),
-    "300M": (1024, 16, 24, 1, 4),
-}
-QUICK_SIZES = {
-    "q20k": (32, 2, 1, 1, 4),
-    "q60k": (64, 2, 1, 1, 4),
-    "q120k": (64, 2, 2, 1, 4),
-    "q400k": (128, 4, 2, 1, 4),
-}
+SIZES = {"5M": (256, 4, 6, 2, 8), "20M": (512, 8, 6, 2, 6), "80M": (768, 12, 11, 1, 5)}
+SIZES["300M"] = (1024, 16, 24, 1, 4)
+QUICK_SIZES = {"q20k": (32, 2, 1, 1, 4), "q60k": (64, 2, 1, 1, 4), "q120k": (64, 2, 2, 1, 4)}
+QUICK_SIZES["q400k"] = (128, 4, 2, 1, 4)
 TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 OPTIONS = {
     "--sizes": {"help": f"subset of {', '.join(SIZES)} (quick: {', '.join(QUICK_SIZES)})"},
-    "--worlds": {"default": "1,2,4", "help": "numbers of gloo ranks of ours (1,2,4)"},
+    "--worlds": {"type": lambda s: sorted({int(w) for w in s.split(",")}), "default": [1, 2, 4]},
     "--torch-threads": {"type": int, "help": "plain torch's threads (default: --threads)"},
     "--plot": {"type": Path, "metavar": "PNG", "help": "plot path (docs/scaling.png; quick: none)"},
     "--no-plot": {"action": "store_true", "help": "write no plot"},
 }
 DEFAULTS = {"threads": 1, "timeout": 1800.0, "rounds": 1, "seed": 0}  # steps: the size's
 QUICK = {"timeout": 300.0}
+# fmt: off
 DETAIL = [
-    Col("size", "size"),
-    Col("system", "label"),
-    Col("ranks x threads", "ranks"),
-    Col("median step s", "median_step_s", ".3f"),
-    Col("vs torch", "median_step_s", "x", TORCH),
+    Col("size", "size"), Col("system", "label"), Col("ranks x threads", "ranks"),
+    Col("median step s", "median_step_s", ".3f"), Col("vs torch", "median_step_s", "x", TORCH),
     Col("speed-up vs N=1", "median_step_s", "/x", "one"),
-    Col("CPU s / step", "median_cpu_s", ".3f"),
-    Col("vs torch", "median_cpu_s", "x", TORCH),
+    Col("CPU s / step", "median_cpu_s", ".3f"), Col("vs torch", "median_cpu_s", "x", TORCH),
     Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
     Col("vs torch", "peak_rss_bytes", "x", TORCH),
     Col("sum of rank peaks MiB", "sum_peak_rss_bytes", "mib"),
     Col("RSS after build MiB", "built_rss_bytes", "mib"),
     Col("model state / rank MiB", "model_state_bytes", "mib1"),
-    Col("vs torch", "model_state_bytes", "x", TORCH),
-    Col("loss max |diff| vs torch", "loss"),
+    Col("vs torch", "model_state_bytes", "x", TORCH), Col("loss max |diff| vs torch", "loss"),
     Col("runs", "runs", "d"),
 ]
 RUNS = [
-    Col("#", "{index}"),
-    Col("round", "round", "d"),
-    Col("size", "size"),
-    Col("system", "label"),
-    Col("load avg", "load", ".2f"),
-    Col("median step s", "median_step_s", ".3f", missing="FAILED"),
-    Col("CPU s / step", "cpu_s", ".3f"),
-    Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
+    Col("#", "{index}"), Col("round", "round", "d"), Col("size", "size"), Col("system", "label"),
+    Col("load avg", "load", ".2f"), Col("median step s", "median_step_s", ".3f", missing="FAILED"),
+    Col("CPU s / step", "cpu_s", ".3f"), Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
     Col("run wall s", "wall_s", ".1f"),
 ]
+PIVOTS = [  # field, scale, format, the paragraph above the table
+    ("median_step_s", 1.0, ".3f", "Median step time, s (ratio to plain torch at the same size; "
+     "<1 is faster):"),
+    ("peak_rss_bytes", MIB, ",.0f", "Peak RSS per rank, MiB (max over ranks; ratio to plain "
+     "torch's one process):"),
+    ("model_state_bytes", MIB, ",.1f", "Model state per rank, MiB (counted from tensors; ratio to "
+     "plain torch):"),
+]
+# fmt: on
 
 
 def check(args: Any) -> str | None:
@@ -79,136 +71,92 @@ def check(args: Any) -> str | None:
     names = args.sizes.split(",") if args.sizes else list(table)
     if unknown := [n for n in names if n not in table]:
         return f"unknown sizes {unknown}; known: {', '.join(table)}"
-    try:
-        args.world_list = sorted({int(w) for w in args.worlds.split(",")})
-    except ValueError:
-        return f"--worlds must be comma-separated integers, not {args.worlds!r}"
-    if bad := [n for n in args.world_list if n < 1 or 8 % n]:
+    if bad := [n for n in args.worlds if n < 1 or 8 % n]:
         return f"the global batch of 8 does not split over {bad} ranks"
     args.size_table = {}
-    for name in names:
-        d, heads, blocks, warmup, repeats = table[name]
-        warmup = warmup if args.warmup is None else args.warmup
-        repeats = args.repeats or repeats
+    for name, (d, heads, blocks, warmup, repeats) in ((n, table[n]) for n in names):
+        warmup, repeats = warmup if args.warmup is None else args.warmup, args.repeats or repeats
         if warmup < 0 or warmup + repeats < train.LOSS_STEPS:
             return f"need --warmup >= 0, --warmup + --repeats >= {train.LOSS_STEPS} (loss check)"
-        seq = 32 if args.quick else 128
-        dims = dict(d=d, heads=heads, n_layers=blocks, seq=seq, global_batch=8)
+        dims = dict(
+            d=d, heads=heads, n_layers=blocks, seq=32 if args.quick else 128, global_batch=8
+        )
         args.size_table[name] = {**dims, "warmup": warmup, "timed_steps": repeats}
     args.torch_threads = args.torch_threads or args.threads
-    if min(args.threads, args.torch_threads, args.rounds) < 1:
-        return "--threads, --torch-threads and --rounds must be >= 1"
     args.plot_path = None if args.no_plot else args.plot or (None if args.quick else PLOT)
     return None
 
 
-def by_size(runs: list[dict], config: dict[str, Any]) -> dict[str, Any]:
-    """Per size: its parameters, the systems' summaries and their loss check against plain
-    torch (none without a plain-torch run)."""
-    out = {}
-    for name, size in config["sizes"].items():
-        got = train.summarize(runs, config["systems"], name)
-        if TORCH not in got["systems"]:
-            got["agreement"] = None
-        out[name] = {"params": size["params"], **got}
-    return out
-
-
-def losses_agree(p: dict[str, Any]) -> bool:
-    """Whether every planned size and system ran and passed the loss check."""
-    planned = len(p["config"]["systems"])
-    return all(
-        b["agreement"] and b["agreement"]["agree"] and len(b["systems"]) == planned
-        for b in p["sizes"].values()
-    )
-
-
 def run(args: Any) -> dict[str, Any]:
     systems = {TORCH: peers.SYSTEMS["torch"]}
-    for n in args.world_list:
+    for n in args.worlds:
         systems[f"ours_n{n}"] = System(f"zero3_offload N={n}", "zero3_offload", n, {})
-    sizes = {
-        n: {**s, "params": sum(workload.layer_params(s).values())}
-        for n, s in args.size_table.items()
-    }
+    table = args.size_table
+    sizes = {n: {**s, "params": sum(workload.layer_params(s).values())} for n, s in table.items()}
     threads = {k: args.torch_threads if k == TORCH else args.threads for k in systems}
     started = time.perf_counter()
     runs = train.train_runs(args, systems, sizes, threads)
-    config = {
-        "model": workload.MODEL,
-        "sizes": sizes,
-        "worlds": args.world_list,
-        "threads_per_rank": args.threads,
-        "torch_threads": args.torch_threads,
-        "rounds": args.rounds,
-        "lr": train.LR,
-        "weight_decay": train.WEIGHT_DECAY,
-        "seed": args.seed,
-        "malloc_mmap_threshold": args.mmap_threshold,
-        "corpus": workload.corpus_info(),
-        "systems": {k: s._asdict() for k, s in systems.items()},
+    config = {"model": workload.MODEL, "sizes": sizes, "worlds": args.worlds}
+    config.update(threads_per_rank=args.threads, torch_threads=args.torch_threads)
+    config["rounds"] = args.rounds
+    config.update(lr=train.LR, weight_decay=train.WEIGHT_DECAY, seed=args.seed)
+    config.update(malloc_mmap_threshold=args.mmap_threshold, corpus=workload.corpus_info())
+    config["systems"] = {k: s._asdict() for k, s in systems.items()}
+    by_size = {}
+    for name, size in sizes.items():  # no loss check without a plain-torch run
+        got = train.summarize(runs, config["systems"], name)
+        got["agreement"] = got["agreement"] if TORCH in got["systems"] else None
+        by_size[name] = {"params": size["params"], **got}
+    done = [b for b in by_size.values() if len(b["systems"]) == len(systems) and b["agreement"]]
+    agree = len(done) == len(by_size) and all(b["agreement"]["agree"] for b in done)
+    return {
+        "benchmark": "scaling" + "-mmap" * bool(args.mmap_threshold),
+        "config": config,
+        "sizes": by_size,
+        "runs": [train.run_row(r) for r in runs],
+        "total_wall_s": time.perf_counter() - started,
+        "failed": [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]],
+        "losses_agree": agree,
     }
-    p = {"config": config, "sizes": by_size(runs, config), "runs": [train.run_row(r) for r in runs]}
-    p["total_wall_s"] = time.perf_counter() - started
-    p["failed"] = [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]]
-    name = ("scaling-quick" if args.quick else "scaling") + ("-mmap" if args.mmap_threshold else "")
-    return {"benchmark": name, **p, "losses_agree": losses_agree(p)}
 
 
 def layout(p: dict[str, Any]) -> list:
-    systems, cores = p["config"]["systems"], p["machine"]["usable_cores"] or 1
-
-    def pivot(field: str, scale: float, digits: str) -> tuple:
-        """``field`` per size (rows) and system (columns), with its ratio to plain torch's."""
+    systems, cores = p["config"]["systems"], p["machine"]["usable_cores"]
+    blocks, heads = [], [Col(s["label"], k) for k, s in systems.items()]
+    for field, scale, digits, title in PIVOTS:  # per size (rows) and system, ratio to torch's
         rows = []
         for name, b in p["sizes"].items():
-            per, base = b["systems"], b["systems"].get(TORCH, {}).get(field)
-            row = {"size": name, "params": f"{b['params']:,}"}
-            for key, s in per.items():
-                row[key] = f"{s[field] / scale:{digits}}"
-                row[key] += "" if key == TORCH else f" ({ratio(s[field], base)})"
-            rows.append(row)
-        columns = [Col("size", "size"), Col("params", "params")]
-        return [*columns, *(Col(s["label"], key) for key, s in systems.items())], rows
-
+            base = b["systems"].get(TORCH, {}).get(field)
+            rows.append({"size": name, "params": f"{b['params']:,}"})
+            for key, s in b["systems"].items():
+                cell = f"{s[field] / scale:{digits}}"
+                rows[-1][key] = cell if key == TORCH else f"{cell} ({ratio(s[field], base)})"
+        blocks += [title, ([Col("size", "size"), Col("params", "params"), *heads], rows)]
     detail = []
     for name, b in p["sizes"].items():
-        for key, s in b["systems"].items():
+        per = b["systems"]
+        for key, s in per.items():
             over = " (oversubscribed)" if s["world_size"] * s["threads_per_rank"] > cores else ""
-            loss = "no reference" if b["agreement"] is None else f"{s['loss_max_diff']:.1e}"
-            loss += "" if b["agreement"] is None or s["loss_finite"] else " (not finite)"
-            ranks = f"{s['world_size']} x {s['threads_per_rank']}{over}"
-            detail.append(
-                {
-                    **s,
-                    "size": name,
-                    "ranks": ranks,
-                    "loss": loss,
-                    TORCH: b["systems"].get(TORCH, {}),
-                }
+            row = {**s, "size": name, "ranks": f"{s['world_size']} x {s['threads_per_rank']}{over}"}
+            row["loss"] = "no reference"
+            if b["agreement"] is not None:
+                row["loss"] = f"{s['loss_max_diff']:.1e}" + " (not finite)" * (not s["loss_finite"])
+            row.update(
+                {TORCH: per.get(TORCH, {}), "one": per.get("ours_n1", {}) if key != TORCH else {}}
             )
-            detail[-1]["one"] = (
-                b["systems"]["ours_n1"] if key != TORCH and "ours_n1" in b["systems"] else {}
-            )
+            detail.append(row)
     runs = [{**r, "index": r["index"] + 1, "label": systems[r["key"]]["label"]} for r in p["runs"]]
+    blocks += ["All figures:", (DETAIL, detail)]
     return [
-        "Median step time, s (ratio to plain torch at the same size; <1 is faster):",
-        pivot("median_step_s", 1.0, ".3f"),
-        "Peak RSS per rank, MiB (max over ranks; ratio to plain torch's one process):",
-        pivot("peak_rss_bytes", MIB, ",.0f"),
-        "Model state per rank, MiB (counted from tensors; ratio to plain torch):",
-        pivot("model_state_bytes", MIB, ",.1f"),
-        "All figures:",
-        (DETAIL, detail),
+        *blocks,
         "Runs in the order they ran (1-minute load average at each run's start):",
         (RUNS, runs),
     ]
 
 
 def oversubscribed(p: dict[str, Any]) -> str:
-    cores, threads = p["machine"]["usable_cores"] or 1, p["config"]["threads_per_rank"]
-    over = ", ".join(str(n) for n in p["config"]["worlds"] if n * threads > cores)
-    if not over:
+    cores, threads = p["machine"]["usable_cores"], p["config"]["threads_per_rank"]
+    if not (over := ", ".join(str(n) for n in p["config"]["worlds"] if n * threads > cores)):
         return f"Machine: {cores} usable cores. No configuration is oversubscribed."
     return (
         f"Machine: {cores} usable cores. N={over} runs more busy threads than cores "
@@ -244,14 +192,8 @@ NOTES = [
         + ("" if p["losses_agree"] else " (or a system has no run to check)")
         + "."
     ),
-    lambda p: (
-        "glibc malloc: "
-        + (
-            f"MALLOC_MMAP_THRESHOLD_={m}"
-            if (m := p["config"]["malloc_mmap_threshold"])
-            else "defaults"
-        )
-        + " in every process."
+    lambda p: "glibc malloc: {} in every process.".format(
+        f"MALLOC_MMAP_THRESHOLD_={m}" if (m := p["config"]["malloc_mmap_threshold"]) else "defaults"
     ),
     "Whole benchmark {total_wall_s:.0f} s wall.",
 ]
@@ -264,23 +206,21 @@ def plot(p: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cores = p["machine"]["usable_cores"] or 1
+    cores, fields = p["machine"]["usable_cores"], (("median_step_s", 1), ("peak_rss_bytes", MIB))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for key, system in p["config"]["systems"].items():
         label = system["label"]
-        if key != TORCH and system["world"] > cores:
-            label += f" ({system['world']} ranks on {cores} cores)"
+        label += f" ({system['world']} ranks on {cores} cores)" * (
+            key != TORCH and system["world"] > cores
+        )
         pts = [(b["params"], b["systems"][key]) for b in p["sizes"].values() if key in b["systems"]]
         style = (
             {"color": "k", "linestyle": "--", "marker": "s"} if key == TORCH else {"marker": "o"}
         )
-        for ax, (field, scale) in zip(
-            axes, (("median_step_s", 1), ("peak_rss_bytes", MIB)), strict=True
-        ):
+        for ax, (field, scale) in zip(axes, fields, strict=True):
             ax.plot([n for n, _ in pts], [s[field] / scale for _, s in pts], label=label, **style)
-    for ax, y_label in zip(
-        axes, ("median step time (s)", "peak RSS per rank (MiB, VmHWM)"), strict=True
-    ):
+    y_labels = ("median step time (s)", "peak RSS per rank (MiB, VmHWM)")
+    for ax, y_label in zip(axes, y_labels, strict=True):
         ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel=y_label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
