@@ -1,11 +1,6 @@
-"""The ``zero3-offload train`` job as a user runs it, for the suites that measure the CLI (soak,
-wire): one builder of the command, run by the job runner and sampled from outside, and the
-ranks' JSON logs read with ``zero3_offload.analyze``.
-
-The job's rank processes are found from outside: the descendants of the job that hold
-``logs/rank<r>.jsonl`` open. The events ``analyze`` does not parse (``train_step``,
-``train_done``, the ``collectives`` of a ``step`` event) are read from the same JSON lines.
-"""
+"""The ``zero3-offload train`` job as a user runs it (soak, wire): its command, run by the job
+runner, its ranks (the descendants holding ``logs/rank<r>.jsonl`` open) sampled from outside,
+and their JSON logs read with ``zero3_offload.analyze`` (and the lines it does not parse)."""
 
 from __future__ import annotations
 
@@ -87,9 +82,8 @@ def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = N
 
 
 def read_log(path: Path) -> dict[str, Any]:
-    """One rank's log: its ``step`` records (analyze's :class:`StepRecord`, and each one's
-    ``collectives``), its count of ``work`` records, each ``train_step`` event's step, loss and
-    seconds, the ``train_done`` event, and the file's size."""
+    """One rank's log: its ``step`` records and their ``collectives``, its count of ``work``
+    records, each ``train_step``'s step, loss and seconds, ``train_done``, the file's size."""
     out: dict[str, Any] = {"steps": [], "collectives": [], "work": 0, "train": [], "done": None}
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:

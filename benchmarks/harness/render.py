@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 MIB = 2**20
 
@@ -186,8 +188,6 @@ def write(out: Path, payload: Mapping[str, Any], suite: Any) -> Path:
 def machine_info(threads: int | None = None) -> dict[str, Any]:
     """What the numbers are measured on, and when (also said on stderr); first sets torch's
     threads when given (the line then shows what the measured processes run with)."""
-    import torch
-
     if threads:
         torch.set_num_threads(threads)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

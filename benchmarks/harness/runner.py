@@ -1,12 +1,8 @@
 """The one job runner: every measured job in fresh processes, watched from outside, bounded in
-time and cleaned up; and the plan that orders a suite's runs.
-
-:class:`Processes` starts commands, each in its own session, waits until they exit, one fails or
-the deadline passes, and kills the groups it started. :func:`launch` runs a suite's ``target``
-(``module:function``) on ``world`` rank processes (``python -m harness.runner SPEC.json``, with
-torchrun's environment and the spec's threads); in the child :func:`rank_main` calls it and
-writes what it returns, with the rank's marks, to ``result-rank<r>.json``. CLI jobs
-(``zero3-offload train``) run through :mod:`harness.job`.
+time and cleaned up (:class:`Processes`); :func:`launch` runs a suite's ``target``
+(``module:function``) on rank processes (``python -m harness.runner SPEC.json``), where
+:func:`rank_main` writes what it returns, with the rank's marks, to ``result-rank<r>.json``; and
+the plan that orders a suite's runs.
 """
 
 from __future__ import annotations
@@ -28,6 +24,8 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from harness.sampler import Sampler, mark
 
@@ -90,32 +88,23 @@ def tail(path: Path, lines: int = 15) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
-def launch(
-    target: str,
-    spec: dict[str, Any],
-    run_dir: Path,
-    *,
-    world: int = 1,
-    torchrun: bool = True,
-    timeout_s: float = 900.0,
-    sample_s: float | None = None,
-) -> dict[str, Any]:
-    """Run ``target`` on ``world`` fresh ranks with the spec's ``threads`` (1) and glibc's
-    ``mmap_threshold``, their peaks sampled from outside every ``sample_s``: ``{"ok", "ranks",
+def launch(target: str, spec: dict[str, Any], run_dir: Path, world: int = 1, **kw: Any) -> dict:
+    """Run ``target`` on ``world`` fresh ranks (with torchrun's environment unless ``torchrun`` is
+    False) with the spec's ``threads`` (1) and glibc's ``mmap_threshold``, for at most
+    ``timeout_s`` (900), their peaks sampled from outside every ``sample_s``: ``{"ok", "ranks",
     "wall_s", ...}`` or the error."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"threads": 1, **spec, "target": target, "out_dir": str(run_dir)}
     (run_dir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
-    threads = str(spec["threads"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS"), str(spec["threads"])))
     extensions = Path(tempfile.gettempdir()) / "zero3_offload_peers_torch_extensions"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))  # DeepSpeed's compiled ops
     if spec.get("mmap_threshold") is not None:  # glibc mmaps blocks this large, returns them
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
     ranks: list[dict[str, str]] = [{} for _ in range(world)]
-    if torchrun:
+    if kw.get("torchrun", True):
         with socket.socket() as s:  # a port free a moment ago
             s.bind(("127.0.0.1", 0))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
@@ -123,23 +112,21 @@ def launch(
         ranks = [dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(r)) for r in range(world)]
     command = [sys.executable, "-m", "harness.runner", str(run_dir / "spec.json")]
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
-    sampler = Sampler(sample_s) if sample_s else None
-    load, t0 = list(os.getloadavg()), time.perf_counter()
+    sampler = Sampler(kw["sample_s"]) if kw.get("sample_s") else None
+    run, t0 = {"load_average_at_start": list(os.getloadavg()), "ranks": []}, time.perf_counter()
     try:
         with Processes([(command, {**env, **r}) for r in ranks], logs) as procs:
             for r, p in enumerate(procs.procs if sampler else []):
                 sampler.watch(r, p.pid)
-            error = procs.wait(timeout_s)
+            error = procs.wait(kw.get("timeout_s", 900.0))
     finally:
         if sampler:
             sampler.stop()
-    run: dict[str, Any] = {"ok": error is None, "ranks": [], "wall_s": time.perf_counter() - t0}
-    run["load_average_at_start"] = load
+    run.update(ok=error is None, wall_s=time.perf_counter() - t0)
     for r in range(world):
         if (path := run_dir / f"result-rank{r}.json").exists():
             run["ranks"].append(json.loads(path.read_text(encoding="utf-8")))
-            if sampler:
-                run["ranks"][-1]["sampled_peak_bytes"] = sampler.peaks.get(r, {})
+            run["ranks"][-1]["sampled_peak_bytes"] = sampler.peaks.get(r, {}) if sampler else {}
     if error is not None:
         run["error"] = error.replace("process", "rank")
         run["log_tails"] = {r: tail(path) for r, path in enumerate(logs)}
@@ -165,8 +152,6 @@ def load(target: str) -> Any:
 
 
 def rank_main(spec_path: str) -> None:
-    import torch
-
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     torch.set_num_threads(spec["threads"])
     for name in spec.get("imports", []):  # counted in the "imported" mark

@@ -1,7 +1,5 @@
-"""The one sampler: processes read from outside through ``/proc`` (memory, threads, open fds) by a
-thread at an interval, marks of a process's own memory and CPU time, the clock of a step's
-phases, and in-process cases timed round-robin.
-"""
+"""The one sampler: processes read from outside through ``/proc`` by a thread at an interval;
+a process's marks of its own memory and CPU time; a step's clock; in-process cases timed."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem", "Threads")
+FIELDS = ("VmHWM", "VmRSS", "RssAnon", "Threads")
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -26,9 +24,8 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 
 
 class Sampler:
-    """Processes (key -> pid, added with :meth:`watch`) sampled every ``interval_s``: each
-    figure's peak per key, and with ``keep`` every sample ``[t (epoch), VmRSS, RssAnon, Threads,
-    open fds]``."""
+    """Processes (key -> pid, :meth:`watch`) sampled every ``interval_s``: each figure's peak per
+    key, and with ``keep`` every sample ``[t (epoch), VmRSS, RssAnon, Threads, open fds]``."""
 
     def __init__(self, interval_s: float, *, keep: bool = False) -> None:
         self.interval_s, self.keep, self.pids = interval_s, keep, {}
@@ -67,8 +64,8 @@ def mark() -> dict[str, Any]:
 
 
 class StepClock:
-    """The phases of one step: ``phase(name)`` ends the current phase and starts ``name``; the
-    record has each phase's seconds, the step's and its CPU seconds (all threads)."""
+    """A step's phases: ``phase(name)`` ends the current one; :meth:`stop` gives each phase's
+    seconds, the step's and its CPU seconds (all threads)."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -97,8 +94,7 @@ def check_timing(args: Any) -> str | None:
 
 
 def time_interleaved(cases: Mapping[str, Callable], *, warmup: int, repeats: int) -> dict:
-    """Each case's ``{"median_s", "min_s", "max_s", "repeats"}``: ``repeats`` timed runs
-    round-robin after ``warmup`` untimed runs of each."""
+    """Each case's median, min and max seconds of ``repeats`` runs round-robin after ``warmup``."""
     for fn in [f for f in cases.values() for _ in range(warmup)]:
         fn()
     samples: dict[str, list[float]] = {name: [] for name in cases}

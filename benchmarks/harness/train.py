@@ -22,6 +22,7 @@ from harness.render import MIB
 from harness.runner import launch, plan, progress, run_plan, work_directory
 from harness.sampler import StepClock
 from harness.systems import SYSTEMS
+from zero3_offload.stats.performance import OperationStats
 
 LR, WEIGHT_DECAY = 3e-4, 0.01  # AdamW's, unless a suite's spec says otherwise
 LOSS_STEPS, LOSS_TOLERANCE = 5, 1e-3  # the first steps' losses of every system agree this well
@@ -37,7 +38,6 @@ def stats_delta(prev: Any, now: Any) -> dict[str, Any]:
     """What ``get_performance_stats()`` counted between two snapshots: collectives and transfers
     (``OperationStats``' fields), prefetch counters, optimizer seconds and the seconds of the new
     timeline intervals by kind and phase."""
-    from zero3_offload.stats.performance import OperationStats
 
     def since(a: dict, b: dict) -> dict:
         return {k: attrs.asdict(v.since(b.get(k, OperationStats()))) for k, v in a.items()}
@@ -66,7 +66,6 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
     model = workload.build(spec["dims"])
     rank.mark("model_built")
     await system.setup(model)
-    rank.mark("setup_done")
     stats = system.manager.get_performance_stats if spec.get("stats") else None
     prev, steps = stats() if stats else None, []
     for batch in workload.batches(spec["warmup"] + spec["steps"], spec["dims"], spec["seed"] + 1):
@@ -225,7 +224,7 @@ def summarize(
                 row[k] = median(max(map(get, r["ranks"])) for r in ok)
         sums = [sum(rk["peak_rss_bytes"] for rk in r["ranks"]) for r in ok]
         row["sum_peak_rss_bytes"] = median(sums)
-        row["model_state_bytes"] = max(rk["model_state"]["total"] for rk in ok[0]["ranks"])
+        row["model_state_bytes"] = max(rk["model_state"] for rk in ok[0]["ranks"])
         row.update(losses=losses[0], loss_spread=max(spread, default=0.0))
     if not out:
         return {"systems": {}, "agreement": None}

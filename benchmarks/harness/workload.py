@@ -1,8 +1,5 @@
-"""What every training suite trains: the library's ``GPT`` (its children are the layers), or with
-``dims["model"] == "llama"`` transformers' ``LlamaForCausalLM``, built after
-``torch.manual_seed(seed)``, on ``ByteCorpus`` windows (bytes as token ids); every system draws the
-same global batch at each step and a rank of N takes its contiguous 1/N of it.
-"""
+"""What every training suite trains: the library's ``GPT`` (its children are the layers) or
+transformers' ``LlamaForCausalLM``, on ``ByteCorpus`` windows (bytes as token ids)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_hea
 
 
 def build(dims: dict[str, Any]) -> torch.nn.Module:
-    """The GPT (a vocabulary above 256 leaves rows unused: the ids are bytes), or the Llama (its
-    loss from ``labels``) of ``dims``."""
+    """The GPT (a vocabulary above 256 leaves rows unused) or the Llama of ``dims``."""
     if dims.get("model") == "llama":
         from transformers import LlamaForCausalLM
 
@@ -33,8 +29,7 @@ def build(dims: dict[str, Any]) -> torch.nn.Module:
 
 
 def llama_config(dims: dict[str, Any], **extra: Any) -> Any:
-    """A transformers ``LlamaConfig`` of ``dims`` (untied head, no KV cache unless ``extra``
-    says otherwise)."""
+    """A ``LlamaConfig`` of ``dims`` (untied head, no KV cache unless ``extra`` says otherwise)."""
     from transformers import LlamaConfig
 
     sizes = dict(vocab_size=dims["vocab"], hidden_size=dims["d"], intermediate_size=dims["ffn"])
@@ -44,8 +39,7 @@ def llama_config(dims: dict[str, Any], **extra: Any) -> Any:
 
 
 def layer_params(dims: dict[str, Any]) -> dict[str, int]:
-    """Parameters per layer (the Llama's: per decoder layer, the rest as ``root``), counted on
-    the meta device: nothing is allocated."""
+    """Parameters per layer (the Llama: per decoder layer, the rest ``root``), counted on meta."""
     with torch.device("meta"):
         model = build(dims)
     llama = dims.get("model") == "llama"

@@ -1,8 +1,7 @@
 """Peak memory and wall time of consolidating a sharded checkpoint into one file.
 
-A ~285 MB model's checkpoint (saved on 2 gloo ranks) is consolidated to safetensors and to
-``.pt``, and the result naively loaded, each case in a fresh process sampled from outside, rounds
-interleaved.
+A ~285 MB model's checkpoint (2 gloo ranks) consolidated to safetensors and to ``.pt``, and the
+result naively loaded, each case a fresh process sampled from outside, rounds interleaved.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from harness.render import Col
 from harness.runner import launch, plan, progress, run_plan, work_directory
 from torch import nn
 
-from zero3_offload import consolidate_checkpoint
+import zero3_offload as z
 
 WORLD, SEED, SAMPLE_S, LN_AFTER = 2, 0, 0.002, (2, 5)  # a LayerNorm after fc2 and fc5
 FULL_WIDTHS = [2048, 3072, 4096, 4096, 3072, 2048, 2048, 3072, 2048]
@@ -67,10 +66,6 @@ NOTES = [
 # fmt: on
 
 
-def check(args: Any) -> str | None:
-    return "--warmup must be >= 0" if args.warmup < 0 else None
-
-
 def make_model(widths: list[int], seed: int) -> nn.Sequential:
     """Linear layers ``widths[i] -> widths[i+1]``, LayerNorms after :data:`LN_AFTER`; each layer
     seeded on its own, so the same call builds the same model anywhere."""
@@ -97,8 +92,6 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
 
 async def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Rank target: build the model, construct the manager and save a checkpoint at once."""
-    import zero3_offload as z
-
     group = await z.init_process_group_from_env("gloo")
     model = make_model(spec["widths"], SEED)
     ref = digests(model.state_dict()) if ctx.rank == 0 else None
@@ -114,7 +107,7 @@ def case(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     name, work, t0 = spec["case"], Path(spec["work"]), time.perf_counter()
     if name in ("stream", "pt"):
         out, fmt = (ST_FILE, "safetensors") if name == "stream" else (PT_FILE, "pt")
-        consolidate_checkpoint(spec["root"], work / out, fmt=fmt)
+        z.consolidate_checkpoint(spec["root"], work / out, fmt=fmt)
     elif name.startswith("naive"):
         kwargs = {"backend": "pread"} if name == "naive-pread" else {}
         state = safetensors.torch.load_file(str(work / ST_FILE), **kwargs)
@@ -140,12 +133,6 @@ def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str,
                 row[f"{key}_more"] = more = row[key] - out[0][key]
                 row.update({f"{key}_model": more / model, f"{key}_largest": more / largest})
     return out
-
-
-def load(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".pt":
-        return torch.load(path, weights_only=True)
-    return safetensors.torch.load_file(str(path))
 
 
 def run(args: Any) -> dict[str, Any] | None:
@@ -174,7 +161,8 @@ def run(args: Any) -> dict[str, Any] | None:
             return None
         paths = {"safetensors": work / ST_FILE, "pt": work / PT_FILE}
         outputs = {k: path.stat().st_size for k, path in paths.items()}
-        for state in map(load, paths.values()):
+        loads = [safetensors.torch.load_file(str(paths["safetensors"]))]
+        for state in [*loads, torch.load(paths["pt"], weights_only=True)]:
             with torch.device("meta"):  # each output, loaded strictly, equal to the model
                 make_model(widths, SEED + 1).load_state_dict(state, strict=True, assign=True)
             if digests(state) != saved["ranks"][0]["digests"]:

@@ -1,12 +1,7 @@
 """NVMe: the disk's bandwidth, and training with the optimizer state (and compute copies) on disk.
 
-In one run, under --nvme-path (a directory on the disk to measure): --disk-mib MiB written, then
-read, with O_DIRECT in 8 MiB pwritev/preadv calls, three times (the medians are the device's
-bandwidths here); then the GPT below on 2 gloo ranks, zero3_offload default with the optimizer
-state in memory and on disk, each also with the learning rate passed to backward_pass, and with
-the compute copies on disk too (offload_param_device nvme): step time, peak RSS, the disk traffic
-of a step per rank (the `disk_read` / `disk_write` transfers of get_performance_stats()), losses
-equal.
+Under --nvme-path: the disk's O_DIRECT bandwidth, then peers' comparison on 2 gloo ranks of the
+state in memory and on disk: step time, peak RSS, the disk traffic of a step, equal losses.
 """
 
 from __future__ import annotations
@@ -61,70 +56,59 @@ DISK = [
 
 
 def check(args: Any) -> str | None:
-    if min(args.disk_mib, args.batch, args.blocks, args.rounds, args.repeats) < 1:
-        return "--disk-mib, --batch, --blocks, --rounds and --repeats must be >= 1"
-    return f"--batch must divide over {WORLD} ranks" if args.batch % WORLD else None
+    if min(args.disk_mib, args.batch, args.blocks) < 1 or args.batch % WORLD:
+        return f"--disk-mib, --batch and --blocks must be >= 1, --batch divide over {WORLD} ranks"
+    return None
 
 
 def disk_bandwidth(directory: Path, nbytes: int) -> dict[str, Any]:
     """Write then read ``nbytes`` with O_DIRECT in CHUNK calls, three times: GB/s each way."""
-    buffer = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
-    buffer.write(os.urandom(CHUNK))
-    view, path, direct = (
-        memoryview(buffer),
-        directory / "disk-probe.bin",
-        getattr(os, "O_DIRECT", 0),
-    )
-    flags, gbs = os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, {"write": [], "read": []}
+    buffer, path, direct = mmap.mmap(-1, CHUNK), directory / "disk-probe.bin", os.O_DIRECT
+    buffer.write(os.urandom(CHUNK))  # an mmap is page-aligned, as O_DIRECT needs
+    view, flags = memoryview(buffer), os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    gbs: dict[str, list[float]] = {"write": [], "read": []}
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, flags | direct, 0o600)
     except OSError:  # no direct I/O on this filesystem: buffered, and said so
-        flags &= ~direct
-        fd = os.open(path, flags, 0o600)
+        fd, direct = os.open(path, flags, 0o600), 0
     try:
-        for _ in range(3):
-            for way, call in (("write", os.pwritev), ("read", os.preadv)):
-                start = time.perf_counter()
-                for offset in range(0, nbytes, CHUNK):
-                    call(fd, [view], offset)
-                if way == "write":
-                    os.fsync(fd)
-                gbs[way].append(nbytes / (time.perf_counter() - start) / 1e9)
+        for way, call in [("write", os.pwritev), ("read", os.preadv)] * 3:
+            start = time.perf_counter()
+            for offset in range(0, nbytes, CHUNK):
+                call(fd, [view], offset)
+            if way == "write":
+                os.fsync(fd)
+            gbs[way].append(nbytes / (time.perf_counter() - start) / 1e9)
     finally:
         os.close(fd)
         path.unlink()
         view.release()
         buffer.close()
-    out = {"direct": bool(flags & direct), "bytes": nbytes, "write_gbs": gbs["write"]}
-    out.update(read_gbs=gbs["read"], write_gbs_median=statistics.median(gbs["write"]))
-    return {**out, "read_gbs_median": statistics.median(gbs["read"])}
+    out = {"direct": bool(direct), "bytes": nbytes, **{f"{way}_gbs": v for way, v in gbs.items()}}
+    return {**out, **{f"{way}_gbs_median": statistics.median(v) for way, v in gbs.items()}}
 
 
 def disk_rows(part: dict[str, Any], runs: list[dict], disk: dict[str, Any]) -> dict[str, Any]:
     """Per system: rank 0's disk traffic per timed step (the median over runs), the seconds of
     its I/O calls, and the disk time those bytes need at the disk's bandwidths / the step's."""
-    out, steps = {}, part["config"]["steps"]
+    out, steps, median = {}, part["config"]["steps"], statistics.median
+
+    def per_step(transfers: list[dict], kind: str, field: str) -> float:
+        return sum(t.get(kind, {}).get(field, 0) for t in transfers) / steps
+
     for key, s in part["systems"].items():
         out[key] = row = {"label": s["label"]}
-        per_run = []  # rank 0's disk transfers over the timed steps: kind -> [seconds, bytes]
-        for r in (r for r in runs if r["ok"] and r["key"] == key):
-            timed = [st["stats"]["transfers"] for st in r["ranks"][0]["steps"][r["warmup"] :]]
-            kinds = {k for t in timed for k in t if k.startswith("disk")}
-            per_run.append(
-                {
-                    k: [sum(t[k][f] for t in timed if k in t) for f in ("time", "bytes")]
-                    for k in kinds
-                }
-            )
-        if not any(d.get("disk_read", [0, 0])[1] for d in per_run):  # in memory: no column of it
+        ok = [r for r in runs if r["ok"] and r["key"] == key]  # rank 0's, over the timed steps:
+        per_run = [[st["stats"]["transfers"] for st in train.timed(r)[0]] for r in ok]
+        if not any(per_step(t, "disk_read", "bytes") for t in per_run):  # in memory: no columns
             continue
         for kind in ("disk_read", "disk_write"):
-            row[f"{kind}_bytes"] = statistics.median(d[kind][1] / steps for d in per_run)
-            row[f"{kind}_s"] = statistics.median(d[kind][0] / steps for d in per_run)
-        io_s = row["disk_read_s"] + row["disk_write_s"]
+            row[f"{kind}_bytes"] = median(per_step(t, kind, "bytes") for t in per_run)
+            row[f"{kind}_s"] = median(per_step(t, kind, "time") for t in per_run)
+        io_s = row["io_s"] = row["disk_read_s"] + row["disk_write_s"]
         need = row["disk_read_bytes"] / (disk["read_gbs_median"] * 1e9)
         need += row["disk_write_bytes"] / (disk["write_gbs_median"] * 1e9)
-        row.update(io_s=io_s, need=need / s["median_step_s"])
+        row["need"] = need / s["median_step_s"]
         if io_s:
             row["gbs"] = (row["disk_read_bytes"] + row["disk_write_bytes"]) / io_s / 1e9
     return out
@@ -140,25 +124,15 @@ def run(args: Any) -> dict[str, Any] | None:
         progress(f"disk: {args.disk_mib} MiB written and read with O_DIRECT under {root}")
         disk = disk_bandwidth(work, args.disk_mib * 2**20)
         progress(
-            f"disk: write {disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} GB/s"
+            f"disk: write {disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f}"
         )
-        systems = {}
+        systems, tier = {}, {"nvme_path": str(work / "tier")}
         for key, (options, label) in SYSTEMS.items():
-            on_disk = (
-                {"nvme_path": str(work / "tier")} if "offload_optimizer_device" in options else {}
-            )
+            on_disk = tier if "offload_optimizer_device" in options else {}
             systems[key] = System(label, "zero3_offload", WORLD, {**options, **on_disk})
-        threads, spec = dict.fromkeys(systems, args.threads), {"stats": True}
-        part, runs = train.compare(
-            args,
-            systems,
-            dims,
-            threads,
-            spec=spec,
-            reference="ram",
-            world_size=WORLD,
-            nvme_path=str(root),
-        )
+        threads, config = dict.fromkeys(systems, args.threads), {"world_size": WORLD}
+        config.update(spec={"stats": True}, reference="ram", nvme_path=str(root))
+        part, runs = train.compare(args, systems, dims, threads, **config)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not part["systems"]:
@@ -175,14 +149,14 @@ def layout(p: dict[str, Any]) -> list:
         less = systems[b]["peak_rss_bytes"] - systems[a]["peak_rss_bytes"]
         rss = f"{mib(less)} MiB less" if less >= 0 else f"{mib(-less)} MiB more"
         ratios.append(
-            f"{systems[a]['label']}: {step:.3f}x the step in memory (goal <= {GOAL_STEP:.2f}x for a "
-            f"compute-bound step), peak RSS per rank "
+            f"{systems[a]['label']}: {step:.3f}x the step in memory (goal <= {GOAL_STEP:.2f}x for "
+            "a compute-bound step), peak RSS per rank "
             f"{systems[a]['peak_rss_bytes'] / systems[b]['peak_rss_bytes']:.2f}x ({rss})."
         )
     return [
         f"Disk under {p['config']['nvme_path']} (direct I/O: {disk['direct']}): write "
-        f"{disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} GB/s (median of 3 "
-        f"passes of {mib(disk['bytes'])} MiB in 8 MiB calls).",
+        f"{disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f} GB/s (median of "
+        f"3 passes of {mib(disk['bytes'])} MiB in 8 MiB calls).",
         (peers.system_columns({"in memory": "ram"}), systems),
         "Disk traffic per timed step, rank 0 (the library's `disk_read` / `disk_write` transfers):",
         (DISK, p["disk_rows"]),
@@ -192,9 +166,9 @@ def layout(p: dict[str, Any]) -> list:
 
 NOTES = [
     "GPT d={config[dims][d]}, {config[dims][n_layers]} blocks, vocabulary {config[dims][vocab]}, "
-    "seq {config[dims][seq]}, global batch {config[dims][global_batch]}: {config[params]:,} params; "
-    "2 gloo ranks x 1 thread; AdamW; {config[warmup]} warm-up + {config[steps]} timed steps, "
-    "{config[rounds]} rounds.",
+    "seq {config[dims][seq]}, global batch {config[dims][global_batch]}: {config[params]:,} "
+    "params; 2 gloo ranks x 1 thread; AdamW; {config[warmup]} warm-up + {config[steps]} timed "
+    "steps, {config[rounds]} rounds.",
     "Disk time needed = the step's bytes at the disk's measured read and write bandwidths; "
     "I/O call s = seconds inside preadv/pwritev (2 I/O threads per rank, which may overlap).",
     "Losses agree with the state in memory: {losses_agree}.",

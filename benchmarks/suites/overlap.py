@@ -1,8 +1,7 @@
 """Step time on 2 gloo ranks with async_prefetch on vs off, and how much communication shows.
 
-The same GPT, data and seed for both, runs alternating over rounds (ABBA); the change of the
-library's `get_performance_stats()` over every step gives compute, collective and exposed time
-and the prefetch hit rate.
+Runs alternate over rounds (ABBA); the change of `get_performance_stats()` over every step gives
+compute, collective and exposed time and the prefetch hit rate.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """zero3_offload vs FSDP2, FSDP2 + CPU offload, DeepSpeed ZeRO-3 offload and plain torch.
 
-The same GPT, initial weights, batches and AdamW in every system; each run fresh processes, the
-order rotated per round. ``--sweep-ours`` compares configurations of zero3_offload instead;
-``--device cuda`` runs the systems that support CUDA on one GPU, one rank each.
-Defaults per size (small; --quick; --large): rounds 3/2/1, warm-up 2/1/1, timed steps 6/5/4,
-timeout 900/300/3600 s.
+The same GPT, weights, batches and AdamW in every system, fresh processes per run, the order
+rotated per round; ``--sweep-ours``: zero3_offload's configurations; ``--device cuda``: one GPU.
+Defaults (small; --quick; --large): rounds 3/2/1, warm-up 2/1/1, timed steps 6/5/4, timeout
+900/300/3600 s.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from harness import train
 from harness.render import Col
 from harness.systems import System
@@ -28,23 +28,19 @@ def ours(label: str, **options: Any) -> System:
     return System(label, "zero3_offload", WORLD, options)
 
 
-LR_BWD, DEPTH1, SPEC = (
-    {"lr_in_backward": True},
-    {"prefetch_buffer_size": 1},
-    {"speculative_step": True},
-)
+LR_BWD, DEPTH1 = {"lr_in_backward": True}, {"prefetch_buffer_size": 1}
 NO_OFFLOAD = dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_states"), False)
 CLIP_NEVER, CLIP_ALWAYS = {"gradient_clipping": 1e6}, {"gradient_clipping": 1e-6}
+SPEC = {"speculative_step": True}
 FUSED, CKPT = {"fused": True}, {"activation_checkpointing": True}
+OFFLOAD = {**FUSED, "cpu_offload": True}
 PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
 SYSTEMS = {
     "torch": System("plain torch (1 process)", "torch", 1, FUSED),
     # ZeRO's compute and update split over the ranks with no communication (a bound, see Split)
     "torch_split": System("2 x plain torch, no communication (bound)", "split", WORLD, FUSED),
     "fsdp2": System("FSDP2", "fsdp2", WORLD, FUSED),
-    "fsdp2_offload": System(
-        "FSDP2 + CPUOffloadPolicy", "fsdp2", WORLD, {**FUSED, "cpu_offload": True}
-    ),
+    "fsdp2_offload": System("FSDP2 + CPUOffloadPolicy", "fsdp2", WORLD, OFFLOAD),
     "deepspeed": System("DeepSpeed ZeRO-3 offload", "deepspeed", WORLD, {}),
     "ours_default": ours("zero3_offload default"),
     "ours_fast": ours("zero3_offload tuned", **LR_BWD, **DEPTH1),
@@ -76,19 +72,13 @@ OPTIONS = {
     "--systems": {"help": f"comma-separated subset of {', '.join(SYSTEMS)} (or the sweep's)"},
     "--blocks": {"type": int, "help": "blocks instead of the size's; the name gets -<N>blocks"},
     "--vocab": {"type": int, "help": "the GPT's vocabulary (256: bytes); the name gets -vocab<N>"},
-    "--device": {
-        "default": "cpu",
-        "choices": ["cpu", "cuda"],
-        "help": "cuda: one GPU, 1 rank each",
-    },
+    "--device": {"default": "cpu", "choices": ["cpu", "cuda"], "help": "cuda: 1 GPU, 1 rank each"},
 }
 DEFAULTS = {"threads": 1, "seed": 0}  # and the size's (SIZES); plain torch gets 2x the threads
 TITLE = "zero3_offload vs peers ({size} model, same model, data and seed)"
 
 
 def check(args: Any) -> str | None:
-    import torch
-
     if args.quick and args.large:
         return "--quick and --large exclude each other"
     args.size = "quick" if args.quick else "large" if args.large else "small"
@@ -125,12 +115,8 @@ def run(args: Any) -> dict[str, Any] | None:
     name += "-mmap" * (args.mmap_threshold is not None)
     if not part["systems"]:
         return None
-    return {
-        "benchmark": name,
-        "size": args.size,
-        **part,
-        "losses_agree": part["agreement"]["agree"],
-    }
+    agree = part["agreement"]["agree"]
+    return {"benchmark": name, "size": args.size, **part, "losses_agree": agree}
 
 
 def system_columns(refs: dict[str, str]) -> list[Col]:
@@ -172,10 +158,10 @@ def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
         loads = [x["load"] for x in runs if "load" in x]
         rounds.append({"round": str(r), "order": " > ".join(x["key"] for x in runs)})
         rounds[-1]["load"] = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
-        rounds[-1].update(
-            {x["key"]: f"{x['median_step_s']:.3f} ({x['cpu_s']:.2f})" for x in runs if x["ok"]}
-        )
-    per_system = [Col(s["label"], key) for key, s in p["systems"].items()]
+        for x in (x for x in runs if x["ok"]):
+            rounds[-1][x["key"]] = f"{x['median_step_s']:.3f} ({x['cpu_s']:.2f})"
+    per_system = [Col("round", "round"), Col("order", "order"), Col("load avg", "load")]
+    per_system += [Col(s["label"], key) for key, s in p["systems"].items()]
     return [
         (system_columns(refs or {"FSDP2": "fsdp2", "torch": "torch"}), p["systems"]),
         f"Loss per step (global-batch mean; the first {k} steps of the first run; same initial "
@@ -183,23 +169,21 @@ def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
         ([*losses, Col("max spread between runs", "loss_spread", ".1e")], p["systems"]),
         "Per round: median step s of each run (CPU s / step of all ranks in parentheses) and the "
         "1-minute load average at the runs' starts; drift of the machine shows here:",
-        (
-            [Col("round", "round"), Col("order", "order"), Col("load avg", "load"), *per_system],
-            rounds,
-        ),
+        (per_system, rounds),
     ]
 
 
 def notes(p: dict[str, Any], model: str | None = None) -> list[str]:
     """The notes of a comparison; ``model`` replaces the GPT's description."""
-    cfg, dims, ag = p["config"], p["config"]["dims"], p["agreement"]
+    cfg, dims, ag, skipped = p["config"], p["config"]["dims"], p["agreement"], p["skipped"].values()
     mmap = cfg.get("malloc_mmap_threshold")
     malloc = f"MALLOC_MMAP_THRESHOLD_={mmap} in every rank of every system" if mmap else (
         "defaults (dynamic mmap threshold, up to 32 MiB) in every process")  # fmt: skip
     model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
         f"seq {dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
-        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest {cfg['largest_layer']:,})"
+        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest "
+        f"{cfg['largest_layer']:,})"
     )
     return [
         f"{model}; global batch {dims['global_batch']}, split evenly over the ranks; seed "
@@ -217,10 +201,7 @@ def notes(p: dict[str, Any], model: str | None = None) -> list[str]:
         f"Losses agree with {ag['reference']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
         f"steps: {ag['agree']} (max |diff| {ag['max_diff']:.2e}).",
         f"glibc malloc: {malloc}.",
-        *(
-            f"{'FAILED' if s['failed'] else 'SKIPPED'} {s['label']}: {s['why']}"
-            for s in p["skipped"].values()
-        ),
+        *(f"{'FAILED' * s['failed'] or 'SKIPPED'} {s['label']}: {s['why']}" for s in skipped),
         f"whole benchmark {p['total_wall_s']:.0f} s wall.",
     ]
 

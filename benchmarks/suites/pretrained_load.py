@@ -1,9 +1,7 @@
 """Peak memory and wall time of loading a ~350M-parameter transformers Llama on 2 ranks.
 
-The model is saved once as one fp32 model.safetensors in a temporary directory; then each case
-runs on 2 fresh processes: zero3_offload's ``Zero3CpuOffloadManager.from_pretrained`` (each rank
-reads only its shard's slices), and plain ``AutoModelForCausalLM.from_pretrained`` in each of the
-2 processes (what every rank does without the library). Rounds interleave the cases.
+From one saved fp32 model.safetensors, on 2 fresh processes per case, rounds interleaved:
+``Zero3CpuOffloadManager.from_pretrained`` vs ``AutoModelForCausalLM.from_pretrained`` in each.
 """
 
 from __future__ import annotations
@@ -14,10 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+import torch
 from harness.render import Col
 from harness.runner import launch, plan, progress, run_plan, work_directory
-from harness.sampler import proc_status
 from harness.workload import llama_config
+
+import zero3_offload as z
 
 WORLD, SAMPLE_S, SEED = 2, 0.002, 0
 FULL = dict(d=1024, ffn=2816, n_layers=24, heads=16, kv_heads=8, vocab=32000)
@@ -48,14 +49,11 @@ LAYOUT = [([
 
 
 def check(args: Any) -> str | None:
-    if importlib.util.find_spec("transformers") is None:
-        return "needs transformers (pip install transformers)"
-    return "--warmup must be >= 0" if args.warmup < 0 else None
+    return None if importlib.util.find_spec("transformers") else "needs transformers (pip install)"
 
 
 def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Launcher target: build the Llama (seeded) and save it as fp32 safetensors."""
-    import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(SEED)
@@ -70,34 +68,25 @@ def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Launcher target (a rank): the manager from the directory, default config (offload on);
     the bytes it read from its ``pretrained_loaded`` log event."""
-    import structlog
-
-    import zero3_offload as z
-
-    group = await z.init_process_group_from_env("gloo")
-    ctx.mark("group")
-    t0 = time.perf_counter()
+    group, t0 = await z.init_process_group_from_env("gloo"), time.perf_counter()
     with structlog.testing.capture_logs() as logs:
         config, path = z.Zero3CpuOffloadConfig(), spec["model_dir"]
         manager = z.Zero3CpuOffloadManager.from_pretrained(config, group, path)
     load_s = time.perf_counter() - t0
     ctx.mark("loaded")
-    after_load, stats = proc_status(), manager.get_memory_stats()  # RssAnon / RssFile at load
+    stats = manager.get_memory_stats()
     await manager.close()
     z.destroy_process_group()
     read = next(e["bytes_read"] for e in logs if e["event"] == "pretrained_loaded")
-    out = {"load_s": load_s, "status_after_load": after_load, "bytes_read": read}
-    shard = stats.master_param_bytes + stats.compute_copy_bytes
-    return {**out, "shard_bytes": shard, "model_state_bytes": stats.model_state_bytes()}
+    out = {"load_s": load_s, "bytes_read": read, "model_state_bytes": stats.model_state_bytes()}
+    return {**out, "shard_bytes": stats.master_param_bytes + stats.compute_copy_bytes}
 
 
 def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Launcher target (one of 2 processes): the whole model, as every rank loads it alone;
     then every weight read once and written once in place (marks ``read``, ``written``)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    ctx.mark("group")  # no group: the same mark as ours, for the table
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
     load_s = time.perf_counter() - t0
@@ -144,7 +133,6 @@ def rows(measured: list[dict[str, dict]], model_bytes: int) -> list[dict[str, An
 
 
 def run(args: Any) -> dict[str, Any] | None:
-    import torch
     import transformers
 
     dims, n_rounds, started = TINY if args.quick else FULL, args.warmup + args.repeats, time.time()

@@ -1,7 +1,7 @@
 """Step time and per-rank memory of zero3_offload vs model size and ranks; plain torch the baseline.
 
-At each size: zero3_offload on N = 1, 2, 4 gloo ranks and plain single-process torch, the global
-batch the same for every N; tables with ratios to plain torch, and the plot docs/scaling.png.
+At each size: zero3_offload on N = 1, 2, 4 gloo ranks and plain single-process torch; tables with
+ratios to plain torch, and the plot docs/scaling.png.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from suites import peers
 
 TITLE = "zero3_offload scaling: step time and memory vs model size and ranks"
 PLOT = Path(__file__).resolve().parents[2] / "docs" / "scaling.png"
-TORCH = "torch"
+TORCH, MARK = "torch", {"marker": "o"}  # MARK: ours in the plot
 # name: d, heads, blocks, warm-up and timed steps (seq 128, global batch 8). Blocks hold
 # 12 d² + 10 d parameters; 20M and 300M are the peers suite's small and large models.
 SIZES = {"5M": (256, 4, 6, 2, 8), "20M": (512, 8, 6, 2, 6), "80M": (768, 12, 11, 1, 5)}
@@ -73,14 +73,12 @@ def check(args: Any) -> str | None:
         return f"unknown sizes {unknown}; known: {', '.join(table)}"
     if bad := [n for n in args.worlds if n < 1 or 8 % n]:
         return f"the global batch of 8 does not split over {bad} ranks"
-    args.size_table = {}
+    args.size_table, seq = {}, 32 if args.quick else 128
     for name, (d, heads, blocks, warmup, repeats) in ((n, table[n]) for n in names):
         warmup, repeats = warmup if args.warmup is None else args.warmup, args.repeats or repeats
         if warmup < 0 or warmup + repeats < train.LOSS_STEPS:
             return f"need --warmup >= 0, --warmup + --repeats >= {train.LOSS_STEPS} (loss check)"
-        dims = dict(
-            d=d, heads=heads, n_layers=blocks, seq=32 if args.quick else 128, global_batch=8
-        )
+        dims = dict(d=d, heads=heads, n_layers=blocks, seq=seq, global_batch=8)
         args.size_table[name] = {**dims, "warmup": warmup, "timed_steps": repeats}
     args.torch_threads = args.torch_threads or args.threads
     args.plot_path = None if args.no_plot else args.plot or (None if args.quick else PLOT)
@@ -96,10 +94,9 @@ def run(args: Any) -> dict[str, Any]:
     threads = {k: args.torch_threads if k == TORCH else args.threads for k in systems}
     started = time.perf_counter()
     runs = train.train_runs(args, systems, sizes, threads)
-    config = {"model": workload.MODEL, "sizes": sizes, "worlds": args.worlds}
-    config.update(threads_per_rank=args.threads, torch_threads=args.torch_threads)
-    config["rounds"] = args.rounds
-    config.update(lr=train.LR, weight_decay=train.WEIGHT_DECAY, seed=args.seed)
+    config = {"model": workload.MODEL, "sizes": sizes, "worlds": args.worlds, "rounds": args.rounds}
+    config.update(threads_per_rank=args.threads, torch_threads=args.torch_threads, seed=args.seed)
+    config.update(lr=train.LR, weight_decay=train.WEIGHT_DECAY)
     config.update(malloc_mmap_threshold=args.mmap_threshold, corpus=workload.corpus_info())
     config["systems"] = {k: s._asdict() for k, s in systems.items()}
     by_size = {}
@@ -109,15 +106,10 @@ def run(args: Any) -> dict[str, Any]:
         by_size[name] = {"params": size["params"], **got}
     done = [b for b in by_size.values() if len(b["systems"]) == len(systems) and b["agreement"]]
     agree = len(done) == len(by_size) and all(b["agreement"]["agree"] for b in done)
-    return {
-        "benchmark": "scaling" + "-mmap" * bool(args.mmap_threshold),
-        "config": config,
-        "sizes": by_size,
-        "runs": [train.run_row(r) for r in runs],
-        "total_wall_s": time.perf_counter() - started,
-        "failed": [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]],
-        "losses_agree": agree,
-    }
+    out = {"benchmark": "scaling" + "-mmap" * bool(args.mmap_threshold), "config": config}
+    out.update(sizes=by_size, runs=[train.run_row(r) for r in runs], losses_agree=agree)
+    out["failed"] = [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]]
+    return {**out, "total_wall_s": time.perf_counter() - started}
 
 
 def layout(p: dict[str, Any]) -> list:
@@ -141,17 +133,12 @@ def layout(p: dict[str, Any]) -> list:
             row["loss"] = "no reference"
             if b["agreement"] is not None:
                 row["loss"] = f"{s['loss_max_diff']:.1e}" + " (not finite)" * (not s["loss_finite"])
-            row.update(
-                {TORCH: per.get(TORCH, {}), "one": per.get("ours_n1", {}) if key != TORCH else {}}
-            )
+            one = {} if key == TORCH else per.get("ours_n1", {})
+            row.update({TORCH: per.get(TORCH, {}), "one": one})
             detail.append(row)
     runs = [{**r, "index": r["index"] + 1, "label": systems[r["key"]]["label"]} for r in p["runs"]]
-    blocks += ["All figures:", (DETAIL, detail)]
-    return [
-        *blocks,
-        "Runs in the order they ran (1-minute load average at each run's start):",
-        (RUNS, runs),
-    ]
+    title = "Runs in the order they ran (1-minute load average at each run's start):"
+    return [*blocks, "All figures:", (DETAIL, detail), title, (RUNS, runs)]
 
 
 def oversubscribed(p: dict[str, Any]) -> str:
@@ -209,14 +196,10 @@ def plot(p: dict[str, Any], path: Path) -> None:
     cores, fields = p["machine"]["usable_cores"], (("median_step_s", 1), ("peak_rss_bytes", MIB))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for key, system in p["config"]["systems"].items():
-        label = system["label"]
-        label += f" ({system['world']} ranks on {cores} cores)" * (
-            key != TORCH and system["world"] > cores
-        )
+        over = key != TORCH and system["world"] > cores
+        label = system["label"] + f" ({system['world']} ranks on {cores} cores)" * over
         pts = [(b["params"], b["systems"][key]) for b in p["sizes"].values() if key in b["systems"]]
-        style = (
-            {"color": "k", "linestyle": "--", "marker": "s"} if key == TORCH else {"marker": "o"}
-        )
+        style = {"color": "k", "linestyle": "--", "marker": "s"} if key == TORCH else MARK
         for ax, (field, scale) in zip(axes, fields, strict=True):
             ax.plot([n for n, _ in pts], [s[field] / scale for _, s in pts], label=label, **style)
     y_labels = ("median step time (s)", "peak RSS per rank (MiB, VmHWM)")

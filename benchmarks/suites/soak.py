@@ -1,8 +1,7 @@
 """Soak: the default `zero3-offload train` job for 2,000 steps; RSS, threads and open fds per rank.
 
-The CLI runs as it is used, its ranks sampled from outside (VmRSS, RssAnon, Threads, open fds);
-each sample gets the rank's step at its time from the `step` events of its log. Goals after
-warm-up: RSS grows <= 1 %, the steady thread and fd counts stay the same.
+Ranks sampled from outside, each sample placed at its step by the log; goals after warm-up: RSS
+grows <= 1 %, the steady thread and fd counts stay the same.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from typing import Any
 from harness import job
 from harness.render import Col, mib
 from harness.runner import progress, work_directory
+
+import zero3_offload
 
 RSS_GOAL_PCT, ROWS = 1.0, 20  # ROWS: bins of the curve between the first step and the last
 TAKES = ["timeout", "keep"]
@@ -116,8 +117,6 @@ def curve(samples: list[list[list]], secs: list[float], steps: int) -> list[dict
 
 
 def run(args: Any) -> dict[str, Any] | None:
-    import zero3_offload
-
     argv = job.command(args.steps, args.threads, [])
     progress(f"zero3-offload train --steps {args.steps}, sampled every {args.sample_s:g} s")
     with work_directory("soak-", args.keep) as work:

@@ -1,10 +1,8 @@
 """Wire: the default `zero3-offload train` job with each compressed-collective option.
 
-One job (2 local gloo ranks, the 0.87M GPT, 300 steps) per option and seed: exact, bf16 and int8
-gathers, bf16 reduce-scatters, int8 + bf16, and exact with 2 torch threads (the noise floor:
-rounding alone). From the ranks' logs (zero3_offload.analyze): wire bytes and collective seconds
-per step, step time, final eval loss. Goal: each option's mean final loss over the seeds within
-1 % of exact's."""
+One job per option and seed (and exact with 2 torch threads, the noise floor): wire bytes and
+collective seconds per step, step time, final eval loss; goal: within 1 % of exact's.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +12,8 @@ from typing import Any
 from harness import job
 from harness.render import Col
 from harness.runner import progress, work_directory
+
+import zero3_offload
 
 LOSS_GOAL_PCT = 1.0
 CASES = {
@@ -115,8 +115,6 @@ def summarize(cases: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
 
 
 def run(args: Any) -> dict[str, Any] | None:
-    import zero3_offload
-
     cases = []
     with work_directory("wire-", args.keep) as work:
         for seed in range(args.seeds):  # seed by seed: each seed's options close together in time
@@ -150,51 +148,38 @@ def layout(p: dict[str, Any]) -> list:
 
 
 def notes(p: dict[str, Any]) -> list[str]:
-    cfg, summary = p["config"], p["options"]
-    seeds, exact, ref = cfg["seeds"], summary["exact"], summary[REFERENCE]
-    n = len(seeds)
-    trained = {k: f for k, f in summary.items() if "train_early" in f}
-    parts = [
-        f"{k}: {100 * f['train_early']:.2f} % / {f['train_tail']:.4f}" for k, f in trained.items()
-    ]
+    cfg, summary, n = p["config"], p["options"], len(p["config"]["seeds"])
+    trained = [(k, f) for k, f in summary.items() if "train_early" in f]
+    trained = [f"{k}: {100 * f['train_early']:.2f} % / {f['train_tail']:.4f}" for k, f in trained]
     flags = "; ".join(f"{k}: `{' '.join(v['flags']) or '(defaults)'}`" for k, v in summary.items())
-    seed_text = f"`--seed {seeds[0]}`" if n == 1 else f"`--seed S` for S in 0 .. {n - 1}"
-    if "eval_losses" in exact and n > 1:
-        losses = exact["eval_losses"]
-        spread = (
-            f"The exact runs' own spread across the seeds (the noise to read the ratios against): "
-            f"{(max(losses) / min(losses) - 1) * 100:.1f} % (max / min - 1; final eval losses "
-            f"{', '.join(f'{x:.4f}' for x in losses)} for seeds {', '.join(map(str, seeds))})."
-        )
-    elif "eval_losses" in exact:
-        spread = (
-            f"One seed only (final eval loss of exact: {exact['eval_losses'][0]:.4f}): no spread "
-            "across seeds to read the ratios against; run with --seeds N for that."
-        )
-    else:
-        spread = "No spread across seeds: the exact runs gave no complete result."
+    seed_text = "`--seed 0`" if n == 1 else f"`--seed S` for S in 0 .. {n - 1}"
     out = [
         "Training loss (the global-batch mean each step logs) against exact's of the same "
         "seed: the largest relative difference over the first 50 steps / the ratio of the "
-        "last 50 steps' mean losses, averaged over the seeds: " + "; ".join(parts) + "."
-    ] * bool(parts)
-    out += [
+        "last 50 steps' mean losses, averaged over the seeds: " + "; ".join(trained) + "."
+    ] * bool(trained)
+    out.append(
         f"`python -m zero3_offload train --steps {cfg['steps']} --out DIR --threads "
         f"{cfg['threads_per_rank']}` with {seed_text} plus, per option, {flags}; "
         f"{cfg['world_size']} local gloo ranks, every other option at its default; one run "
         "after another, seed by seed (every option with seed 0, then with seed 1, ...). Columns "
-        f"as docs/benchmarks.md (wire) defines them; the goal: within {cfg['loss_goal_pct']:g} %.",
-        spread,
+        f"as docs/benchmarks.md (wire) defines them; the goal: within {cfg['loss_goal_pct']:g} %."
+    )
+    if len(losses := summary["exact"].get("eval_losses", [])) < 2:
+        return [*out, "No spread across seeds to read the ratios against (one seed, or none)."]
+    return [
+        *out,
+        f"The exact runs' own spread across the seeds (the noise to read the ratios against): "
+        f"{(max(losses) / min(losses) - 1) * 100:.1f} % (max / min - 1; final eval losses "
+        f"{', '.join(f'{x:.4f}' for x in losses)} for seeds {', '.join(map(str, cfg['seeds']))}).",
     ]
-    if "loss_ratio" in ref:
-        out.append(
-            f"Noise floor ({REFERENCE}: exact once more, its kernels summing in another order): "
-            f"mean vs exact's mean {ref['loss_ratio']:.4f}, per-seed {ref['seed_min']:.4f}-"
-            f"{ref['seed_max']:.4f}, per-seed ratios' mean {ref['paired_mean']:.4f} ± "
-            f"{ref['paired_se']:.4f}. A ratio inside this band is not told apart from exact by "
-            "these runs."
-        )
-    return out
 
 
-NOTES = [notes]
+NOISE = "{options[" + REFERENCE + "][%s]:.4f}"
+NOTES = [
+    notes,
+    f"Noise floor ({REFERENCE}: exact once more, its kernels summing in another order): mean vs "
+    f"exact's mean {NOISE % 'loss_ratio'}, per-seed {NOISE % 'seed_min'}-{NOISE % 'seed_max'}, "
+    f"per-seed ratios' mean {NOISE % 'paired_mean'} ± {NOISE % 'paired_se'}. A ratio inside "
+    "this band is not told apart from exact by these runs.",
+]
