@@ -4,6 +4,7 @@ and their JSON logs read with ``zero3_offload.analyze`` (and the lines it does n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -31,19 +32,11 @@ def command(steps: int, threads: int, flags: list[str]) -> list[str]:
 def find_ranks(parent: int, logs: Path) -> dict[int, int]:
     """rank -> pid of the descendants of ``parent`` that hold ``logs/rank<r>.jsonl`` open."""
     wanted, found = {os.path.realpath(logs / f"rank{r}.jsonl"): r for r in range(WORLD)}, {}
-    try:
-        children = psutil.Process(parent).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
-    for child in children:
-        try:
-            links = [
-                os.readlink(f"/proc/{child.pid}/fd/{fd}")
-                for fd in os.listdir(f"/proc/{child.pid}/fd")
-            ]
-        except OSError:  # gone, or an fd closed between listing and reading
-            continue
-        found.update({wanted[link]: child.pid for link in links if link in wanted})
+    with contextlib.suppress(psutil.Error):  # gone (the job, or a child) while looked at
+        for child in psutil.Process(parent).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                paths = [f.path for f in child.open_files()]
+                found.update({wanted[path]: child.pid for path in paths if path in wanted})
     return found
 
 
@@ -71,14 +64,11 @@ def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = N
         if sampler:
             sampler.stop()
     logs = [out / "logs" / f"rank{r}.jsonl" for r in range(WORLD)]
-    return {
-        "started": started,
-        "wall_s": time.perf_counter() - t0,
-        "error": error and error.replace("process 0", "the job"),
-        "output_tail": tail(out.with_suffix(".log"), 12),
-        "samples": [sampler.samples.get(r, []) for r in range(WORLD)] if sampler else None,
-        "logs": [read_log(path) if path.exists() else None for path in logs],
-    }
+    error = error and error.replace("process 0", "the job")
+    got = {"started": started, "wall_s": time.perf_counter() - t0, "error": error}
+    got["output_tail"] = tail(out.with_suffix(".log"), 12)
+    got["samples"] = [sampler.samples.get(r, []) for r in range(WORLD)] if sampler else None
+    return {**got, "logs": [read_log(path) if path.exists() else None for path in logs]}
 
 
 def read_log(path: Path) -> dict[str, Any]:

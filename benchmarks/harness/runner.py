@@ -1,9 +1,6 @@
-"""The one job runner: every measured job in fresh processes, watched from outside, bounded in
-time and cleaned up (:class:`Processes`); :func:`launch` runs a suite's ``target``
-(``module:function``) on rank processes (``python -m harness.runner SPEC.json``), where
-:func:`rank_main` writes what it returns, with the rank's marks, to ``result-rank<r>.json``; and
-the plan that orders a suite's runs.
-"""
+"""The one job runner: every measured job in fresh processes, watched, bounded in time and
+cleaned up; :func:`launch` runs a suite's ``module:function`` on rank processes, which write what
+it returns, with their marks, to ``result-rank<r>.json``; and the plan of a suite's runs."""
 
 from __future__ import annotations
 
@@ -145,18 +142,13 @@ class Rank:
         self.marks[name] = mark()
 
 
-def load(target: str) -> Any:
-    """The object a ``module:name`` string names."""
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def rank_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     torch.set_num_threads(spec["threads"])
     for name in spec.get("imports", []):  # counted in the "imported" mark
         importlib.import_module(name)
-    fn, ctx = load(spec["target"]), Rank(spec)
+    module, name = spec["target"].split(":")
+    fn, ctx = getattr(importlib.import_module(module), name), Rank(spec)
     ctx.mark("imported")
     t0, code = time.perf_counter(), 0
     try:
@@ -188,8 +180,8 @@ def plan(keys: Sequence[str], rounds: int, sizes: Sequence = ("",), rotate: bool
 
 
 def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list[dict]:
-    """Run every entry (``run_one`` returns the run: ``ok``, ``wall_s``, or an ``error``); a case
-    that failed is not run again. Progress, and the time elapsed, go to stderr."""
+    """Run every entry (``run_one`` gives ``ok``, ``wall_s`` or an ``error``), but not again a case
+    that failed; progress to stderr."""
     runs, failed, started = [], set(), time.perf_counter()
     for e in entries:
         case = (e.get("size", ""), e["key"])

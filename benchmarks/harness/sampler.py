@@ -94,7 +94,7 @@ def check_timing(args: Any) -> str | None:
 
 
 def time_interleaved(cases: Mapping[str, Callable], *, warmup: int, repeats: int) -> dict:
-    """Each case's median, min and max seconds of ``repeats`` runs round-robin after ``warmup``."""
+    """Each case's median seconds of ``repeats`` runs round-robin after ``warmup`` untimed."""
     for fn in [f for f in cases.values() for _ in range(warmup)]:
         fn()
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -103,7 +103,4 @@ def time_interleaved(cases: Mapping[str, Callable], *, warmup: int, repeats: int
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
-    return {
-        k: {"median_s": statistics.median(s), "min_s": min(s), "max_s": max(s), "repeats": len(s)}
-        for k, s in samples.items()
-    }
+    return {name: statistics.median(s) for name, s in samples.items()}

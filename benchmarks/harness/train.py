@@ -12,6 +12,7 @@ import importlib.util
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -93,7 +94,7 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
 def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) -> list[dict]:
     """Every run of the plan of ``systems`` x ``sizes`` (name -> dims, ``warmup`` and
     ``timed_steps``; one size may be named ""), each on fresh ranks running :func:`train` with
-    ``kw["spec"]`` added to its spec, described by ``kw["describe"]``; from ``args``: ``rounds``,
+    ``kw["spec"]`` added to its spec; from ``args``: ``rounds``,
     ``seed``, ``timeout`` and, if present, ``mmap_threshold`` and ``keep``."""
     get = args.__dict__.get
 
@@ -113,12 +114,12 @@ def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) 
 
     with work_directory("train-", bool(get("keep"))) as workdir:
         entries = plan(list(systems), args.rounds, list(sizes))
-        return run_plan(entries, one, kw.get("describe", describe_run))
+        return run_plan(entries, one, describe_run)
 
 
 def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> tuple[dict, list]:
     """Train each of ``systems`` on the model of ``dims`` (from ``args`` also ``warmup`` and
-    ``repeats``; ``spec`` and ``describe`` in ``kw`` go to :func:`train_runs`): the compact
+    ``repeats``; ``spec`` in ``kw`` goes to :func:`train_runs`): the compact
     results (the config with the rest of ``kw``, the summary with the losses checked against
     ``reference``'s, the runs' lines, the systems skipped, DeepSpeed when it is not installed and
     systems whose runs failed, with why, and the time it took) and the runs."""
@@ -130,14 +131,14 @@ def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> t
     per_layer, reference = workload.layer_params(dims), kw.pop("reference", "torch")
     model = workload.LLAMA if dims.get("model") == "llama" else workload.MODEL
     progress(f"{model} {dims}: {sum(per_layer.values()):,} params in {len(per_layer)} layers")
-    started, run_kw = time.perf_counter(), {k: kw.pop(k) for k in ("spec", "describe") if k in kw}
+    started, spec = time.perf_counter(), kw.pop("spec", {})
     size = {**dims, "warmup": args.warmup, "timed_steps": args.repeats}
-    runs = train_runs(args, systems, {"": size}, threads, **run_kw)
+    runs = train_runs(args, systems, {"": size}, threads, spec=spec)
     for r in (r for r in runs if not r["ok"]):  # a failed run: the launcher's error and the ranks'
         errors = [rk["error"] for rk in r["ranks"] if "error" in rk]
         why = "; ".join(dict.fromkeys([r["error"], *errors]))
         skipped.setdefault(r["key"], {"label": systems[r["key"]].label, "why": why, "failed": True})
-    spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **run_kw.get("spec", {})}
+    spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **spec}
     config = {"dims": dims, "seed": args.seed, "warmup": args.warmup, "steps": args.repeats}
     config.update(model=model, params=sum(per_layer.values()), layers=len(per_layer))
     config["largest_layer"] = max(per_layer.values())
@@ -185,20 +186,6 @@ def run_row(run: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-STEP_MEDIANS = {  # over every timed step of every rank and run
-    "median_step_s": lambda x: x["step_s"],
-    "median_forward_s": lambda x: x["forward_s"] + x["loss_s"],
-    "median_backward_s": lambda x: x["backward_s"],
-    "median_optimizer_s": lambda x: x["optimizer_s"],
-}
-RUN_MEDIANS = {  # the median over runs of the max over ranks
-    "peak_rss_bytes": lambda rk: rk["peak_rss_bytes"],
-    "import_rss_bytes": lambda rk: rk["marks"]["imported"]["rss_bytes"],
-    "built_rss_bytes": lambda rk: rk["marks"]["model_built"]["rss_bytes"],
-    "peak_gpu_bytes": lambda rk: rk.get("peak_gpu_allocated_bytes"),
-}
-
-
 def summarize(
     runs: list[dict], systems: dict, size: str | None = None, reference: str = "torch"
 ) -> dict:
@@ -211,20 +198,29 @@ def summarize(
     for key, system in systems.items():
         if not (ok := [r for r in runs if r["key"] == key]):
             continue
-        steps = [s for r in ok for rank_steps in timed(r) for s in rank_steps]
+        steps, ranks = [s for r in ok for rank in timed(r) for s in rank], [r["ranks"] for r in ok]
         all_losses[key] = losses = [global_losses(r) for r in ok]
         spread = [abs(a - b) for ls in losses[1:] for a, b in zip(ls, losses[0], strict=True)]
-        out[key] = row = {"label": system["label"], "world_size": system["world"]}
-        row.update(threads_per_rank=ok[0]["ranks"][0]["torch_threads"], runs=len(ok))
-        row.update({k: median(map(get, steps)) for k, get in STEP_MEDIANS.items()})
+        out[key] = row = {"label": system["label"], "world_size": system["world"], "runs": len(ok)}
+        row["threads_per_rank"] = ranks[0][0]["torch_threads"]
+        row["median_step_s"] = median(x["step_s"] for x in steps)
+        row["median_forward_s"] = median(x["forward_s"] + x["loss_s"] for x in steps)
+        for phase in ("backward", "optimizer"):
+            row[f"median_{phase}_s"] = median(x[f"{phase}_s"] for x in steps)
         row["best_run_step_s"] = min(run_median(r) for r in ok)
         row["median_cpu_s"] = median(c for r in ok for c in step_cpu(r))
-        for k, get in RUN_MEDIANS.items():
-            if get(ok[0]["ranks"][0]) is not None:  # GPU memory: on CUDA only
-                row[k] = median(max(map(get, r["ranks"])) for r in ok)
-        sums = [sum(rk["peak_rss_bytes"] for rk in r["ranks"]) for r in ok]
-        row["sum_peak_rss_bytes"] = median(sums)
-        row["model_state_bytes"] = max(rk["model_state"] for rk in ok[0]["ranks"])
+
+        def per_run(get: Callable, over: Callable = max, ranks: list = ranks) -> float:
+            """The median over the runs of the max (or ``over``) over each run's ranks."""
+            return median(over(map(get, rs)) for rs in ranks)
+
+        row["peak_rss_bytes"] = per_run(lambda rk: rk["peak_rss_bytes"])
+        row["sum_peak_rss_bytes"] = per_run(lambda rk: rk["peak_rss_bytes"], sum)
+        row["import_rss_bytes"] = per_run(lambda rk: rk["marks"]["imported"]["rss_bytes"])
+        row["built_rss_bytes"] = per_run(lambda rk: rk["marks"]["model_built"]["rss_bytes"])
+        if "peak_gpu_allocated_bytes" in ranks[0][0]:
+            row["peak_gpu_bytes"] = per_run(lambda rk: rk["peak_gpu_allocated_bytes"])
+        row["model_state_bytes"] = max(rk["model_state"] for rk in ranks[0])
         row.update(losses=losses[0], loss_spread=max(spread, default=0.0))
     if not out:
         return {"systems": {}, "agreement": None}

@@ -99,10 +99,10 @@ def run(args: Any) -> dict[str, Any]:
 
     state = [t for st in opts["fused"].state.values() for t in st.values() if torch.is_tensor(t)]
     per = (2 * nbytes(params) + nbytes(grads) + 2 * nbytes(state)) / n
-    copy_s, fused_s = timings["copy"]["median_s"], timings["torch AdamW fused"]["median_s"]
-    copy, add = 2 * nbytes([src]) / copy_s, 3 * nbytes([src]) / timings["add_"]["median_s"]
+    copy_s, fused_s = timings["copy"], timings["torch AdamW fused"]
+    copy, add = 2 * nbytes([src]) / copy_s, 3 * nbytes([src]) / timings["add_"]
     rows = []
-    for name, s in ((name, timings[name]["median_s"]) for name in systems):
+    for name, s in ((name, timings[name]) for name in systems):
         rows.append({"system": name, "median_s": s, "params_per_s": n / s, "ratio": fused_s / s})
         rows[-1]["bound"] = n / s / (copy / per)
     label = f"bandwidth bound (copy / {fmt(per)} B counted for torch fused)"

@@ -116,10 +116,9 @@ def run(args: Any) -> dict[str, Any] | None:
         options = {"async_prefetch": key == ON, "prefetch_buffer_size": args.buffer}
         systems[key] = System(key, "zero3_offload", WORLD, options)
     spec = {"stats": True, "lr": LR, "weight_decay": 0.0}
-    describe = lambda r: f"step {train.run_median(r):.4f} s"  # noqa: E731
     config = dict(world_size=WORLD, threads_per_rank=args.threads, buffer=args.buffer)
     threads = dict.fromkeys(systems, args.threads)
-    part, runs = train.compare(args, systems, dims, threads, spec=spec, describe=describe, **config)
+    part, runs = train.compare(args, systems, dims, threads, spec=spec, **config)
     if part["skipped"]:  # a run failed
         return None
     return {"config": part["config"], **summarize(runs), "total_wall_s": part["total_wall_s"]}
@@ -150,11 +149,8 @@ NOTES = [
     "prefetch_buffer_size={config[buffer]}. {config[rounds]} rounds, ABBA order, each run "
     "{config[warmup]} warm-up + {config[steps]} timed steps; medians over "
     "{configs[prefetch off][samples]} samples per config (timed steps x 2 ranks x runs).",
-    lambda p: (
-        f"prefetch on: {p['configs'][ON]['speedup']:.3f}x the speed of off. The stats "
-        f"snapshot in every step took {1e6 * p['configs'][ON]['snapshot_s']:.0f} us (median). "
-        "Columns as docs/benchmarks.md (overlap) defines them."
-    ),
-    "losses identical across all runs of both configs: {losses_identical}.",
-    "whole benchmark {total_wall_s:.0f} s wall.",
+    "prefetch on: {configs[prefetch on][speedup]:.3f}x the speed of off; the stats snapshot in "
+    "every step took {configs[prefetch on][snapshot_s]:us} us (median); columns as "
+    "docs/benchmarks.md (overlap) defines them; losses identical across all runs of both "
+    "configs: {losses_identical}; whole benchmark {total_wall_s:.0f} s wall.",
 ]

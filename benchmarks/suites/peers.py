@@ -182,25 +182,22 @@ def notes(p: dict[str, Any], model: str | None = None) -> list[str]:
     model = model or (
         f"Model: {cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} blocks, "
         f"seq {dims['seq']}, vocabulary {dims.get('vocab') or 256} (token ids are bytes): "
-        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest "
-        f"{cfg['largest_layer']:,})"
+        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest {cfg['largest_layer']:,}"
+        ")"
     )
     return [
         f"{model}; global batch {dims['global_batch']}, split evenly over the ranks; seed "
-        f"{cfg['seed']} for every system. Data: {cfg['corpus']['description']} (sha256 "
-        f"{cfg['corpus']['sha256'][:12]}), the same batches for every system.",
+        f"{cfg['seed']} and the same batches ({cfg['corpus']['description']}, sha256 "
+        f"{cfg['corpus']['sha256'][:12]}) for every system.",
         f"AdamW lr {cfg['lr']}, betas (0.9, 0.999), eps 1e-8, weight decay {cfg['weight_decay']}, "
-        "fp32. torch and FSDP2: torch.optim.AdamW(fused=True); DeepSpeed: its DeepSpeedCPUAdam "
-        "(gradient_clipping set to 0: DeepSpeed's default is 1.0); zero3_offload: torch's fused "
-        "AdamW kernel per layer shard.",
+        "fp32, no clipping (DeepSpeed's default of 1.0 set to 0): torch's fused kernel in torch, "
+        "FSDP2 and per shard in zero3_offload, DeepSpeedCPUAdam in DeepSpeed.",
         f"Each run: fresh processes, {cfg['warmup']} warm-up + {cfg['steps']} timed steps; "
-        f"{cfg['rounds']} rounds, the order rotated each round. Columns as docs/benchmarks.md "
-        "(peers) defines them: medians over every timed step of every rank and run; CPU s summed "
-        "over the ranks; peak RSS = VmHWM, max over ranks, median over runs; vs X = this / X's.",
+        f"{cfg['rounds']} rounds, the order rotated each round; columns as docs/benchmarks.md "
+        "(peers) defines them.",
         *["Device: one CUDA GPU, every system on 1 rank."] * (cfg.get("device") == "cuda"),
         f"Losses agree with {ag['reference']} within {LOSS_TOLERANCE:g} for the first {LOSS_STEPS} "
-        f"steps: {ag['agree']} (max |diff| {ag['max_diff']:.2e}).",
-        f"glibc malloc: {malloc}.",
+        f"steps: {ag['agree']} (max |diff| {ag['max_diff']:.2e}). glibc malloc: {malloc}.",
         *(f"{'FAILED' * s['failed'] or 'SKIPPED'} {s['label']}: {s['why']}" for s in skipped),
         f"whole benchmark {p['total_wall_s']:.0f} s wall.",
     ]

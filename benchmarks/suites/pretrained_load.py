@@ -171,25 +171,29 @@ def run(args: Any) -> dict[str, Any] | None:
     return {**out, "total_wall_s": time.time() - started}
 
 
-def notes(p: dict[str, Any]) -> list[str]:
-    cfg, model, dims = p["config"], p["model"], p["config"]["dims"]
+def model_note(p: dict[str, Any]) -> str:
+    model, dims = p["model"], p["config"]["dims"]
     files = ", ".join(f"{n} {size:,} B" for n, size in model["files"].items())
-    out = [
+    return (
         f"model: transformers LlamaForCausalLM, hidden {dims['d']}, MLP {dims['ffn']}, "
         f"{dims['n_layers']} decoder layers, {dims['heads']} heads, {dims['kv_heads']} KV heads, "
         f"vocabulary {dims['vocab']}, untied head: {model['params']:,} parameters, "
         f"{model['fp32_bytes']:,} bytes fp32 ({model['fp32_bytes'] / 2**20:,.1f} MiB); saved once "
         f"(seed {SEED}, built in {model['build_s']:.0f} s, saved in {model['save_s']:.0f} s) as "
-        f"{files}, read from the page cache.",
-        f"{cfg['world_size']} fresh processes per case, {cfg['threads_per_rank']} torch thread(s) "
-        f"each; medians of {cfg['repeats']} round(s) after {cfg['warmup']} unmeasured, cases "
-        f"interleaved; glibc mmap threshold {cfg['malloc_mmap_threshold'] or 'default'}; peak anon "
-        f"sampled every {cfg['sample_ms']:g} ms from outside. Cases and columns as "
-        "docs/benchmarks.md (pretrained-load) defines them.",
-    ]
-    if ms := p["model_state_bytes"]:
-        out.append(f"{OURS}: model state counted after loading: {ms / 2**20:,.0f} MiB.")
-    return out + (["FAILED: " + "; ".join(p["failed"])] if p["failed"] else [])
+        f"{files}, read from the page cache."
+    )
 
 
-NOTES = [notes]
+NOTES = [
+    model_note,
+    lambda p: (
+        f"{p['config']['world_size']} fresh processes per case, {p['config']['threads_per_rank']} "
+        f"torch thread(s) each; medians of {p['config']['repeats']} round(s) after "
+        f"{p['config']['warmup']} unmeasured, cases interleaved; glibc mmap threshold "
+        f"{p['config']['malloc_mmap_threshold'] or 'default'}; peak anon sampled every "
+        f"{p['config']['sample_ms']:g} ms from outside. Cases and columns as docs/benchmarks.md "
+        "(pretrained-load) defines them."
+    ),
+    OURS + ": model state counted after loading: {model_state_bytes:mib} MiB.",
+    lambda p: "FAILED: " + "; ".join(p["failed"]) if p["failed"] else None,
+]

@@ -13,6 +13,7 @@ from typing import Any
 from harness import train, workload
 from harness.render import MIB, Col, machine_line, ratio
 from harness.systems import System
+from harness.train import LOSS_STEPS, LOSS_TOLERANCE
 
 from suites import peers
 
@@ -76,8 +77,8 @@ def check(args: Any) -> str | None:
     args.size_table, seq = {}, 32 if args.quick else 128
     for name, (d, heads, blocks, warmup, repeats) in ((n, table[n]) for n in names):
         warmup, repeats = warmup if args.warmup is None else args.warmup, args.repeats or repeats
-        if warmup < 0 or warmup + repeats < train.LOSS_STEPS:
-            return f"need --warmup >= 0, --warmup + --repeats >= {train.LOSS_STEPS} (loss check)"
+        if warmup < 0 or warmup + repeats < LOSS_STEPS:
+            return f"need --warmup >= 0, --warmup + --repeats >= {LOSS_STEPS} (loss check)"
         dims = dict(d=d, heads=heads, n_layers=blocks, seq=seq, global_batch=8)
         args.size_table[name] = {**dims, "warmup": warmup, "timed_steps": repeats}
     args.torch_threads = args.torch_threads or args.threads
@@ -143,12 +144,10 @@ def layout(p: dict[str, Any]) -> list:
 
 def oversubscribed(p: dict[str, Any]) -> str:
     cores, threads = p["machine"]["usable_cores"], p["config"]["threads_per_rank"]
-    if not (over := ", ".join(str(n) for n in p["config"]["worlds"] if n * threads > cores)):
-        return f"Machine: {cores} usable cores. No configuration is oversubscribed."
+    over = ", ".join(f"N={n}" for n in p["config"]["worlds"] if n * threads > cores) or "none"
     return (
-        f"Machine: {cores} usable cores. N={over} runs more busy threads than cores "
-        "(oversubscribed): its ranks share the cores, so its step time shows the cost of more "
-        "ranks on the same cores, not of more hardware."
+        f"Machine: {cores} usable cores. Oversubscribed (more busy threads than cores: its step "
+        f"time shows the cost of more ranks on the same cores, not of more hardware): {over}."
     )
 
 
@@ -171,17 +170,10 @@ NOTES = [
     "torch.optim.AdamW(fused=True), whole batch. zero3_offload: Zero3CpuOffloadManager, "
     "default config, gloo, N ranks x {config[threads_per_rank]} torch thread(s).",
     oversubscribed,
-    "{config[rounds]} round(s), every run on fresh processes. Order, columns and method as "
-    "docs/benchmarks.md (scaling) defines them.",
-    lambda p: (
-        f"Losses: all finite and the first {train.LOSS_STEPS} of every run within "
-        f"{train.LOSS_TOLERANCE:g} of plain torch's: {p['losses_agree']}"
-        + ("" if p["losses_agree"] else " (or a system has no run to check)")
-        + "."
-    ),
-    lambda p: "glibc malloc: {} in every process.".format(
-        f"MALLOC_MMAP_THRESHOLD_={m}" if (m := p["config"]["malloc_mmap_threshold"]) else "defaults"
-    ),
+    "{config[rounds]} round(s), every run on fresh processes; order, columns and method as "
+    f"docs/benchmarks.md (scaling) defines them. Losses: all finite and the first {LOSS_STEPS} of "
+    f"every run within {LOSS_TOLERANCE:g} of plain torch's: {{losses_agree}}. glibc's "
+    "MALLOC_MMAP_THRESHOLD_ in every process (None: not set): {config[malloc_mmap_threshold]}.",
     "Whole benchmark {total_wall_s:.0f} s wall.",
 ]
 
