@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from harness.runner import Processes, progress, tail
+from harness.runner import Processes, tail
 from harness.sampler import Sampler
 from zero3_offload.analyze import StepRecord, WorkRecord, parse_record
 
@@ -46,16 +46,12 @@ def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = N
     argv = [sys.executable, *(str(out) if a == "DIR" else a for a in argv[1:])]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}  # local ranks
     sampler = Sampler(sample_s, keep=True) if sample_s else None
-    t0, started, reported = time.perf_counter(), time.time(), [0.0]
+    t0, started = time.perf_counter(), time.time()
 
     def poll() -> None:
         if sampler and len(sampler.pids) < WORLD:
             for rank, pid in find_ranks(procs.procs[0].pid, out / "logs").items():
                 sampler.watch(rank, pid)
-        if sampler and (now := time.perf_counter() - t0) > reported[0] + 60:
-            reported[0] = now
-            rss = [s[-1][1] >> 20 for s in sampler.samples.values() if s]
-            progress(f"  {now:.0f} s: RSS per rank {rss} MiB")
 
     try:
         with Processes([(argv, env)], [out.with_suffix(".log")]) as procs:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from harness.sampler import Sampler, mark
+from harness.sampler import Sampler, proc_status
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
 
@@ -133,13 +133,14 @@ def launch(target: str, spec: dict[str, Any], run_dir: Path, world: int = 1, **k
 class Rank:
     """What a target gets: its rank, the world size and its memory marks."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self) -> None:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self.out = Path(spec["out_dir"]) / f"result-rank{self.rank}.json"
         self.marks: dict[str, dict[str, Any]] = {}
 
     def mark(self, name: str) -> None:
-        self.marks[name] = mark()
+        """This process's ``VmHWM`` and ``VmRSS`` now, as ``name``."""
+        st = proc_status()
+        self.marks[name] = {"hwm_bytes": st["VmHWM"], "rss_bytes": st["VmRSS"]}
 
 
 def rank_main(spec_path: str) -> None:
@@ -148,7 +149,7 @@ def rank_main(spec_path: str) -> None:
     for name in spec.get("imports", []):  # counted in the "imported" mark
         importlib.import_module(name)
     module, name = spec["target"].split(":")
-    fn, ctx = getattr(importlib.import_module(module), name), Rank(spec)
+    fn, ctx = getattr(importlib.import_module(module), name), Rank()
     ctx.mark("imported")
     t0, code = time.perf_counter(), 0
     try:
@@ -161,7 +162,8 @@ def rank_main(spec_path: str) -> None:
     result.update(rank=ctx.rank, world_size=ctx.world, pid=os.getpid(), marks=ctx.marks)
     result.update(torch_threads=torch.get_num_threads(), run_s=time.perf_counter() - t0)
     result["peak_rss_bytes"] = ctx.marks["end"]["hwm_bytes"]
-    ctx.out.write_text(json.dumps(result, default=str), encoding="utf-8")
+    out = Path(spec["out_dir"]) / f"result-rank{ctx.rank}.json"
+    out.write_text(json.dumps(result, default=str), encoding="utf-8")
     sys.stderr.flush()
     os._exit(code)  # DeepSpeed, NCCL and worker threads can abort or hold up a normal exit
 
@@ -200,6 +202,25 @@ def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list
         for rank, lines in run.get("log_tails", {}).items():
             progress("\n    ".join([f"  rank {rank} log tail:", *lines]))
     return runs
+
+
+def cases(module: str, names: dict[str, str], spec: dict, work: Path, args: Any, **kw: Any) -> Any:
+    """``module:save`` once (``kw["save"]``: its launch options), then each case (label -> name of
+    its target in ``module``) on fresh processes (``kw["case"]``), rounds interleaved: the save's
+    run (None when it failed, said on stderr), every run, and per measured round label -> run."""
+    if not (saved := launch(f"{module}:save", spec, work / "save", **kw["save"]))["ok"]:
+        progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
+        return None, [], []
+
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        name, run_dir = names[e["key"]], work / f"round{e['round']}-{names[e['key']]}"
+        return launch(f"{module}:{name}", {**spec, "case": name}, run_dir, **kw["case"])
+
+    n_rounds = args.warmup + args.repeats
+    entries = plan(list(names), n_rounds, rotate=kw.get("rotate", True))
+    runs = run_plan(entries, one, lambda r: "done")
+    rounds = [{r["key"]: r for r in runs if r["round"] == i} for i in range(n_rounds)]
+    return saved, runs, rounds[args.warmup :]
 
 
 if __name__ == "__main__":

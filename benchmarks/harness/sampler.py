@@ -1,5 +1,5 @@
 """The one sampler: processes read from outside through ``/proc`` by a thread at an interval;
-a process's marks of its own memory and CPU time; a step's clock; in-process cases timed."""
+a step's clock; in-process cases timed round-robin."""
 
 from __future__ import annotations
 
@@ -55,12 +55,6 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def mark() -> dict[str, Any]:
-    """This process's ``VmHWM`` and ``VmRSS``, CPU time and wall clock now."""
-    st, out = proc_status(), {"cpu_s": time.process_time(), "wall_s": time.perf_counter()}
-    return {"hwm_bytes": st.get("VmHWM"), "rss_bytes": st.get("VmRSS"), **out}
 
 
 class StepClock:

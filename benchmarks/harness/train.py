@@ -19,7 +19,6 @@ import attrs
 import torch
 
 from harness import workload
-from harness.render import MIB
 from harness.runner import launch, plan, progress, run_plan, work_directory
 from harness.sampler import StepClock
 from harness.systems import SYSTEMS
@@ -150,10 +149,8 @@ def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> t
 
 
 def describe_run(run: dict[str, Any]) -> str:
-    """A finished run in one line of progress."""
-    rss = max(rk["peak_rss_bytes"] for rk in run["ranks"]) / MIB
-    losses = [round(v, 4) for v in global_losses(run)[:5]]
-    return f"median step {run_median(run):.3f} s, peak RSS/rank {rss:,.0f} MiB, losses {losses}"
+    losses = [round(v, 4) for v in global_losses(run)[:LOSS_STEPS]]
+    return f"median step {run_median(run):.3f} s, losses {losses}"
 
 
 def global_losses(run: dict[str, Any]) -> list[float]:

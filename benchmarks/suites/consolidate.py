@@ -18,7 +18,7 @@ from typing import Any
 import safetensors.torch
 import torch
 from harness.render import Col
-from harness.runner import launch, plan, progress, run_plan, work_directory
+from harness.runner import cases, progress, work_directory
 from torch import nn
 
 import zero3_offload as z
@@ -32,7 +32,7 @@ CASES = {
     "consolidate -> safetensors": "stream",
     "consolidate -> pt": "pt",
     "naive load_file (mmap) + read all": "naive",
-    "naive load_file (pread)": "naive-pread",
+    "naive load_file (pread)": "naive_pread",
 }
 if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
     del CASES["naive load_file (pread)"]  # safetensors < 0.8 has no choice of backend
@@ -109,11 +109,14 @@ def case(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
         out, fmt = (ST_FILE, "safetensors") if name == "stream" else (PT_FILE, "pt")
         z.consolidate_checkpoint(spec["root"], work / out, fmt=fmt)
     elif name.startswith("naive"):
-        kwargs = {"backend": "pread"} if name == "naive-pread" else {}
+        kwargs = {"backend": "pread"} if name == "naive_pread" else {}
         state = safetensors.torch.load_file(str(work / ST_FILE), **kwargs)
         if name == "naive":  # mapped tensors are read lazily: read every byte once
             sum(float(t.sum()) for t in state.values())
     return {"case": name, "wall_s": time.perf_counter() - t0}
+
+
+baseline = stream = pt = naive = naive_pread = case  # the targets of the cases
 
 
 def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str, Any]]:
@@ -136,29 +139,18 @@ def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str,
 
 
 def run(args: Any) -> dict[str, Any] | None:
-    threads, n_rounds = args.threads or torch.get_num_threads(), args.warmup + args.repeats
+    threads = args.threads or torch.get_num_threads()
     widths = QUICK_WIDTHS if args.quick else FULL_WIDTHS
     with torch.device("meta"):
         state = make_model(widths, SEED).state_dict()
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     with work_directory("consolidate-", args.keep, args.workdir) as work:
         spec = {"widths": widths, "root": str(work / "ckpt"), "work": str(work), "threads": threads}
-        saved = launch("suites.consolidate:save", spec, work / "save", world=WORLD)
-        if not saved["ok"]:
-            progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
+        kw = {"save": {"world": WORLD}, "case": {"torchrun": False, "sample_s": SAMPLE_S}}
+        saved, runs, measured = cases(__name__, CASES, spec, work, args, rotate=False, **kw)
+        if not saved or not all(r["ok"] for r in runs):
             return None
         files = [f.stat().st_size for f in Path(saved["ranks"][0]["path"]).iterdir()]
-
-        def one(e: dict[str, Any]) -> dict[str, Any]:
-            name = CASES[e["key"]]
-            run_dir, case_spec = work / f"round{e['round']}-{name}", {**spec, "case": name}
-            kw = {"torchrun": False, "sample_s": SAMPLE_S}
-            return launch("suites.consolidate:case", case_spec, run_dir, **kw)
-
-        entries = plan(list(CASES), n_rounds, rotate=False)
-        runs = run_plan(entries, one, lambda r: f"{r['ranks'][0]['wall_s']:.2f} s")
-        if not all(r["ok"] for r in runs):
-            return None
         paths = {"safetensors": work / ST_FILE, "pt": work / PT_FILE}
         outputs = {k: path.stat().st_size for k, path in paths.items()}
         loads = [safetensors.torch.load_file(str(paths["safetensors"]))]
@@ -175,8 +167,7 @@ def run(args: Any) -> dict[str, Any] | None:
     model.update(mib=model["bytes"] / 2**20, largest=largest, largest_bytes=sizes[largest])
     config = {"world_size": WORLD, "widths": widths, "seed": SEED, "repeats": args.repeats}
     config.update(warmup=args.warmup, sample_ms=SAMPLE_S * 1000)
-    measured = range(args.warmup, n_rounds)
-    rounds = [{r["key"]: r["ranks"][0] for r in runs if r["round"] == i} for i in measured]
+    rounds = [{k: r["ranks"][0] for k, r in c.items()} for c in measured]
     out = {
         "config": config,
         "model": model,

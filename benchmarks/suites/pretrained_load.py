@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 from harness.render import Col
-from harness.runner import launch, plan, progress, run_plan, work_directory
+from harness.runner import cases, progress, work_directory
 from harness.workload import llama_config
 
 import zero3_offload as z
@@ -135,29 +135,18 @@ def rows(measured: list[dict[str, dict]], model_bytes: int) -> list[dict[str, An
 def run(args: Any) -> dict[str, Any] | None:
     import transformers
 
-    dims, n_rounds, started = TINY if args.quick else FULL, args.warmup + args.repeats, time.time()
+    dims, started = TINY if args.quick else FULL, time.time()
     with torch.device("meta"):
         params = transformers.LlamaForCausalLM(llama_config(dims)).num_parameters()
     progress(f"Llama of {params:,} parameters ({4 * params / 2**20:,.0f} MiB fp32)")
     with work_directory("pretrained-load-", args.keep, args.workdir) as work:
-        base = {"dims": dims, "model_dir": str(work / "model"), "threads": args.threads}
-        base.update(imports=["transformers", "zero3_offload"], mmap_threshold=args.mmap_threshold)
-        saved = launch("suites.pretrained_load:save", base, work / "save", torchrun=False)
-        if not saved["ok"]:
-            progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
-            return None
-
-        def one(e: dict[str, Any]) -> dict[str, Any]:
-            kw, case = {"world": WORLD, "timeout_s": args.timeout}, CASES[e["key"]]
-            run_dir = work / f"round{e['round']}-{case}"
-            return launch(f"suites.pretrained_load:{case}", base, run_dir, sample_s=SAMPLE_S, **kw)
-
-        describe = lambda r: f"load {r['ranks'][0]['load_s']:.1f} s"  # noqa: E731
-        runs = run_plan(plan(list(CASES), n_rounds), one, describe)
+        spec = {"dims": dims, "model_dir": str(work / "model"), "threads": args.threads}
+        spec.update(imports=["transformers", "zero3_offload"], mmap_threshold=args.mmap_threshold)
+        kw = {"save": {"torchrun": False}, "case": {"world": WORLD, "timeout_s": args.timeout}}
+        kw["case"]["sample_s"] = SAMPLE_S
+        saved, runs, measured = cases(__name__, CASES, spec, work, args, **kw)
     if not any(r["ok"] for r in runs):
         return None
-    measured = [{r["key"]: r for r in runs if r["round"] == i} for i in range(n_rounds)]
-    measured = measured[args.warmup :]
     config = {"world_size": WORLD, "dims": dims, "threads_per_rank": args.threads}
     config.update(repeats=args.repeats, warmup=args.warmup, sample_ms=SAMPLE_S * 1000)
     config["malloc_mmap_threshold"] = args.mmap_threshold

@@ -19,7 +19,7 @@ from suites import peers
 
 TITLE = "zero3_offload scaling: step time and memory vs model size and ranks"
 PLOT = Path(__file__).resolve().parents[2] / "docs" / "scaling.png"
-TORCH, MARK = "torch", {"marker": "o"}  # MARK: ours in the plot
+TORCH = "torch"
 # name: d, heads, blocks, warm-up and timed steps (seq 128, global batch 8). Blocks hold
 # 12 d² + 10 d parameters; 20M and 300M are the peers suite's small and large models.
 SIZES = {"5M": (256, 4, 6, 2, 8), "20M": (512, 8, 6, 2, 6), "80M": (768, 12, 11, 1, 5)}
@@ -56,6 +56,8 @@ RUNS = [
     Col("CPU s / step", "cpu_s", ".3f"), Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"),
     Col("run wall s", "wall_s", ".1f"),
 ]
+PANELS = [("median_step_s", 1, "median step time (s)")]
+PANELS.append(("peak_rss_bytes", MIB, "peak RSS per rank (MiB)"))
 PIVOTS = [  # field, scale, format, the paragraph above the table
     ("median_step_s", 1.0, ".3f", "Median step time, s (ratio to plain torch at the same size; "
      "<1 is faster):"),
@@ -185,22 +187,15 @@ def plot(p: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cores, fields = p["machine"]["usable_cores"], (("median_step_s", 1), ("peak_rss_bytes", MIB))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for key, system in p["config"]["systems"].items():
-        over = key != TORCH and system["world"] > cores
-        label = system["label"] + f" ({system['world']} ranks on {cores} cores)" * over
-        pts = [(b["params"], b["systems"][key]) for b in p["sizes"].values() if key in b["systems"]]
-        style = {"color": "k", "linestyle": "--", "marker": "s"} if key == TORCH else MARK
-        for ax, (field, scale) in zip(axes, fields, strict=True):
-            ax.plot([n for n, _ in pts], [s[field] / scale for _, s in pts], label=label, **style)
-    y_labels = ("median step time (s)", "peak RSS per rank (MiB, VmHWM)")
-    for ax, y_label in zip(axes, y_labels, strict=True):
+    for ax, (field, scale, y_label) in zip(axes, PANELS, strict=True):
+        for key, system in p["config"]["systems"].items():
+            got = [(b["params"], b["systems"].get(key)) for b in p["sizes"].values()]
+            xs, ys = [n for n, s in got if s], [s[field] / scale for _, s in got if s]
+            ax.plot(xs, ys, label=system["label"], marker="s" if key == TORCH else "o")
         ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel=y_label)
-        ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{TITLE}\n{machine_line(p['machine'])}", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

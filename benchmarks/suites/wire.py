@@ -175,11 +175,4 @@ def notes(p: dict[str, Any]) -> list[str]:
     ]
 
 
-NOISE = "{options[" + REFERENCE + "][%s]:.4f}"
-NOTES = [
-    notes,
-    f"Noise floor ({REFERENCE}: exact once more, its kernels summing in another order): mean vs "
-    f"exact's mean {NOISE % 'loss_ratio'}, per-seed {NOISE % 'seed_min'}-{NOISE % 'seed_max'}, "
-    f"per-seed ratios' mean {NOISE % 'paired_mean'} ± {NOISE % 'paired_se'}. A ratio inside "
-    "this band is not told apart from exact by these runs.",
-]
+NOTES = [notes]
