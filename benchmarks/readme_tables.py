@@ -1,10 +1,8 @@
 """The benchmark tables in README.md and docs/*.md, generated from benchmarks/results.
 
-Every region between a line ``<!-- results: NAME.md -->`` and the next ``<!-- /results -->``
-holds the first table of ``benchmarks/results/NAME.md`` and the paragraph right above it (the
-machine line). ``--check`` exits 1 when a region is out of date; a bad marker or a missing or
-tableless results file is an error (exit 2).
-"""
+Each region between ``<!-- results: NAME.md -->`` and ``<!-- /results -->`` holds the first table
+of ``benchmarks/results/NAME.md`` and the paragraph above it; ``--check`` exits 1 when one is out
+of date; a bad marker or a missing or tableless results file is an error (exit 2)."""
 
 from __future__ import annotations
 

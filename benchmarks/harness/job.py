@@ -41,8 +41,7 @@ def find_ranks(parent: int, logs: Path) -> dict[int, int]:
 
 
 def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = None) -> dict:
-    """Run the job (``argv`` from :func:`command`) with ``--out out``; with ``sample_s``, each
-    rank sampled from outside at that interval. Its outcome and each rank's log."""
+    """Run the job (``argv`` of :func:`command`) into ``out``, ranks sampled every ``sample_s``."""
     argv = [sys.executable, *(str(out) if a == "DIR" else a for a in argv[1:])]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}  # local ranks
     sampler = Sampler(sample_s, keep=True) if sample_s else None
@@ -68,8 +67,7 @@ def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = N
 
 
 def read_log(path: Path) -> dict[str, Any]:
-    """One rank's log: its ``step`` records and their ``collectives``, its count of ``work``
-    records, each ``train_step``'s step, loss and seconds, ``train_done``, the file's size."""
+    """One rank's log: steps, their collectives, work count, train steps, train_done, size."""
     out: dict[str, Any] = {"steps": [], "collectives": [], "work": 0, "train": [], "done": None}
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:

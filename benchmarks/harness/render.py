@@ -1,10 +1,7 @@
-"""The one renderer: a results payload (compact JSON) -> Markdown, from the suite's data.
-
-A suite declares ``TITLE``, ``NOTES`` (``str.format`` templates over the payload, or functions of
-it giving a line, lines or None) and ``LAYOUT`` or ``layout(payload)``: blocks, each a template or
-``(columns, rows)``, columns :class:`Col` and rows a payload key or the rows. A template whose
-fields are missing is left out, and so is a column that no row has.
-"""
+"""The one renderer: a results payload (compact JSON) -> Markdown, from the suite's data: its
+``TITLE``, ``NOTES`` (``str.format`` templates over the payload, or functions of it) and
+``LAYOUT`` or ``layout(payload)``, blocks each a template or ``(columns, rows)`` of :class:`Col`;
+a template whose fields are missing is left out, and so is a column that no row has."""
 
 from __future__ import annotations
 
@@ -80,8 +77,7 @@ def cell(col: Col, row: Mapping[str, Any], rows: Mapping[str, Any]) -> str:
 
 
 def table(columns: Iterable[Col], rows: Mapping[str, Any] | list) -> str:
-    """The rows (a list, or key -> row for ratios to a row) as a Markdown table, padded so that it
-    reads as plain text too; a column whose key no row has is left out."""
+    """The rows (a list, or key -> row) as a padded Markdown table, less columns no row has."""
     by = rows if isinstance(rows, Mapping) else {str(i): r for i, r in enumerate(rows)}
     shown = [c for c in columns if "{" in c.field or any(c.field in r for r in by.values())]
     body = [[c.header for c in shown], *([cell(c, r, by) for c in shown] for r in by.values())]
@@ -96,8 +92,7 @@ class _Formatter(string.Formatter):
 
 
 def fill(block: str | Callable, payload: Mapping[str, Any]) -> str | None:
-    """A template (its fields may name a format of :data:`FORMATS`), or a function, filled from
-    ``payload``; None when a field is missing."""
+    """A template (its fields may name :data:`FORMATS`) or a function, filled; None if short."""
     if callable(block):
         return block(payload)
     try:
@@ -135,8 +130,7 @@ def compact(value: Any) -> Any:
 
 
 def dumps(value: Any, indent: int = 0, width: int = 120) -> str:
-    """Compact JSON: a record (whose values are scalars, or lists of them) on one line, and any
-    container that fits in ``width``."""
+    """Compact JSON: records of scalars (or lists of them), and what fits in ``width``, inline."""
 
     def scalar(v: Any) -> bool:
         return not isinstance(v, dict | list)
@@ -156,8 +150,7 @@ def dumps(value: Any, indent: int = 0, width: int = 120) -> str:
 
 
 def write(out: Path, payload: Mapping[str, Any], suite: Any) -> Path:
-    """The payload as compact JSON at ``out`` and its Markdown beside it, rendered from the JSON
-    as written (as ``--render`` renders it); the Markdown's path."""
+    """The payload as compact JSON at ``out``, and its Markdown (of the JSON as written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text((text := dumps(compact(payload))) + "\n", encoding="utf-8")
     (md := out.with_suffix(".md")).write_text(markdown(json.loads(text), suite), encoding="utf-8")

@@ -169,8 +169,7 @@ def rank_main(spec_path: str) -> None:
 
 
 def plan(keys: Sequence[str], rounds: int, sizes: Sequence = ("",), rotate: bool = True) -> list:
-    """Every run in order, ``{"index", "round", "key"}`` (and ``"size"``): in a round every case
-    once, the order rotated by one per round and per size."""
+    """Every run in order: in a round every case once, the order rotated per round and size."""
     out: list[dict[str, Any]] = []
     for r in range(rounds):
         for i, size in enumerate(sizes):
@@ -181,9 +180,8 @@ def plan(keys: Sequence[str], rounds: int, sizes: Sequence = ("",), rotate: bool
     return out
 
 
-def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list[dict]:
-    """Run every entry (``run_one`` gives ``ok``, ``wall_s`` or an ``error``), but not again a case
-    that failed; progress to stderr."""
+def run_plan(entries: list[dict], run_one: Callable) -> list[dict]:
+    """Run every entry, but not again a case that failed; progress to stderr."""
     runs, failed, started = [], set(), time.perf_counter()
     for e in entries:
         case = (e.get("size", ""), e["key"])
@@ -194,11 +192,8 @@ def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list
         progress(f"{tag}: running ...")
         runs.append(run := {**run_one(e), **e})
         took = f"(run {run['wall_s']:.1f} s, {time.perf_counter() - started:.0f} s in all)"
-        if run["ok"]:
-            progress(f"{tag}: {describe(run)} {took}")
-            continue
-        failed.add(case)
-        progress(f"{tag}: FAILED: {run['error']} {took}")
+        progress(f"{tag}: {'done' if run['ok'] else 'FAILED: ' + run['error']} {took}")
+        failed |= set() if run["ok"] else {case}
         for rank, lines in run.get("log_tails", {}).items():
             progress("\n    ".join([f"  rank {rank} log tail:", *lines]))
     return runs
@@ -218,7 +213,7 @@ def cases(module: str, names: dict[str, str], spec: dict, work: Path, args: Any,
 
     n_rounds = args.warmup + args.repeats
     entries = plan(list(names), n_rounds, rotate=kw.get("rotate", True))
-    runs = run_plan(entries, one, lambda r: "done")
+    runs = run_plan(entries, one)
     rounds = [{r["key"]: r for r in runs if r["round"] == i} for i in range(n_rounds)]
     return saved, runs, rounds[args.warmup :]
 

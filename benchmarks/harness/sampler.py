@@ -58,8 +58,7 @@ class Sampler:
 
 
 class StepClock:
-    """A step's phases: ``phase(name)`` ends the current one; :meth:`stop` gives each phase's
-    seconds, the step's and its CPU seconds (all threads)."""
+    """A step's phases (``phase(name)`` ends the current one): seconds, the step's, its CPU."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}

@@ -1,8 +1,6 @@
 """The systems a training benchmark compares, behind one interface: ``SYSTEMS[kind](spec, rank)``
-with ``start()`` (join the group), ``setup(model)``, ``step(x, y, clock)`` (phases ``forward``,
-``loss``, ``backward``, ``optimizer``), ``model_state()`` (bytes counted from the tensors the
-system exposes), ``info()`` and ``close()``; docs/benchmarks.md (peers, hf-peers) has the options.
-"""
+with ``start``, ``setup(model)``, ``step(x, y, clock)``, ``model_state`` (bytes counted from the
+tensors it exposes), ``info`` and ``close``; docs/benchmarks.md (peers) has their options."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ class System(NamedTuple):
 
 
 def storage_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct storages behind the tensors, each counted once (views of one flat
-    buffer at its size; a DTensor by its local shard)."""
+    """Bytes of the distinct storages behind the tensors (a DTensor's: its local shard's)."""
     storages = [(t.to_local() if hasattr(t, "to_local") else t).untyped_storage() for t in tensors]
     return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
 
@@ -74,8 +71,7 @@ class Torch:
         self.opt = self.adamw(model.parameters())
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
-        """``call``'s forward (awaited if async), then the loss: an HF model's own from ``labels``
-        (the input ids), else :func:`lm_loss` of the logits and ``y``."""
+        """``call``'s forward (awaited if async), then the loss (an HF model's own, from labels)."""
         clock.phase("forward")
         hf = self.spec["dims"].get("model") == "llama"
         out = call(input_ids=x, labels=x) if hf else call(x)
@@ -179,11 +175,10 @@ class Ours(Torch):
         wd = self.spec["weight_decay"]
         opt = z.OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
         config = z.Zero3CpuOffloadConfig(optimizer=opt, device=self.device.type, **self.options)
-        self.manager = z.Zero3CpuOffloadManager(config, self.group, model, **self.units(model))
-        self.names = getattr(model, "layer_names", None)
-
-    def units(self, model: torch.nn.Module) -> dict[str, Any]:
-        return {}  # chain mode: the model's children are the layers
+        self.names = getattr(model, "layer_names", None)  # chain mode: the children are the layers
+        blocks = [n for n in self.names or [] if n.startswith("block")]  # module mode: units
+        units = {"units": blocks} if blocks and self.spec["kind"] == "ours-module" else {}
+        self.manager = z.Zero3CpuOffloadManager(config, self.group, model, **units)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         manager, lr = self.manager, self.spec["lr"]
@@ -209,12 +204,7 @@ class Ours(Torch):
 
 
 class OursModule(Ours):
-    """Module mode: the manager runs the model's own forward; its units are the GPT's blocks
-    (the rest the root unit), or by default an HF model's ``_no_split_modules``."""
-
-    def units(self, model: torch.nn.Module) -> dict[str, Any]:
-        blocks = [n for n in getattr(model, "layer_names", []) if n.startswith("block")]
-        return {"units": blocks} if blocks else {}
+    """Module mode: the units are the GPT's blocks, or an HF model's ``_no_split_modules``."""
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         ticker = asyncio.ensure_future(self.tick())  # the event loop's responsiveness

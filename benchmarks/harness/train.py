@@ -1,10 +1,6 @@
-"""The training run of one rank that every training suite uses (:func:`train`), the runs of a
-suite's table of systems x sizes on fresh ranks (:func:`train_runs`, :func:`compare`), and their
-summary, the compact figures the tables show (:func:`summarize`).
-
-With ``stats`` in its spec, a rank takes the change of ``get_performance_stats()`` over every
-step as a phase of it.
-"""
+"""The training run of one rank (:func:`train`; with ``stats`` in its spec, the change of
+``get_performance_stats()`` over each step), the runs of a suite's systems x sizes on fresh ranks
+(:func:`train_runs`, :func:`compare`) and their summary, the figures of the tables."""
 
 from __future__ import annotations
 
@@ -35,9 +31,7 @@ def check_loss_steps(args: Any) -> str | None:
 
 
 def stats_delta(prev: Any, now: Any) -> dict[str, Any]:
-    """What ``get_performance_stats()`` counted between two snapshots: collectives and transfers
-    (``OperationStats``' fields), prefetch counters, optimizer seconds and the seconds of the new
-    timeline intervals by kind and phase."""
+    """What ``get_performance_stats()`` counted between two snapshots, new timeline spans too."""
 
     def since(a: dict, b: dict) -> dict:
         return {k: attrs.asdict(v.since(b.get(k, OperationStats()))) for k, v in a.items()}
@@ -113,7 +107,7 @@ def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) 
 
     with work_directory("train-", bool(get("keep"))) as workdir:
         entries = plan(list(systems), args.rounds, list(sizes))
-        return run_plan(entries, one, describe_run)
+        return run_plan(entries, one)
 
 
 def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> tuple[dict, list]:
@@ -146,11 +140,6 @@ def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> t
     summary = summarize(runs, {k: s._asdict() for k, s in systems.items()}, reference=reference)
     out = {"config": config, **summary, "runs": [run_row(r) for r in runs], "skipped": skipped}
     return {**out, "total_wall_s": time.perf_counter() - started}, runs
-
-
-def describe_run(run: dict[str, Any]) -> str:
-    losses = [round(v, 4) for v in global_losses(run)[:LOSS_STEPS]]
-    return f"median step {run_median(run):.3f} s, losses {losses}"
 
 
 def global_losses(run: dict[str, Any]) -> list[float]:

@@ -1,7 +1,6 @@
 """ShardCodec throughput per compute-copy format (NONE, FP16, BF16, INT8) vs a plain fp32 copy_.
 
-Encode and decode of one fp32 shard, interleaved with the copy; stored bytes and round-trip error.
-"""
+Encode and decode of one fp32 shard, interleaved; stored bytes and round-trip error."""
 
 from __future__ import annotations
 

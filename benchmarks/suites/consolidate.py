@@ -1,8 +1,6 @@
 """Peak memory and wall time of consolidating a sharded checkpoint into one file.
 
-A ~285 MB model's checkpoint (2 gloo ranks) consolidated to safetensors and to ``.pt``, and the
-result naively loaded, each case a fresh process sampled from outside, rounds interleaved.
-"""
+To safetensors and ``.pt``, and naive loads, each in a fresh process sampled from outside."""
 
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ NOTES = [
 
 
 def make_model(widths: list[int], seed: int) -> nn.Sequential:
-    """Linear layers ``widths[i] -> widths[i+1]``, LayerNorms after :data:`LN_AFTER`; each layer
-    seeded on its own, so the same call builds the same model anywhere."""
+    """Linear layers between ``widths``, LayerNorms after :data:`LN_AFTER`, each seeded alone."""
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
         torch.manual_seed(seed + i)
@@ -120,8 +117,7 @@ baseline = stream = pt = naive = naive_pread = case  # the targets of the cases
 
 
 def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str, Any]]:
-    """Per case the medians over the measured rounds, and the peaks above the baseline's, over
-    the model's and the largest tensor's bytes."""
+    """Per case the medians over the rounds, and its peaks above the baseline's, relative too."""
     model, largest, out = sum(sizes.values()), max(sizes.values()), []
     peaks = {"rss": lambda c: c["peak_rss_bytes"]}
     peaks["anon"] = lambda c: c["sampled_peak_bytes"]["RssAnon"]

@@ -1,8 +1,6 @@
 """zero3_offload's module mode on a transformers Llama vs plain torch, FSDP2 and DeepSpeed.
 
-peers' method on a ~300M LlamaForCausalLM (GQA; its own loss from labels); the ``gpt`` part
-trains the library's GPT in module mode next to chain mode, plain torch and FSDP2.
-"""
+peers' method on a ~300M Llama (GQA); ``--models gpt``: module vs chain mode on the GPT."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """NVMe: the disk's bandwidth, and training with the optimizer state (and compute copies) on disk.
 
-Under --nvme-path: the disk's O_DIRECT bandwidth, then peers' comparison on 2 gloo ranks of the
-state in memory and on disk: step time, peak RSS, the disk traffic of a step, equal losses.
-"""
+The disk's O_DIRECT bandwidth under --nvme-path, then peers' comparison of the state's places."""
 
 from __future__ import annotations
 
@@ -45,14 +43,11 @@ SYSTEMS = {
     "nvme_both": ({**NVME, "offload_param_device": "nvme"}, "state and compute copies on disk"),
 }
 PAIRS = [("nvme", "ram"), ("nvme_lr_bwd", "ram_lr_bwd"), ("nvme_both", "ram")]
-DISK = [
-    Col("system", "label"),
-    Col("disk read / step / rank MiB", "disk_read_bytes", "mib"),
-    Col("written MiB", "disk_write_bytes", "mib"),
-    Col("I/O call s", "io_s", ".3f"),
-    Col("GB/s in the calls", "gbs", ".2f"),
-    Col("disk time needed / step time", "need", ".2f"),
-]
+# fmt: off
+DISK = [Col("system", "label"), Col("disk read / step / rank MiB", "disk_read_bytes", "mib"),
+        Col("written MiB", "disk_write_bytes", "mib"), Col("I/O call s", "io_s", ".3f"),
+        Col("GB/s in the calls", "gbs", ".2f"), Col("disk time needed / step time", "need", ".2f")]
+# fmt: on
 
 
 def check(args: Any) -> str | None:
@@ -89,8 +84,7 @@ def disk_bandwidth(directory: Path, nbytes: int) -> dict[str, Any]:
 
 
 def disk_rows(part: dict[str, Any], runs: list[dict], disk: dict[str, Any]) -> dict[str, Any]:
-    """Per system: rank 0's disk traffic per timed step (the median over runs), the seconds of
-    its I/O calls, and the disk time those bytes need at the disk's bandwidths / the step's."""
+    """Per system: rank 0's disk traffic and I/O seconds per timed step, against the disk's."""
     out, steps, median = {}, part["config"]["steps"], statistics.median
 
     def per_step(transfers: list[dict], kind: str, field: str) -> float:

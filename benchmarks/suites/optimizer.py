@@ -1,8 +1,6 @@
 """CPU AdamW step throughput: ShardOptimizers vs torch's AdamW (fused, foreach).
 
-Interleaved over the same 16 unequal shards, against a bound: the copy bandwidth over the bytes
-per parameter of the tensors torch's fused kernel reads and writes.
-"""
+Interleaved over 16 unequal shards, against the bandwidth bound of torch's fused kernel."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Step time on 2 gloo ranks with async_prefetch on vs off, and how much communication shows.
 
-Runs alternate over rounds (ABBA); the change of `get_performance_stats()` over every step gives
-compute, collective and exposed time and the prefetch hit rate.
-"""
+Runs alternate (ABBA); get_performance_stats() over every step: compute, collectives, hits."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ def derive(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per configuration the medians over every timed step of both ranks and all runs (of each
-    collective's seconds and operations too); per round the runs' medians."""
+    """Per configuration the medians over the timed steps of both ranks and all runs; per round."""
     configs, median = {}, statistics.median
     for key in (OFF, ON):
         steps = [s for run in runs if run["key"] == key for rank in train.timed(run) for s in rank]

@@ -1,10 +1,7 @@
 """zero3_offload vs FSDP2, FSDP2 + CPU offload, DeepSpeed ZeRO-3 offload and plain torch.
 
-The same GPT, weights, batches and AdamW in every system, fresh processes per run, the order
-rotated per round; ``--sweep-ours``: zero3_offload's configurations; ``--device cuda``: one GPU.
-Defaults (small; --quick; --large): rounds 3/2/1, warm-up 2/1/1, timed steps 6/5/4, timeout
-900/300/3600 s.
-"""
+Same model, data and seed; --sweep-ours: our configurations; --device cuda: one GPU. Defaults
+(small; --quick; --large): rounds 3/2/1, warm-up 2/1/1, steps 6/5/4, timeout 900/300/3600 s."""
 
 from __future__ import annotations
 
@@ -120,8 +117,7 @@ def run(args: Any) -> dict[str, Any] | None:
 
 
 def system_columns(refs: dict[str, str]) -> list[Col]:
-    """The table of training systems: step time, CPU time, phases and memory, with ratios to the
-    systems of ``refs`` (name -> key; CPU time and GPU memory to the first only)."""
+    """The systems table's columns, ratios to ``refs`` (CPU and GPU: to the first only)."""
 
     def vs(field: str, names: dict[str, str] = refs) -> list[Col]:
         return [Col(f"vs {name}", field, "x", key) for name, key in names.items()]

@@ -1,8 +1,6 @@
 """Peak memory and wall time of loading a ~350M-parameter transformers Llama on 2 ranks.
 
-From one saved fp32 model.safetensors, on 2 fresh processes per case, rounds interleaved:
-``Zero3CpuOffloadManager.from_pretrained`` vs ``AutoModelForCausalLM.from_pretrained`` in each.
-"""
+Zero3CpuOffloadManager.from_pretrained vs AutoModelForCausalLM.from_pretrained per process."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ LAYOUT = [([
     Col("case", "case"), Col("rank", "rank", "d"), Col("load s", "load", ".2f", missing="FAILED"),
     Col("peak RSS at load MiB", "loaded", "mib"), Col("RSS at load MiB", "rss_loaded", "mib"),
     Col("peak, weights read MiB", "read", "mib"),
-    Col("peak, weights written MiB", "written", "mib"),
-    Col("peak RSS MiB", "peak", "mib"),
+    Col("peak, weights written MiB", "written", "mib"), Col("peak RSS MiB", "peak", "mib"),
     Col("/ plain's", "vs_plain", ".2f"), Col("peak - after import MiB", "more", "mib"),
     Col("/ model fp32", "vs_model", ".2f"), Col("/ rank's shard", "vs_shard", ".2f"),
     Col("peak anon MiB", "anon", "mib"), Col("rank's shard MiB", "shard", "mib1"),
@@ -66,8 +63,7 @@ def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 
 async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Launcher target (a rank): the manager from the directory, default config (offload on);
-    the bytes it read from its ``pretrained_loaded`` log event."""
+    """Rank target: the manager from the directory (default config); what it read and holds."""
     group, t0 = await z.init_process_group_from_env("gloo"), time.perf_counter()
     with structlog.testing.capture_logs() as logs:
         config, path = z.Zero3CpuOffloadConfig(), spec["model_dir"]
@@ -83,8 +79,7 @@ async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 
 def plain(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Launcher target (one of 2 processes): the whole model, as every rank loads it alone;
-    then every weight read once and written once in place (marks ``read``, ``written``)."""
+    """Rank target: transformers' load, then every weight read once and written once in place."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
@@ -112,8 +107,7 @@ FIGURES.update(shard=lambda r: r.get("shard_bytes"), bytes_read=lambda r: r.get(
 
 
 def rows(measured: list[dict[str, dict]], model_bytes: int) -> list[dict[str, Any]]:
-    """Per case and rank: the medians over the measured rounds, and the peak over the plain
-    case's, the model's fp32 bytes and the rank's shard."""
+    """Per case and rank: the medians over the rounds, and the peak against plain, model, shard."""
 
     def med(case: str, rank: int, get: Any) -> float | None:
         runs = [c[case]["ranks"][rank] for c in measured if c.get(case, {}).get("ok")]

@@ -1,8 +1,6 @@
 """Step time and per-rank memory of zero3_offload vs model size and ranks; plain torch the baseline.
 
-At each size: zero3_offload on N = 1, 2, 4 gloo ranks and plain single-process torch; tables with
-ratios to plain torch, and the plot docs/scaling.png.
-"""
+N = 1, 2, 4 gloo ranks and plain torch at each size; ratios to plain torch; docs/scaling.png."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Soak: the default `zero3-offload train` job for 2,000 steps; RSS, threads and open fds per rank.
 
-Ranks sampled from outside, each sample placed at its step by the log; goals after warm-up: RSS
-grows <= 1 %, the steady thread and fd counts stay the same.
-"""
+Ranks sampled from outside; goals: RSS grows <= 1 % after warm-up, threads and fds stay flat."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def check(args: Any) -> str | None:
 
 
 def windows(cfg: dict[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The steps [first, last) of the first tenth of the steps after warm-up, and of the last
-    quarter of the steps."""
+    """The steps of the first tenth after warm-up and of the last quarter, as ranges."""
     steps, warmup = cfg["steps"], cfg["warmup"]
     tenth, quarter = max(1, (steps - warmup) // 10), max(1, (steps - warmup) // 4)
     return (warmup, warmup + tenth), (steps - quarter, steps)
@@ -67,8 +64,7 @@ def spread(lo: float, hi: float, fmt: Any = "{:,}".format) -> str:
 
 
 def figures(rows: list[list], secs: list[float], log: dict[str, Any], cfg: dict) -> dict:
-    """One rank's figures from its samples (the loop's steps only: the final evaluation and
-    checkpoint are left out), its steps' seconds and its log."""
+    """One rank's figures from its samples (the loop's steps only), step seconds and log."""
     (b0, b1), (e0, e1) = windows(cfg)
     after = [r for r in rows if cfg["warmup"] <= r[1] < cfg["steps"]]
     base, end, out = [r for r in rows if b0 <= r[1] < b1], [r for r in rows if e0 <= r[1] < e1], {}
@@ -96,8 +92,7 @@ def figures(rows: list[list], secs: list[float], log: dict[str, Any], cfg: dict)
 
 
 def curve(samples: list[list[list]], secs: list[float], steps: int) -> list[dict[str, Any]]:
-    """Per bin of steps, per rank: the median RSS and the thread and fd counts seen; rank 0's
-    median step."""
+    """Per bin of steps: each rank's median RSS and thread and fd counts; rank 0's median step."""
     width, out = max(1, -(-steps // ROWS)), []
     bins = [("0 (setup, first eval)", 0, 1)]
     for a in range(0, steps - 1, width):

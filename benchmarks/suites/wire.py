@@ -1,8 +1,6 @@
 """Wire: the default `zero3-offload train` job with each compressed-collective option.
 
-One job per option and seed (and exact with 2 torch threads, the noise floor): wire bytes and
-collective seconds per step, step time, final eval loss; goal: within 1 % of exact's.
-"""
+Per option and seed: wire bytes, collective and step time, final eval loss (goal: within 1 %)."""
 
 from __future__ import annotations
 
@@ -58,9 +56,7 @@ def check(args: Any) -> str | None:
 
 
 def figures(logs: list[dict | None]) -> dict[str, Any] | None:
-    """Medians over rank 0's steps after the first (which also holds the setup's collectives
-    and the first evaluation) from the ranks' logs (:mod:`harness.job`); the wire bytes must
-    agree between ranks."""
+    """Rank 0's medians over the steps after the first, from the ranks' logs; ranks' bytes agree."""
 
     def per_step(log: dict, op: str, field: str) -> list[float]:
         return [c.get(op, {}).get(field, 0) for c in log["collectives"]][1:]
