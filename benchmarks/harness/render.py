@@ -23,9 +23,7 @@ MIB = 2**20
 
 
 class Col(NamedTuple):
-    """A column: ``field`` of each row (a ``{...}`` template of the row, or a key) in ``fmt`` (a
-    format spec or a name in :data:`FORMATS`); with ``fmt`` ``"x"`` (``"/x"``) the ratio to (of)
-    the reference row: the row's own field ``ref`` when it holds one, else the row keyed ``ref``."""
+    """A column: ``field`` of each row (or a ``{...}`` template) in ``fmt``; ``x``: ratio to ref."""
 
     header: str
     field: str

@@ -86,10 +86,7 @@ def tail(path: Path, lines: int = 15) -> list[str]:
 
 
 def launch(target: str, spec: dict[str, Any], run_dir: Path, world: int = 1, **kw: Any) -> dict:
-    """Run ``target`` on ``world`` fresh ranks (with torchrun's environment unless ``torchrun`` is
-    False) with the spec's ``threads`` (1) and glibc's ``mmap_threshold``, for at most
-    ``timeout_s`` (900), their peaks sampled from outside every ``sample_s``: ``{"ok", "ranks",
-    "wall_s", ...}`` or the error."""
+    """Run ``target`` on fresh ranks (``kw``: ``torchrun``, ``timeout_s``, ``sample_s``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"threads": 1, **spec, "target": target, "out_dir": str(run_dir)}
     (run_dir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -200,9 +197,7 @@ def run_plan(entries: list[dict], run_one: Callable) -> list[dict]:
 
 
 def cases(module: str, names: dict[str, str], spec: dict, work: Path, args: Any, **kw: Any) -> Any:
-    """``module:save`` once (``kw["save"]``: its launch options), then each case (label -> name of
-    its target in ``module``) on fresh processes (``kw["case"]``), rounds interleaved: the save's
-    run (None when it failed, said on stderr), every run, and per measured round label -> run."""
+    """``module:save``, then each case's target on fresh ranks, rounds interleaved."""
     if not (saved := launch(f"{module}:save", spec, work / "save", **kw["save"]))["ok"]:
         progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
         return None, [], []

@@ -39,10 +39,7 @@ def _state(opt: Any) -> list[torch.Tensor]:
 
 
 class Torch:
-    """Plain torch (one process, the whole batch), and FSDP2 (``fsdp2``: ``fully_shard`` on every
-    child and the root, or with ``wrap="decoder_layers"`` on each of an HF model's
-    ``model.model.layers`` and the root, as torchtitan does; ``cpu_offload`` adds
-    ``CPUOffloadPolicy``, pinned on CUDA); then torch's AdamW."""
+    """Plain torch, or FSDP2 (every child and the root, or HF decoder layers and the root)."""
 
     def __init__(self, spec: dict[str, Any], rank: Any) -> None:
         self.spec, self.rank, self.options = spec, rank, dict(spec["options"])
@@ -133,8 +130,7 @@ class DeepSpeed(Torch):
         return loss
 
     def model_state(self) -> int:
-        """This rank's compute partitions (views of one flat CPU buffer), the parameters kept
-        gathered (below the persistence threshold), the fp32 masters, gradients and Adam state."""
+        """Bytes of the partitions, kept parameters, masters, gradients, state."""
         opt, params = self.engine.optimizer, list(self.model.parameters())
         flat32 = getattr(opt, "fp32_partitioned_groups_flat", [])
         tensors = [*getattr(opt, "fp16_partitioned_groups_flat", []), *flat32]
@@ -146,9 +142,7 @@ class DeepSpeed(Torch):
 
 
 class Split(Torch):
-    """A bound, not a trainer: each rank runs plain torch's forward and backward on its share of
-    the batch and AdamW on its 1/world of every parameter, with no communication at all (the
-    ranks' models drift apart): ZeRO's work on these cores without moving anything."""
+    """A bound: each rank's forward, backward and 1/world of AdamW, no communication."""
 
     async def setup(self, model: torch.nn.Module) -> None:
         rank, world = self.rank.rank, self.rank.world

@@ -85,10 +85,7 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
 
 
 def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) -> list[dict]:
-    """Every run of the plan of ``systems`` x ``sizes`` (name -> dims, ``warmup`` and
-    ``timed_steps``; one size may be named ""), each on fresh ranks running :func:`train` with
-    ``kw["spec"]`` added to its spec; from ``args``: ``rounds``,
-    ``seed``, ``timeout`` and, if present, ``mmap_threshold`` and ``keep``."""
+    """Every run of ``systems`` x ``sizes`` on fresh ranks running :func:`train`."""
     get = args.__dict__.get
 
     def one(e: dict[str, Any]) -> dict[str, Any]:
@@ -111,11 +108,7 @@ def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) 
 
 
 def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> tuple[dict, list]:
-    """Train each of ``systems`` on the model of ``dims`` (from ``args`` also ``warmup`` and
-    ``repeats``; ``spec`` in ``kw`` goes to :func:`train_runs`): the compact
-    results (the config with the rest of ``kw``, the summary with the losses checked against
-    ``reference``'s, the runs' lines, the systems skipped, DeepSpeed when it is not installed and
-    systems whose runs failed, with why, and the time it took) and the runs."""
+    """Train ``systems`` on ``dims``: the compact results (``kw``: config) and the runs."""
     skipped, missing = {}, importlib.util.find_spec("deepspeed") is None  # an optional extra
     for key in [k for k, s in systems.items() if s.kind == "deepspeed" and missing]:
         why = "deepspeed is not installed (pip install deepspeed to include it)"
@@ -175,10 +168,7 @@ def run_row(run: dict[str, Any]) -> dict[str, Any]:
 def summarize(
     runs: list[dict], systems: dict, size: str | None = None, reference: str = "torch"
 ) -> dict:
-    """Per system with a successful run (at ``size``, if given) the figures of the tables, with
-    its losses' check against the first run of ``reference`` (or of the first system): all
-    finite and the first :data:`LOSS_STEPS` within :data:`LOSS_TOLERANCE` (a bound, which trains
-    nothing together, is not checked); and the agreement of all."""
+    """Per system the figures of the tables, its losses checked against ``reference``'s."""
     median, out, all_losses = statistics.median, {}, {}
     runs = [r for r in runs if r["ok"] and size in (None, r.get("size"))]
     for key, system in systems.items():

@@ -54,10 +54,9 @@ NOTES = [
     "construction (no optimizer state yet), {checkpoint[bytes]:,} bytes in {checkpoint[files]} "
     "files; outputs {outputs[safetensors]:,} bytes (.safetensors) and {outputs[pt]:,} bytes (.pt). "
     "Read from the page cache (just written).",
-    "each case a fresh process ({threads} torch threads); medians of {config[repeats]} round(s) "
-    "after {config[warmup]} warm-up round(s), cases interleaved.",
-    "Peaks sampled from outside every {config[sample_ms]:g} ms; columns as docs/benchmarks.md "
-    "(consolidate) defines them.",
+    "each case a fresh process ({threads} torch threads), peaks sampled from outside every "
+    "{config[sample_ms]:g} ms; medians of {config[repeats]} round(s) after {config[warmup]} "
+    "warm-up round(s), cases interleaved; columns: docs/benchmarks.md (consolidate).",
     "verified: both outputs hold exactly the model's state-dict names, load strict=True, and "
     "every tensor's SHA-256 equals the original model's.",
 ]

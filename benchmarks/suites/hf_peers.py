@@ -97,12 +97,10 @@ def notes(p: dict[str, Any]) -> list[str]:
         lines = peers.notes(part, f"Model: {size} {shape}: {cfg['params']:,} fp32 params")
         out += [f"{model}: {n}" if i else n for n in lines if n not in out]
         if ms := part["loop_ms"]:
-            out.append(
-                f"{model}: the event loop during a module-mode step (a task waking every 10 ms "
-                "counts how late each wake-up is; the worst per step, first step left out): "
-                f"median over steps {ms['median_step']:.1f} ms, worst {ms['max']:.1f} ms (the "
-                "worse rank)."
-            )
+            ticker = "(a 10 ms ticker's worst lateness per step, first step out, worse rank)"
+            median, worst = f"{ms['median_step']:.1f} ms", f"{ms['max']:.1f} ms"
+            out.append(f"{model}: the event loop in a module-mode step {ticker}: median {median}, "
+                       f"worst {worst}.")  # fmt: skip
     return out
 
 

@@ -53,7 +53,6 @@ SWEEP = {  # candidates for ours' fastest configuration
     "no_prefetch": ours("async_prefetch=False", async_prefetch=False),
     "unchecked": ours("divergence_check=False", divergence_check=False),
     "no_keep": ours("keep_gathered_for_backward=False", keep_gathered_for_backward=False),
-    "no_shm": ours("shared_memory_collectives=False", shared_memory_collectives=False),
     # clipping with updates in backward: speculative (never / always rolled back) and waiting
     "lr_bwd_clip": ours("lr in backward, clip 1e6, speculative", **LR_BWD, **CLIP_NEVER, **SPEC),
     "lr_bwd_clip_wait": ours("lr in backward, clip 1e6, waiting", **LR_BWD, **CLIP_NEVER),
@@ -140,9 +139,7 @@ def system_columns(refs: dict[str, str]) -> list[Col]:
 
 
 def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
-    """The systems table; the first run's loss per step of every system, its max |diff| from the
-    reference's, the spread between runs; per round the order of the runs, the range of their
-    load averages at start, each system's median step (its CPU seconds in parentheses)."""
+    """The systems table, the losses per step, and the runs per round."""
     ref = next(s for s in p["systems"].values() if s["label"] == p["agreement"]["reference"])
     k = min(p["config"]["warmup"] + p["config"]["steps"], len(ref["losses"]))
     losses = [Col("system", "label"), *(Col(f"step {i}", f"{{losses[{i}]:.5f}}") for i in range(k))]

@@ -77,10 +77,7 @@ def figures(logs: list[dict | None]) -> dict[str, Any] | None:
 
 
 def summarize(cases: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """Per option (in run order): seed 0's figures, the final evaluation loss of each seed, their
-    mean and its ratio to the exact runs' mean, each seed's ratio to the exact run of that seed
-    and their mean with its standard error, and the training loss against exact's; the seeds
-    without a result instead (and none when exact has none)."""
+    """Per option: seed 0's figures, the final losses over the seeds against exact's."""
     figs: dict[str, dict[int, dict[str, Any] | None]] = {}
     for case in cases:
         figs.setdefault(case["name"], {})[case["seed"]] = case["figures"]
