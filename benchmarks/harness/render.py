@@ -59,6 +59,7 @@ def mib(nbytes: float, decimals: int = 0) -> str:
 FORMATS: dict[str, Callable[[Any], str]] = {"mib": mib, "mib1": lambda v: mib(v, 1), "sig": fmt}
 FORMATS.update(rate=fmt_rate, ms=lambda v: f"{1e3 * v:.0f}", ms1=lambda v: f"{1e3 * v:.1f}")
 FORMATS.update(us=lambda v: f"{1e6 * v:.0f}", yes=lambda v: "yes" if v else "NO")
+FORMATS["or_default"] = lambda v: f"{v}" if v else "default"
 
 
 def cell(col: Col, row: Mapping[str, Any], rows: Mapping[str, Any]) -> str:

@@ -127,9 +127,8 @@ def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> t
     spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **spec}
     config = {"dims": dims, "seed": args.seed, "warmup": args.warmup, "steps": args.repeats}
     config.update(model=model, params=sum(per_layer.values()), layers=len(per_layer))
-    config["largest_layer"] = max(per_layer.values())
-    config.update(lr=spec["lr"], weight_decay=spec["weight_decay"])
-    config.update(rounds=args.rounds, corpus=workload.corpus_info(), **kw)
+    config.update(largest_layer=max(per_layer.values()), lr=spec["lr"], rounds=args.rounds)
+    config.update(weight_decay=spec["weight_decay"], corpus=workload.corpus_info(), **kw)
     summary = summarize(runs, {k: s._asdict() for k, s in systems.items()}, reference=reference)
     out = {"config": config, **summary, "runs": [run_row(r) for r in runs], "skipped": skipped}
     return {**out, "total_wall_s": time.perf_counter() - started}, runs

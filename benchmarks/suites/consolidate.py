@@ -158,14 +158,11 @@ def run(args: Any) -> dict[str, Any] | None:
     largest = max(sizes, key=sizes.__getitem__)
     model = {"layers": len(widths) - 1 + len(LN_AFTER), "widths": " -> ".join(map(str, widths))}
     model.update(norms=", ".join(f"fc{i}" for i in LN_AFTER), tensors=len(sizes))
-    model["bytes"] = sum(sizes.values())
-    model.update(mib=model["bytes"] / 2**20, largest=largest, largest_bytes=sizes[largest])
+    model.update(bytes=sum(sizes.values()), mib=sum(sizes.values()) / 2**20, largest=largest)
+    model["largest_bytes"] = sizes[largest]
     config = {"world_size": WORLD, "widths": widths, "seed": SEED, "repeats": args.repeats}
     config.update(warmup=args.warmup, sample_ms=SAMPLE_S * 1000)
     rounds = [{k: r["ranks"][0] for k, r in c.items()} for c in measured]
-    out = {
-        "config": config,
-        "model": model,
-        "checkpoint": {"bytes": sum(files), "files": len(files)},
-    }
-    return {**out, "outputs": outputs, "threads": threads, "rows": rows(rounds, sizes)}
+    out = {"config": config, "model": model, "checkpoint": {"bytes": sum(files)}}
+    out["checkpoint"]["files"], out["outputs"], out["threads"] = len(files), outputs, threads
+    return {**out, "rows": rows(rounds, sizes)}

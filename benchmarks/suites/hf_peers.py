@@ -21,20 +21,12 @@ MODELS = {  # name: (full dims, quick dims), indexed by args.quick
 }
 MODULE = System("zero3_offload module mode", "ours-module", WORLD, {})
 BY_LAYER = {"fused": True, "wrap": "decoder_layers"}  # torchtitan's: each decoder layer, the root
-SYSTEMS = {
-    "llama": {
-        "torch": peers.SYSTEMS["torch"],
-        "fsdp2": System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER),
-        "deepspeed": peers.SYSTEMS["deepspeed"],
-        "ours_module": MODULE,
-    },
-    "gpt": {
-        "torch": peers.SYSTEMS["torch"],
-        "fsdp2": peers.SYSTEMS["fsdp2"],
-        "ours_chain": System("zero3_offload chain mode", "zero3_offload", WORLD, {}),
-        "ours_module": MODULE,
-    },
-}
+LLAMA_PEERS = {"fsdp2": System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER)}
+LLAMA_PEERS["deepspeed"] = peers.SYSTEMS["deepspeed"]
+CHAIN = System("zero3_offload chain mode", "zero3_offload", WORLD, {})
+PARTS = {"llama": LLAMA_PEERS, "gpt": {"fsdp2": peers.SYSTEMS["fsdp2"], "ours_chain": CHAIN}}
+TORCH = peers.SYSTEMS["torch"]
+SYSTEMS = {m: {"torch": TORCH, **t, "ours_module": MODULE} for m, t in PARTS.items()}
 KEYS = sorted({k for table in SYSTEMS.values() for k in table})
 OPTIONS = {
     "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, gpt (both)"},

@@ -117,9 +117,6 @@ def run(args: Any) -> dict[str, Any] | None:
     try:
         progress(f"disk: {args.disk_mib} MiB written and read with O_DIRECT under {root}")
         disk = disk_bandwidth(work, args.disk_mib * 2**20)
-        progress(
-            f"disk: write {disk['write_gbs_median']:.2f} GB/s, read {disk['read_gbs_median']:.2f}"
-        )
         systems, tier = {}, {"nvme_path": str(work / "tier")}
         for key, (options, label) in SYSTEMS.items():
             on_disk = tier if "offload_optimizer_device" in options else {}

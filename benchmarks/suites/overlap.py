@@ -128,18 +128,11 @@ def layout(p: dict[str, Any]) -> list:
     return [(MAIN, configs), breakdown, (BREAKDOWN, configs), rounds, (ROUNDS, p["rounds"])]
 
 
-def model_note(p: dict[str, Any]) -> str:
-    cfg, dims = p["config"], p["config"]["dims"]
-    return (
-        f"{cfg['model']} d={dims['d']}, heads={dims['heads']}, {dims['n_layers']} blocks, "
-        f"{cfg['params']:,} fp32 params in {cfg['layers']} layers (largest "
-        f"{cfg['largest_layer']:,}); global batch {dims['global_batch']} (x {dims['seq']} "
-        f"tokens), {dims['global_batch'] // cfg['world_size']} per rank; AdamW lr {cfg['lr']}."
-    )
-
-
 NOTES = [
-    model_note,
+    "{config[model]} d={config[dims][d]}, heads={config[dims][heads]}, {config[dims][n_layers]} "
+    "blocks, {config[params]:,} fp32 params in {config[layers]} layers (largest "
+    "{config[largest_layer]:,}); global batch {config[dims][global_batch]} (x {config[dims][seq]} "
+    "tokens) split over the ranks; AdamW lr {config[lr]}.",
     "{config[world_size]} gloo ranks on this machine, {config[threads_per_rank]} torch thread per "
     "rank (ranks saw {ranks_threads}), cpu_worker_threads 2, fp32, no compression.",
     "'prefetch off': async_prefetch=False; 'prefetch on': async_prefetch=True, "

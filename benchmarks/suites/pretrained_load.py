@@ -169,14 +169,11 @@ def model_note(p: dict[str, Any]) -> str:
 
 NOTES = [
     model_note,
-    lambda p: (
-        f"{p['config']['world_size']} fresh processes per case, {p['config']['threads_per_rank']} "
-        f"torch thread(s) each; medians of {p['config']['repeats']} round(s) after "
-        f"{p['config']['warmup']} unmeasured, cases interleaved; glibc mmap threshold "
-        f"{p['config']['malloc_mmap_threshold'] or 'default'}; peak anon sampled every "
-        f"{p['config']['sample_ms']:g} ms from outside. Cases and columns as docs/benchmarks.md "
-        "(pretrained-load) defines them."
-    ),
+    "{config[world_size]} fresh processes per case, {config[threads_per_rank]} torch thread(s) "
+    "each; medians of {config[repeats]} round(s) after {config[warmup]} unmeasured, cases "
+    "interleaved; glibc mmap threshold {config[malloc_mmap_threshold]:or_default}; peak anon "
+    "sampled every {config[sample_ms]:g} ms from outside. Cases and columns as "
+    "docs/benchmarks.md (pretrained-load) defines them.",
     OURS + ": model state counted after loading: {model_state_bytes:mib} MiB.",
     lambda p: "FAILED: " + "; ".join(p["failed"]) if p["failed"] else None,
 ]

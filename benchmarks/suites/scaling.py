@@ -173,7 +173,7 @@ NOTES = [
     "{config[rounds]} round(s), every run on fresh processes; order, columns and method as "
     f"docs/benchmarks.md (scaling) defines them. Losses: all finite and the first {LOSS_STEPS} of "
     f"every run within {LOSS_TOLERANCE:g} of plain torch's: {{losses_agree}}. glibc's "
-    "MALLOC_MMAP_THRESHOLD_ in every process (None: not set): {config[malloc_mmap_threshold]}.",
+    "MALLOC_MMAP_THRESHOLD_ in every process: {config[malloc_mmap_threshold]:or_default}.",
     "Whole benchmark {total_wall_s:.0f} s wall.",
 ]
 
