@@ -141,7 +141,6 @@ def global_losses(run: dict[str, Any]) -> list[float]:
 
 
 def timed(run: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """Per rank, the timed steps of a run (after its warm-up)."""
     return [rk["steps"][run["warmup"] :] for rk in run["ranks"]]
 
 
@@ -155,7 +154,6 @@ def run_median(run: dict[str, Any]) -> float:
 
 
 def run_row(run: dict[str, Any]) -> dict[str, Any]:
-    """A run's line in the per-round and per-run tables."""
     keys = ("index", "round", "key", "size", "ok", "wall_s", "error")
     row = {k: run[k] for k in keys if k in run} | {"load": run["load_average_at_start"][0]}
     if run["ok"]:

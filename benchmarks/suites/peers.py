@@ -29,6 +29,7 @@ LR_BWD, DEPTH1 = {"lr_in_backward": True}, {"prefetch_buffer_size": 1}
 NO_OFFLOAD = dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_states"), False)
 CLIP_NEVER, CLIP_ALWAYS = {"gradient_clipping": 1e6}, {"gradient_clipping": 1e-6}
 SPEC = {"speculative_step": True}
+FIRES = {**LR_BWD, **CLIP_ALWAYS, **SPEC}
 FUSED, CKPT = {"fused": True}, {"activation_checkpointing": True}
 OFFLOAD = {**FUSED, "cpu_offload": True}
 PERSIST = {"param_persistence_threshold": 300_000}  # small layers kept gathered
@@ -56,9 +57,7 @@ SWEEP = {  # candidates for ours' fastest configuration
     # clipping with updates in backward: speculative (never / always rolled back) and waiting
     "lr_bwd_clip": ours("lr in backward, clip 1e6, speculative", **LR_BWD, **CLIP_NEVER, **SPEC),
     "lr_bwd_clip_wait": ours("lr in backward, clip 1e6, waiting", **LR_BWD, **CLIP_NEVER),
-    "lr_bwd_clip_fires": ours(
-        "lr in backward, clip 1e-6 (fires every step), speculative", **LR_BWD, **CLIP_ALWAYS, **SPEC
-    ),
+    "lr_bwd_clip_fires": ours("lr in backward, clip 1e-6 (fires every step), speculative", **FIRES),
 }
 CUDA_KINDS = ("torch", "fsdp2", "zero3_offload")  # DeepSpeed's ranks run DS_ACCELERATOR=cpu
 TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
@@ -148,9 +147,9 @@ def layout(p: dict[str, Any], refs: dict[str, str] | None = None) -> list:
     rounds = []
     for r in range(p["config"]["rounds"]):
         runs = [x for x in p["runs"] if x["round"] == r]
-        loads = [x["load"] for x in runs if "load" in x]
+        loads = [x["load"] for x in runs]
         rounds.append({"round": str(r), "order": " > ".join(x["key"] for x in runs)})
-        rounds[-1]["load"] = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
+        rounds[-1]["load"] = f"{min(loads):.1f}-{max(loads):.1f}"
         for x in (x for x in runs if x["ok"]):
             rounds[-1][x["key"]] = f"{x['median_step_s']:.3f} ({x['cpu_s']:.2f})"
     per_system = [Col("round", "round"), Col("order", "order"), Col("load avg", "load")]

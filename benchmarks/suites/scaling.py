@@ -90,15 +90,14 @@ def run(args: Any) -> dict[str, Any]:
     systems = {TORCH: peers.SYSTEMS["torch"]}
     for n in args.worlds:
         systems[f"ours_n{n}"] = System(f"zero3_offload N={n}", "zero3_offload", n, {})
-    table = args.size_table
-    sizes = {n: {**s, "params": sum(workload.layer_params(s).values())} for n, s in table.items()}
+    sizes, started = args.size_table, time.perf_counter()
+    sizes = {n: {**s, "params": sum(workload.layer_params(s).values())} for n, s in sizes.items()}
     threads = {k: args.torch_threads if k == TORCH else args.threads for k in systems}
-    started = time.perf_counter()
     runs = train.train_runs(args, systems, sizes, threads)
     config = {"model": workload.MODEL, "sizes": sizes, "worlds": args.worlds, "rounds": args.rounds}
     config.update(threads_per_rank=args.threads, torch_threads=args.torch_threads, seed=args.seed)
-    config.update(lr=train.LR, weight_decay=train.WEIGHT_DECAY)
-    config.update(malloc_mmap_threshold=args.mmap_threshold, corpus=workload.corpus_info())
+    config.update(lr=train.LR, weight_decay=train.WEIGHT_DECAY, corpus=workload.corpus_info())
+    config["malloc_mmap_threshold"] = args.mmap_threshold
     config["systems"] = {k: s._asdict() for k, s in systems.items()}
     by_size = {}
     for name, size in sizes.items():  # no loss check without a plain-torch run
@@ -131,9 +130,8 @@ def layout(p: dict[str, Any]) -> list:
         for key, s in per.items():
             over = " (oversubscribed)" if s["world_size"] * s["threads_per_rank"] > cores else ""
             row = {**s, "size": name, "ranks": f"{s['world_size']} x {s['threads_per_rank']}{over}"}
-            row["loss"] = "no reference"
-            if b["agreement"] is not None:
-                row["loss"] = f"{s['loss_max_diff']:.1e}" + " (not finite)" * (not s["loss_finite"])
+            row["loss"] = "no reference" if b["agreement"] is None else f"{s['loss_max_diff']:.1e}"
+            row["loss"] += " (not finite)" * (b["agreement"] is not None and not s["loss_finite"])
             one = {} if key == TORCH else per.get("ours_n1", {})
             row.update({TORCH: per.get(TORCH, {}), "one": one})
             detail.append(row)

@@ -12,8 +12,6 @@ from harness import job
 from harness.render import Col, mib
 from harness.runner import progress, work_directory
 
-import zero3_offload
-
 RSS_GOAL_PCT, ROWS = 1.0, 20  # ROWS: bins of the curve between the first step and the last
 TAKES = ["timeout", "keep"]
 OPTIONS = {
@@ -128,7 +126,7 @@ def run(args: Any) -> dict[str, Any] | None:
     secs = [[t[2] for t in g["train"]] for g in logs]
     cfg = {"world_size": job.WORLD, "steps": args.steps, "warmup": args.warmup}
     cfg.update(threads_per_rank=args.threads, sample_interval_s=args.sample_s)
-    cfg.update(rss_goal_pct=RSS_GOAL_PCT, version=zero3_offload.__version__)
+    cfg["rss_goal_pct"] = RSS_GOAL_PCT
     tail = next((ln for ln in reversed(got["output_tail"]) if "step" in ln), "")
     out = {"config": cfg, "command": argv, "wall_s": got["wall_s"], "done": [len(s) for s in secs]}
     out.update(last_line=tail.strip(), samples=sum(map(len, samples)))

@@ -11,8 +11,6 @@ from harness import job
 from harness.render import Col
 from harness.runner import progress, work_directory
 
-import zero3_offload
-
 LOSS_GOAL_PCT = 1.0
 CASES = {
     "exact": [],
@@ -120,7 +118,6 @@ def run(args: Any) -> dict[str, Any] | None:
                 cases.append({**case, "error": got["error"]})
     config = {"world_size": job.WORLD, "steps": args.steps, "seeds": list(range(args.seeds))}
     config.update(threads_per_rank=args.threads, loss_goal_pct=LOSS_GOAL_PCT)
-    config["zero3_offload_version"] = zero3_offload.__version__
     summary = summarize(cases, config["seeds"])
     agree = all(s.get("goal", "FAIL") != "FAIL" for s in summary.values())
     failed = [f"{c['name']}, seed {c['seed']}: {c['error']}" for c in cases if c["error"]]
