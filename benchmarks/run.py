@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if (result := suite.run(args)) is None:  # it could not run (the suite said why)
         return 2
     name = result.pop("benchmark", None) or args.suite
+    if getattr(args, "mmap_threshold", None) != suite.DEFAULTS.get("mmap_threshold"):
+        name += "-mmap"  # a glibc threshold not the suite's own
     name = name.replace("-quick", "") + "-quick" if args.quick else name  # smoke tests: ignored
     payload = {"suite": args.suite, "benchmark": name, "quick": args.quick, "machine": info}
     out = args.out or RESULTS_DIR / f"{name}.json"

@@ -107,7 +107,6 @@ def run(args: Any) -> dict[str, Any] | None:
     name += ("" if args.size == "small" else f"-{args.size}") + "-cuda" * cuda
     name += f"-{args.blocks}blocks" if args.blocks else ""
     name += f"-vocab{args.vocab}" if args.vocab is not None else ""
-    name += "-mmap" * (args.mmap_threshold is not None)
     if not part["systems"]:
         return None
     agree = part["agreement"]["agree"]

@@ -146,8 +146,7 @@ def run(args: Any) -> dict[str, Any] | None:
     config["malloc_mmap_threshold"] = args.mmap_threshold
     config["transformers_version"] = transformers.__version__
     first = next((c[OURS]["ranks"][0] for c in measured if c.get(OURS, {}).get("ok")), {})
-    out = {"benchmark": "pretrained-load" + "-mmap" * (args.mmap_threshold is not None)}
-    out["config"], out["model"] = config, {"params": params, "fp32_bytes": 4 * params}
+    out = {"config": config, "model": {"params": params, "fp32_bytes": 4 * params}}
     out["model"].update(saved["ranks"][0])
     out.update(rows=rows(measured, 4 * params), model_state_bytes=first.get("model_state_bytes"))
     out["failed"] = [f"{r['key']} (round {r['round']}): {r['error']}" for r in runs if not r["ok"]]

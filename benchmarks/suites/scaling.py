@@ -106,7 +106,7 @@ def run(args: Any) -> dict[str, Any]:
         by_size[name] = {"params": size["params"], **got}
     done = [b for b in by_size.values() if len(b["systems"]) == len(systems) and b["agreement"]]
     agree = len(done) == len(by_size) and all(b["agreement"]["agree"] for b in done)
-    out = {"benchmark": "scaling" + "-mmap" * bool(args.mmap_threshold), "config": config}
+    out = {"config": config}
     out.update(sizes=by_size, runs=[train.run_row(r) for r in runs], losses_agree=agree)
     out["failed"] = [f"{r['size']} {r['key']}: {r['error']}" for r in runs if not r["ok"]]
     return {**out, "total_wall_s": time.perf_counter() - started}
