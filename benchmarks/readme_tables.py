@@ -1,10 +1,8 @@
 """The benchmark tables in README.md and docs/*.md, generated from benchmarks/results.
 
-Every region between a line ``<!-- results: NAME.md -->`` and the next ``<!-- /results -->``
-holds the first table of ``benchmarks/results/NAME.md`` and the paragraph right above it (the
-machine line). ``--check`` exits 1 when a region is out of date; a bad marker or a missing or
-tableless results file is an error (exit 2).
-"""
+Each region between ``<!-- results: NAME.md -->`` and ``<!-- /results -->`` holds the first table
+of ``benchmarks/results/NAME.md`` and the paragraph above it; ``--check`` exits 1 when one is out
+of date; a bad marker or a missing or tableless results file is an error (exit 2)."""
 
 from __future__ import annotations
 
@@ -31,19 +29,17 @@ def documents(root: Path = ROOT) -> list[Path]:
 def find_regions(lines: list[str], *, source: str = "README.md") -> list[tuple[str, int, int]]:
     """(name, line of the start marker, line of the end marker) of every region of ``lines``."""
     regions, start, name = [], None, ""
-    for i, line in enumerate(lines):
-        text, match = line.strip(), START.match(line.strip())
-        if match and start is not None:  # a region starts inside the one still open
+    for i, text in enumerate(line.strip() for line in lines):
+        if (match := START.match(text)) and start is not None:  # a start inside an open region
             break
         if match:
             start, name = i, match["name"]
         elif text.startswith("<!-- results:"):
-            raise ReadmeTablesError(
-                f"{source}:{i + 1}: malformed marker {text!r}; expected '<!-- results: NAME.md -->'"
-            )
+            expected = "expected '<!-- results: NAME.md -->'"
+            raise ReadmeTablesError(f"{source}:{i + 1}: malformed marker {text!r}; {expected}")
+        elif text == END and start is None:
+            raise ReadmeTablesError(f"{source}:{i + 1}: '{END}' without a region start")
         elif text == END:
-            if start is None:
-                raise ReadmeTablesError(f"{source}:{i + 1}: '{END}' without a region start")
             regions.append((name, start, i))
             start = None
     if start is not None:
@@ -66,14 +62,11 @@ def render(text: str, results_dir: Path, *, source: str = "README.md") -> tuple[
     """``text`` with every region regenerated, and the names of the regions that changed."""
     lines, out, changed, done = text.splitlines(), [], [], 0
     for name, start, end in find_regions(lines, source=source):
-        path = results_dir / name
-        if not path.exists():
-            raise ReadmeTablesError(
-                f"{source}:{start + 1}: region {name}: results file {path} does not exist"
-            )
+        if not (path := results_dir / name).exists():
+            where = f"{source}:{start + 1}: region {name}"
+            raise ReadmeTablesError(f"{where}: results file {path} does not exist")
         new = ["", *excerpt(path.read_text(encoding="utf-8"), source=str(path)), ""]
-        if lines[start + 1 : end] != new:
-            changed.append(name)
+        changed += [name] * (lines[start + 1 : end] != new)
         out += [*lines[done : start + 1], *new]
         done = end
     return "\n".join(out + lines[done:]) + ("\n" if text.endswith("\n") else ""), changed
@@ -84,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", type=Path, help="default: README.md and docs/*.md")
     parser.add_argument("--check", action="store_true", help="exit 1 when a region is stale")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args(argv)
-    stale = 0
+    args, stale = parser.parse_args(argv), 0
     for path in args.files or documents():
         try:
             text = path.read_text(encoding="utf-8")
@@ -94,13 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"readme_tables: error: {exc}", file=sys.stderr)
             return 2
         stale += len(changed)
-        if args.check:
-            for name in changed:
-                stale_region = (
-                    f"{path}: region {name} is out of date with {args.results_dir / name}"
-                )
-                print(f"{stale_region}; run python benchmarks/readme_tables.py", file=sys.stderr)
-        elif new != text:
+        for name in changed if args.check else []:
+            stale_region = f"{path}: region {name} is out of date with {args.results_dir / name}"
+            print(f"{stale_region}; run python benchmarks/readme_tables.py", file=sys.stderr)
+        if not args.check and new != text:
             path.write_text(new, encoding="utf-8")
             print(f"{path}: rewrote {', '.join(changed)}")
     if args.check and not stale:

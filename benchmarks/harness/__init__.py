@@ -1,1 +1,0 @@
-"""The shared pieces of the benchmarks: launcher, sampler, plan, report writer, workload."""

@@ -1,14 +1,10 @@
-"""The ``zero3-offload train`` job as a user runs it, for the suites that measure the CLI (soak,
-wire): one builder of the command, run by the job runner and sampled from outside, and the
-ranks' JSON logs read with ``zero3_offload.analyze``.
-
-The job's rank processes are found from outside: the descendants of the job that hold
-``logs/rank<r>.jsonl`` open. The events ``analyze`` does not parse (``train_step``,
-``train_done``, the ``collectives`` of a ``step`` event) are read from the same JSON lines.
-"""
+"""The ``zero3-offload train`` job as a user runs it (soak, wire): its command, run by the job
+runner, its ranks (the descendants holding ``logs/rank<r>.jsonl`` open) sampled from outside,
+and their JSON logs read with ``zero3_offload.analyze`` (and the lines it does not parse)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -18,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from harness.runner import Processes, progress, tail
+from harness.runner import Processes, tail
 from harness.sampler import Sampler
 from zero3_offload.analyze import StepRecord, WorkRecord, parse_record
 
@@ -27,56 +23,34 @@ DEFAULT_THREADS = max(1, (os.cpu_count() or 1) // WORLD)  # what the job picks b
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def command(steps: int, threads: int, flags: list[str], out: str = "DIR") -> list[str]:
+def command(steps: int, threads: int, flags: list[str]) -> list[str]:
     """``python -m zero3_offload train`` with every option at its default but these."""
-    return [
-        "python",
-        "-m",
-        "zero3_offload",
-        "train",
-        "--steps",
-        str(steps),
-        "--out",
-        out,
-        "--threads",
-        str(threads),
-        *flags,
-    ]
+    job = f"python -m zero3_offload train --steps {steps} --out DIR --threads {threads}"
+    return [*job.split(), *flags]
 
 
 def find_ranks(parent: int, logs: Path) -> dict[int, int]:
     """rank -> pid of the descendants of ``parent`` that hold ``logs/rank<r>.jsonl`` open."""
     wanted, found = {os.path.realpath(logs / f"rank{r}.jsonl"): r for r in range(WORLD)}, {}
-    try:
-        children = psutil.Process(parent).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
-    for child in children:
-        try:
-            fds = os.listdir(f"/proc/{child.pid}/fd")
-            links = [os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in fds]
-        except OSError:  # gone, or an fd closed between listing and reading
-            continue
-        found.update({wanted[link]: child.pid for link in links if link in wanted})
+    with contextlib.suppress(psutil.Error):  # gone (the job, or a child) while looked at
+        for child in psutil.Process(parent).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                paths = [f.path for f in child.open_files()]
+                found.update({wanted[path]: child.pid for path in paths if path in wanted})
     return found
 
 
 def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = None) -> dict:
-    """Run the job (``argv`` from :func:`command`) with ``--out out``; with ``sample_s``, each
-    rank sampled from outside at that interval. Its outcome and each rank's log."""
+    """Run the job (``argv`` of :func:`command`) into ``out``, ranks sampled every ``sample_s``."""
     argv = [sys.executable, *(str(out) if a == "DIR" else a for a in argv[1:])]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}  # local ranks
     sampler = Sampler(sample_s, keep=True) if sample_s else None
-    t0, started, reported = time.perf_counter(), time.time(), [0.0]
+    t0, started = time.perf_counter(), time.time()
 
     def poll() -> None:
         if sampler and len(sampler.pids) < WORLD:
             for rank, pid in find_ranks(procs.procs[0].pid, out / "logs").items():
                 sampler.watch(rank, pid)
-        if sampler and (now := time.perf_counter() - t0) > reported[0] + 60:
-            reported[0] = now
-            rss = [s[-1][1] >> 20 for s in sampler.samples.values() if s]
-            progress(f"  {now:.0f} s: RSS per rank {rss} MiB")
 
     try:
         with Processes([(argv, env)], [out.with_suffix(".log")]) as procs:
@@ -85,20 +59,15 @@ def run(argv: list[str], out: Path, timeout_s: float, sample_s: float | None = N
         if sampler:
             sampler.stop()
     logs = [out / "logs" / f"rank{r}.jsonl" for r in range(WORLD)]
-    return {
-        "started": started,
-        "wall_s": time.perf_counter() - t0,
-        "error": error and error.replace("process 0", "the job"),
-        "output_tail": tail(out.with_suffix(".log"), 12),
-        "samples": [sampler.samples.get(r, []) for r in range(WORLD)] if sampler else None,
-        "logs": [read_log(path) if path.exists() else None for path in logs],
-    }
+    error = error and error.replace("process 0", "the job")
+    got = {"started": started, "wall_s": time.perf_counter() - t0, "error": error}
+    got["output_tail"] = tail(out.with_suffix(".log"), 12)
+    got["samples"] = [sampler.samples.get(r, []) for r in range(WORLD)] if sampler else None
+    return {**got, "logs": [read_log(path) if path.exists() else None for path in logs]}
 
 
 def read_log(path: Path) -> dict[str, Any]:
-    """One rank's log: its ``step`` records (analyze's :class:`StepRecord`, and each one's
-    ``collectives``), its count of ``work`` records, each ``train_step`` event's step, loss and
-    seconds, the ``train_done`` event, and the file's size."""
+    """One rank's log: steps, their collectives, work count, train steps, train_done, size."""
     out: dict[str, Any] = {"steps": [], "collectives": [], "work": 0, "train": [], "done": None}
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -116,5 +85,4 @@ def read_log(path: Path) -> dict[str, Any]:
                 out["train"].append((event["step"], event["loss"], event["seconds"]))
             elif record == "train_done":
                 out["done"] = json.loads(line)
-    out["bytes"] = path.stat().st_size
-    return out
+    return {**out, "bytes": path.stat().st_size}

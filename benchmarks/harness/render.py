@@ -1,12 +1,7 @@
-"""The one renderer: a results payload (compact JSON) -> Markdown, from the suite's data.
-
-A suite declares ``TITLE`` and ``NOTES`` (``str.format`` templates over the payload, or functions
-of it returning a line, several lines or None) and ``LAYOUT``, or ``layout(payload)``, a list of
-blocks: a template (a line of text) or ``(columns, rows)`` where ``columns`` is a list of
-:class:`Col` and ``rows`` a payload key (or the rows themselves). A template whose fields are
-missing is left out, and so is a column that no row has. ``run.py --render`` rebuilds every
-``.md`` from its JSON alone.
-"""
+"""The one renderer: a results payload (compact JSON) -> Markdown, from the suite's data: its
+``TITLE``, ``NOTES`` (``str.format`` templates over the payload, or functions of it) and
+``LAYOUT`` or ``layout(payload)``, blocks each a template or ``(columns, rows)`` of :class:`Col`;
+a template whose fields are missing is left out, and so is a column that no row has."""
 
 from __future__ import annotations
 
@@ -21,15 +16,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 MIB = 2**20
 
 
 class Col(NamedTuple):
-    """A named column: ``field`` of each row (a ``{...}`` template of the row, or a key) shown
-    with ``fmt`` (a format spec, or a name in :data:`FORMATS`); ``ref``: with ``fmt`` ``"x"``
-    (``"/x"``) the ratio of the value to that of the reference row (its inverse), the row's own
-    field ``ref`` when it holds one, else the row of key ``ref``."""
+    """A column: ``field`` of each row (or a ``{...}`` template) in ``fmt``; ``x``: ratio to ref."""
 
     header: str
     field: str
@@ -47,10 +41,9 @@ def fmt(value: float, digits: int = 3) -> str:
 
 def fmt_rate(value: float) -> str:
     """A count per second with an SI suffix (``1.23 G``)."""
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {suffix}"
-    return f"{value:.3g}"
+    scales = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
+    scale, suffix = next((s, x) for s, x in scales if abs(value) >= s or s == 1)
+    return f"{value / scale:.3g} {suffix}".rstrip()
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -63,17 +56,10 @@ def mib(nbytes: float, decimals: int = 0) -> str:
     return f"{nbytes / MIB:,.{decimals}f}"
 
 
-FORMATS: dict[str, Callable[[Any], str]] = {
-    "mib": mib,
-    "mib1": lambda v: mib(v, 1),
-    "sig": fmt,
-    "rate": fmt_rate,
-    "gb": lambda v: fmt(v / 1e9),
-    "ms": lambda v: f"{1e3 * v:.0f}",
-    "ms1": lambda v: f"{1e3 * v:.1f}",
-    "pct": lambda v: f"{100 * v:.0f}%",
-    "yes": lambda v: "yes" if v else "NO",
-}
+FORMATS: dict[str, Callable[[Any], str]] = {"mib": mib, "mib1": lambda v: mib(v, 1), "sig": fmt}
+FORMATS.update(rate=fmt_rate, ms=lambda v: f"{1e3 * v:.0f}", ms1=lambda v: f"{1e3 * v:.1f}")
+FORMATS.update(us=lambda v: f"{1e6 * v:.0f}", yes=lambda v: "yes" if v else "NO")
+FORMATS["or_default"] = lambda v: f"{v}" if v else "default"
 
 
 def cell(col: Col, row: Mapping[str, Any], rows: Mapping[str, Any]) -> str:
@@ -84,31 +70,19 @@ def cell(col: Col, row: Mapping[str, Any], rows: Mapping[str, Any]) -> str:
         ref = row[col.ref] if isinstance(row.get(col.ref), dict) else rows.get(col.ref) or {}
         a, b = value, ref.get(col.field)
         return ratio(a, b) if col.fmt == "x" else ratio(b, a)
-    if value is None:
-        return col.missing
-    if isinstance(value, str):
-        return value
+    if value is None or isinstance(value, str):
+        return col.missing if value is None else value
     return FORMATS[col.fmt](value) if col.fmt in FORMATS else format(value, col.fmt)
 
 
 def table(columns: Iterable[Col], rows: Mapping[str, Any] | list) -> str:
-    """The rows (a list, or key -> row for ratios to a row) as a Markdown table; a column whose
-    key no row has is left out."""
+    """The rows (a list, or key -> row) as a padded Markdown table, less columns no row has."""
     by = rows if isinstance(rows, Mapping) else {str(i): r for i, r in enumerate(rows)}
     shown = [c for c in columns if "{" in c.field or any(c.field in r for r in by.values())]
-    body = [[cell(c, r, by) for c in shown] for r in by.values()]
-    return markdown_table([c.header for c in shown], body)
-
-
-def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A GitHub Markdown table, columns padded so that it reads as plain text too."""
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+    body = [[c.header for c in shown], *([cell(c, r, by) for c in shown] for r in by.values())]
+    widths = [max(len(r[i]) for r in body) for i in range(len(shown))]
+    lines = ["| " + " | ".join(map(str.ljust, r, widths)) + " |" for r in body]
+    return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
 
 
 class _Formatter(string.Formatter):
@@ -117,8 +91,7 @@ class _Formatter(string.Formatter):
 
 
 def fill(block: str | Callable, payload: Mapping[str, Any]) -> str | None:
-    """A template (its fields may name a format of :data:`FORMATS`), or a function, filled from
-    ``payload``; None when a field is missing."""
+    """A template (its fields may name :data:`FORMATS`) or a function, filled; None if short."""
     if callable(block):
         return block(payload)
     try:
@@ -133,14 +106,13 @@ def markdown(payload: Mapping[str, Any], suite: Any) -> str:
     parts = [f"# {fill(suite.TITLE, payload)}", "", machine_line(payload["machine"])]
     for block in layout:
         if isinstance(block, tuple):
-            columns, rows = block
-            text = table(columns, payload.get(rows, {}) if isinstance(rows, str) else rows)
+            rows = payload.get(block[1], {}) if isinstance(block[1], str) else block[1]
+            text = table(block[0], rows)
         else:
             text = fill(block, payload)
         parts += ["", text] if text else []
     notes = []
-    for template in suite.NOTES:  # a function may give several lines
-        got = fill(template, payload)
+    for got in (fill(template, payload) for template in suite.NOTES):  # a function: lines too
         notes += [got] if isinstance(got, str) else got or []
     return "\n".join([*parts, "", *(f"- {n}" for n in notes)]).rstrip() + "\n"
 
@@ -157,14 +129,13 @@ def compact(value: Any) -> Any:
 
 
 def dumps(value: Any, indent: int = 0, width: int = 120) -> str:
-    """Compact JSON: a record (whose values are scalars, or lists of them) on one line, and any
-    container that fits in ``width``."""
-
-    def leaf(v: Any) -> bool:
-        return not isinstance(v, dict | list) or (isinstance(v, list) and all(map(scalar, v)))
+    """Compact JSON: records of scalars (or lists of them), and what fits in ``width``, inline."""
 
     def scalar(v: Any) -> bool:
         return not isinstance(v, dict | list)
+
+    def leaf(v: Any) -> bool:  # a scalar, or a list of scalars
+        return scalar(v) or (isinstance(v, list) and all(map(scalar, v)))
 
     flat = json.dumps(value, default=str)
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
@@ -178,37 +149,26 @@ def dumps(value: Any, indent: int = 0, width: int = 120) -> str:
 
 
 def write(out: Path, payload: Mapping[str, Any], suite: Any) -> Path:
-    """The payload as compact JSON at ``out``, and beside it its Markdown, rendered from the JSON
-    as written (so that ``--render`` gives the same); the Markdown's path."""
+    """The payload as compact JSON at ``out``, and its Markdown (of the JSON as written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(compact(payload))
-    out.write_text(text + "\n", encoding="utf-8")
-    md = out.with_suffix(".md")
-    md.write_text(markdown(json.loads(text), suite), encoding="utf-8")
+    out.write_text((text := dumps(compact(payload))) + "\n", encoding="utf-8")
+    (md := out.with_suffix(".md")).write_text(markdown(json.loads(text), suite), encoding="utf-8")
     return md
 
 
 def machine_info(threads: int | None = None) -> dict[str, Any]:
-    """What the numbers are measured on, and when (also said on stderr); first sets torch's
-    threads when given (the line then shows what the measured processes run with)."""
-    import torch
-
+    """What the numbers are measured on, and when (also on stderr); first sets torch's threads."""
     if threads:
         torch.set_num_threads(threads)
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpus = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    info = {
-        "cpu_model": cpus[0] if cpus else platform.processor() or "?",
-        "logical_cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python_version": platform.python_version(),
-        "load_average_at_start": list(os.getloadavg()),  # other work skews timings
-        "date_utc": now,
-    }
+    info = dict(cpu_model=cpus[0] if cpus else platform.processor() or "?")
+    info.update(logical_cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)))
+    info["mem_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads())
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info.update(python_version=platform.python_version(), date_utc=now)
+    info["load_average_at_start"] = list(os.getloadavg())  # other work skews timings
     if torch.cuda.is_available():
         info.update(gpu_name=torch.cuda.get_device_name(0), cuda_version=torch.version.cuda)
     print(f"machine: {machine_line(info)}", file=sys.stderr, flush=True)

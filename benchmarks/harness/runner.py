@@ -1,13 +1,6 @@
-"""The one job runner: every measured job in fresh processes, watched from outside, bounded in
-time and cleaned up; and the plan that orders a suite's runs.
-
-:class:`Processes` starts commands, each in its own session, waits until they exit, one fails or
-the deadline passes, and kills the groups it started. :func:`launch` runs a suite's ``target``
-(``module:function``) on ``world`` rank processes (``python -m harness.runner SPEC.json``, with
-torchrun's environment and the spec's threads); in the child :func:`rank_main` calls it and
-writes what it returns, with the rank's marks, to ``result-rank<r>.json``. CLI jobs
-(``zero3-offload train``) run through :mod:`harness.job`.
-"""
+"""The one job runner: every measured job in fresh processes, watched, bounded in time and
+cleaned up; :func:`launch` runs a suite's ``module:function`` on rank processes, which write what
+it returns, with their marks, to ``result-rank<r>.json``; and the plan of a suite's runs."""
 
 from __future__ import annotations
 
@@ -29,7 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.sampler import Sampler, mark
+import torch
+
+from harness.sampler import Sampler, proc_status
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
 
@@ -66,10 +61,8 @@ class Processes(contextlib.AbstractContextManager):
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in self.procs]
-            if (
-                bad := next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            ) is not None:
-                return f"process {bad} exited with code {codes[bad]}"
+            if bad := [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]:
+                return f"process {bad[0][0]} exited with code {bad[0][1]}"
             if None not in codes:
                 return None
             if time.monotonic() > deadline:
@@ -92,61 +85,42 @@ def tail(path: Path, lines: int = 15) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
-def launch(
-    target: str,
-    spec: dict[str, Any],
-    run_dir: Path,
-    *,
-    world: int = 1,
-    torchrun: bool = True,
-    timeout_s: float = 900.0,
-    sample_s: float | None = None,
-    keep_samples: bool = False,
-) -> dict[str, Any]:
-    """Run ``target`` on ``world`` fresh ranks with the spec's ``threads`` (1) and glibc's
-    ``mmap_threshold``, sampled from outside every ``sample_s`` (peaks per rank, and with
-    ``keep_samples`` every sample): ``{"ok", "ranks", "wall_s", ...}`` or the error."""
+def launch(target: str, spec: dict[str, Any], run_dir: Path, world: int = 1, **kw: Any) -> dict:
+    """Run ``target`` on fresh ranks (``kw``: ``torchrun``, ``timeout_s``, ``sample_s``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    threads = spec.get("threads", 1)
-    spec = {**spec, "target": target, "threads": threads, "out_dir": str(run_dir)}
-    spec["deadline"] = time.time() + timeout_s  # for a target that paces itself
+    spec = {"threads": 1, **spec, "target": target, "out_dir": str(run_dir)}
     (run_dir / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS"), str(spec["threads"])))
     extensions = Path(tempfile.gettempdir()) / "zero3_offload_peers_torch_extensions"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))  # DeepSpeed's compiled ops
     if spec.get("mmap_threshold") is not None:  # glibc mmaps blocks this large, returns them
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
-    if torchrun:
+    ranks: list[dict[str, str]] = [{} for _ in range(world)]
+    if kw.get("torchrun", True):
         with socket.socket() as s:  # a port free a moment ago
             s.bind(("127.0.0.1", 0))
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
         env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+        ranks = [dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(r)) for r in range(world)]
     command = [sys.executable, "-m", "harness.runner", str(run_dir / "spec.json")]
-    ranks = [
-        dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(r)) if torchrun else {}
-        for r in range(world)
-    ]
     logs = [run_dir / f"rank{r}.log" for r in range(world)]
-    sampler = Sampler(sample_s, keep=keep_samples) if sample_s else None
-    load, t0 = list(os.getloadavg()), time.perf_counter()
+    sampler = Sampler(kw["sample_s"]) if kw.get("sample_s") else None
+    run, t0 = {"load_average_at_start": list(os.getloadavg()), "ranks": []}, time.perf_counter()
     try:
         with Processes([(command, {**env, **r}) for r in ranks], logs) as procs:
             for r, p in enumerate(procs.procs if sampler else []):
                 sampler.watch(r, p.pid)
-            error = procs.wait(timeout_s)
+            error = procs.wait(kw.get("timeout_s", 900.0))
     finally:
         if sampler:
             sampler.stop()
-    run: dict[str, Any] = {"ok": error is None, "ranks": [], "wall_s": time.perf_counter() - t0}
-    run["load_average_at_start"] = load
+    run.update(ok=error is None, wall_s=time.perf_counter() - t0)
     for r in range(world):
         if (path := run_dir / f"result-rank{r}.json").exists():
             run["ranks"].append(json.loads(path.read_text(encoding="utf-8")))
-            if sampler:
-                run["ranks"][-1]["sampled_peak_bytes"] = sampler.peaks.get(r, {})
-                run["ranks"][-1]["samples"] = sampler.samples.get(r, [])
+            run["ranks"][-1]["sampled_peak_bytes"] = sampler.peaks.get(r, {}) if sampler else {}
     if error is not None:
         run["error"] = error.replace("process", "rank")
         run["log_tails"] = {r: tail(path) for r, path in enumerate(logs)}
@@ -154,57 +128,45 @@ def launch(
 
 
 class Rank:
-    """What a target gets: its rank, the world size, memory marks and a partial-result save."""
+    """What a target gets: its rank, the world size and its memory marks."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self) -> None:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self.out = Path(spec["out_dir"]) / f"result-rank{self.rank}.json"
         self.marks: dict[str, dict[str, Any]] = {}
-        self.partial: dict[str, Any] = {}
 
     def mark(self, name: str) -> None:
-        self.marks[name] = mark()
-
-    def save(self, result: dict[str, Any]) -> None:
-        """Write ``result`` now: kept if the process dies later, the base of an error's result."""
-        self.partial = result
-        self.out.write_text(json.dumps(result, default=str), encoding="utf-8")
-
-
-def load(target: str) -> Any:
-    """The object a ``module:name`` string names."""
-    module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+        """This process's ``VmHWM`` and ``VmRSS`` now, as ``name``."""
+        st = proc_status()
+        self.marks[name] = {"hwm_bytes": st["VmHWM"], "rss_bytes": st["VmRSS"]}
 
 
 def rank_main(spec_path: str) -> None:
-    import torch
-
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     torch.set_num_threads(spec["threads"])
     for name in spec.get("imports", []):  # counted in the "imported" mark
         importlib.import_module(name)
-    fn, ctx = load(spec["target"]), Rank(spec)
+    module, name = spec["target"].split(":")
+    fn, ctx = getattr(importlib.import_module(module), name), Rank()
     ctx.mark("imported")
     t0, code = time.perf_counter(), 0
     try:
         result = fn(spec, ctx)
         result = asyncio.run(result) if inspect.isawaitable(result) else result
     except BaseException as exc:
-        result, code = {**ctx.partial, "error": f"{type(exc).__name__}: {exc}"}, 1
+        result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1
         print(traceback.format_exc(), file=sys.stderr)
     ctx.mark("end")
     result.update(rank=ctx.rank, world_size=ctx.world, pid=os.getpid(), marks=ctx.marks)
     result.update(torch_threads=torch.get_num_threads(), run_s=time.perf_counter() - t0)
     result["peak_rss_bytes"] = ctx.marks["end"]["hwm_bytes"]
-    ctx.save(result)
+    out = Path(spec["out_dir"]) / f"result-rank{ctx.rank}.json"
+    out.write_text(json.dumps(result, default=str), encoding="utf-8")
     sys.stderr.flush()
     os._exit(code)  # DeepSpeed, NCCL and worker threads can abort or hold up a normal exit
 
 
 def plan(keys: Sequence[str], rounds: int, sizes: Sequence = ("",), rotate: bool = True) -> list:
-    """Every run in order, ``{"index", "round", "key"}`` (and ``"size"``): in a round every case
-    once, the order rotated by one per round and per size."""
+    """Every run in order: in a round every case once, the order rotated per round and size."""
     out: list[dict[str, Any]] = []
     for r in range(rounds):
         for i, size in enumerate(sizes):
@@ -215,9 +177,8 @@ def plan(keys: Sequence[str], rounds: int, sizes: Sequence = ("",), rotate: bool
     return out
 
 
-def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list[dict]:
-    """Run every entry (``run_one`` returns the run: ``ok``, ``wall_s``, or an ``error``); a case
-    that failed is not run again. Progress, and the time elapsed, go to stderr."""
+def run_plan(entries: list[dict], run_one: Callable) -> list[dict]:
+    """Run every entry, but not again a case that failed; progress to stderr."""
     runs, failed, started = [], set(), time.perf_counter()
     for e in entries:
         case = (e.get("size", ""), e["key"])
@@ -228,14 +189,28 @@ def run_plan(entries: list[dict], run_one: Callable, describe: Callable) -> list
         progress(f"{tag}: running ...")
         runs.append(run := {**run_one(e), **e})
         took = f"(run {run['wall_s']:.1f} s, {time.perf_counter() - started:.0f} s in all)"
-        if run["ok"]:
-            progress(f"{tag}: {describe(run)} {took}")
-            continue
-        failed.add(case)
-        progress(f"{tag}: FAILED: {run['error']} {took}")
+        progress(f"{tag}: {'done' if run['ok'] else 'FAILED: ' + run['error']} {took}")
+        failed |= set() if run["ok"] else {case}
         for rank, lines in run.get("log_tails", {}).items():
             progress("\n    ".join([f"  rank {rank} log tail:", *lines]))
     return runs
+
+
+def cases(module: str, names: dict[str, str], spec: dict, work: Path, args: Any, **kw: Any) -> Any:
+    """``module:save``, then each case's target on fresh ranks, rounds interleaved."""
+    if not (saved := launch(f"{module}:save", spec, work / "save", **kw["save"]))["ok"]:
+        progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
+        return None, [], []
+
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        name, run_dir = names[e["key"]], work / f"round{e['round']}-{names[e['key']]}"
+        return launch(f"{module}:{name}", {**spec, "case": name}, run_dir, **kw["case"])
+
+    n_rounds = args.warmup + args.repeats
+    entries = plan(list(names), n_rounds, rotate=kw.get("rotate", True))
+    runs = run_plan(entries, one)
+    rounds = [{r["key"]: r for r in runs if r["round"] == i} for i in range(n_rounds)]
+    return saved, runs, rounds[args.warmup :]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
 """The systems a training benchmark compares, behind one interface: ``SYSTEMS[kind](spec, rank)``
-with ``start()`` (join the group), ``setup(model)``, ``step(x, y, clock)`` (phases ``forward``,
-``loss``, ``backward``, ``optimizer``; an HF model's loss is its own, from ``labels``),
-``model_state()`` (bytes counted from the tensors the system exposes), ``info()`` and ``close()``.
-Each kind's ``options`` are described in docs/benchmarks.md (peers, hf-peers).
-"""
+with ``start``, ``setup(model)``, ``step(x, y, clock)``, ``model_state`` (bytes counted from the
+tensors it exposes), ``info`` and ``close``; docs/benchmarks.md (peers) has their options."""
 
 from __future__ import annotations
 
@@ -13,10 +10,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-import attrs
 import torch
 import torch.distributed as dist
 
+import zero3_offload as z
 from harness.workload import lm_loss
 
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -31,19 +28,10 @@ class System(NamedTuple):
     options: dict[str, Any]
 
 
-def storage_bytes(groups: dict[str, Iterable[Any]]) -> dict[str, int]:
-    """Bytes per group of the distinct storages behind the tensors, each counted once (views of
-    one flat buffer count at its size; a DTensor by its local shard)."""
-    seen, out = set(), {}
-    for name, tensors in groups.items():
-        out[name] = 0
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-                if s.data_ptr() not in seen and s.nbytes():
-                    seen.add(s.data_ptr())
-                    out[name] += s.nbytes()
-    return {**out, "total": sum(out.values())}
+def storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind the tensors (a DTensor's: its local shard's)."""
+    storages = [(t.to_local() if hasattr(t, "to_local") else t).untyped_storage() for t in tensors]
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
 
 
 def _state(opt: Any) -> list[torch.Tensor]:
@@ -51,44 +39,36 @@ def _state(opt: Any) -> list[torch.Tensor]:
 
 
 class Torch:
-    """Plain torch (one process, the whole batch), and FSDP2 (``fsdp2``: ``fully_shard`` on every
-    child and the root, or with ``wrap="decoder_layers"`` on each of an HF model's
-    ``model.model.layers`` and the root, as torchtitan does; ``cpu_offload`` adds
-    ``CPUOffloadPolicy``, pinned on CUDA, ``param_dtype`` a ``MixedPrecisionPolicy`` reducing in
-    fp32); then torch's AdamW."""
+    """Plain torch, or FSDP2 (every child and the root, or HF decoder layers and the root)."""
 
     def __init__(self, spec: dict[str, Any], rank: Any) -> None:
         self.spec, self.rank, self.options = spec, rank, dict(spec["options"])
+        self.device = torch.device(spec.get("device", "cpu"))
 
     async def start(self) -> None:
         if self.spec["kind"] == "fsdp2":
             dist.init_process_group(self.spec.get("backend", "gloo"))
 
-    async def setup(self, model: torch.nn.Module) -> None:
-        opts = self.options
-        if self.spec["kind"] == "fsdp2":
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    def adamw(self, params: Iterable[torch.Tensor]) -> torch.optim.AdamW:
+        fused = {"fused": self.options["fused"]} if "fused" in self.options else {}
+        hyper = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
+        return torch.optim.AdamW(params, betas=BETAS, eps=EPS, **hyper)
 
-            kw: dict[str, Any] = {}
-            if opts.get("cpu_offload"):
-                pin = self.spec.get("device") == "cuda"  # pinned host memory for the copies
-                kw["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-            if opts.get("param_dtype"):
-                dtype = getattr(torch, opts["param_dtype"])
-                kw["mp_policy"] = MixedPrecisionPolicy(
-                    param_dtype=dtype, reduce_dtype=torch.float32
-                )
-            by_layer = opts.get("wrap") == "decoder_layers"
+    async def setup(self, model: torch.nn.Module) -> None:
+        if self.spec["kind"] == "fsdp2":
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            pin = self.device.type == "cuda"  # pinned host memory for the copies
+            offload = self.options.get("cpu_offload")
+            kw = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
+            by_layer = self.options.get("wrap") == "decoder_layers"
             for module in [*(model.model.layers if by_layer else model.children()), model]:
                 fully_shard(module, **kw)
-        fused = {"fused": opts["fused"]} if "fused" in opts else {}
-        adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
-        self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), betas=BETAS, eps=EPS, **adamw)
+        self.model = model if self.spec["kind"] == "fsdp2" else model.to(self.device)
+        self.opt = self.adamw(model.parameters())
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
-        """``call``'s forward (awaited if async), then the loss: an HF model's own from ``labels``
-        (the input ids: it shifts them), else :func:`lm_loss` of the logits and ``y``."""
+        """``call``'s forward (awaited if async), then the loss (an HF model's own, from labels)."""
         clock.phase("forward")
         hf = self.spec["dims"].get("model") == "llama"
         out = call(input_ids=x, labels=x) if hf else call(x)
@@ -98,7 +78,7 @@ class Torch:
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         clock.phase("forward")
-        self.zero_grad()
+        self.model.zero_grad(set_to_none=True)
         loss = await self.forward_loss(self.model, x, y, clock)
         clock.phase("backward")
         loss.backward()
@@ -106,16 +86,13 @@ class Torch:
         self.update()
         return loss
 
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
     def update(self) -> None:
         self.opt.step()
 
-    def model_state(self) -> dict[str, int]:
+    def model_state(self) -> int:
         params = list(self.model.parameters())
-        grads, state = [p.grad for p in params], _state(self.opt)
-        return storage_bytes({"params": params, "grads": grads, "optimizer_state": state})
+        grads = [p.grad for p in params if p.grad is not None]
+        return storage_bytes([*params, *grads, *_state(self.opt)])
 
     def info(self) -> dict[str, Any]:
         return {}
@@ -134,18 +111,13 @@ class DeepSpeed(Torch):
     async def setup(self, model: torch.nn.Module) -> None:
         import deepspeed
 
-        batch, adamw = self.spec["dims"]["global_batch"], {"lr": self.spec["lr"], "eps": EPS}
-        adamw.update(betas=list(BETAS), weight_decay=self.spec["weight_decay"])
-        offload = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
-        config = {
-            "train_batch_size": batch,
-            "gradient_accumulation_steps": 1,
-            "train_micro_batch_size_per_gpu": batch // self.rank.world,
-            "optimizer": {"type": "AdamW", "params": adamw},
-            "zero_optimization": {"stage": 3, **offload},
-            "gradient_clipping": 0.0,
-            "steps_per_print": 10**9,
-        }
+        batch, cpu = self.spec["dims"]["global_batch"], {"device": "cpu"}
+        adamw = {"lr": self.spec["lr"], "eps": EPS, "betas": list(BETAS)}
+        adamw["weight_decay"], micro = self.spec["weight_decay"], batch // self.rank.world
+        config = {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro}
+        config["optimizer"] = {"type": "AdamW", "params": adamw}
+        config["zero_optimization"] = {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}
+        config.update(gradient_accumulation_steps=1, gradient_clipping=0.0, steps_per_print=10**9)
         self.model, params = model, model.parameters()
         self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
 
@@ -157,36 +129,20 @@ class DeepSpeed(Torch):
         self.engine.step()
         return loss
 
-    def model_state(self) -> dict[str, int]:
-        z, params = self.engine.optimizer, list(self.model.parameters())
-        flat32 = getattr(z, "fp32_partitioned_groups_flat", [])
-        return storage_bytes(
-            {
-                # this rank's compute partitions (views of one flat CPU buffer), and the parameters
-                # kept gathered (below the persistence threshold)
-                "params": [
-                    *getattr(z, "fp16_partitioned_groups_flat", []),
-                    *(getattr(p, "ds_tensor", None) for p in params),
-                    *(p.data for p in getattr(z, "persistent_parameters", [])),
-                ],
-                "master_params": flat32,
-                "grads": [
-                    getattr(z, "grad_partitions_flat_buffer", None),
-                    *(p.grad for p in params),
-                    *(g.grad for g in flat32),
-                ],
-                "optimizer_state": _state(z.optimizer),
-            }
-        )
+    def model_state(self) -> int:
+        """Bytes of the partitions, kept parameters, masters, gradients, state."""
+        opt, params = self.engine.optimizer, list(self.model.parameters())
+        flat32 = getattr(opt, "fp32_partitioned_groups_flat", [])
+        tensors = [*getattr(opt, "fp16_partitioned_groups_flat", []), *flat32]
+        tensors += _state(opt.optimizer)
+        tensors += [p.data for p in getattr(opt, "persistent_parameters", [])]
+        tensors += [getattr(opt, "grad_partitions_flat_buffer", None), *(t.grad for t in flat32)]
+        tensors += [t for p in params for t in (getattr(p, "ds_tensor", None), p.grad)]
+        return storage_bytes(t for t in tensors if isinstance(t, torch.Tensor))
 
 
 class Split(Torch):
-    """A bound, not a trainer (``split``): ``world`` processes, each running plain torch's
-    forward and backward on its share of the batch and torch's AdamW on its share of every
-    parameter (ZeRO's split of the update: elements ``[rank * n / world, (rank + 1) * n /
-    world)`` of each), with no communication at all, so the ranks' models drift apart after
-    the first step. Its step is ZeRO's work on these cores without moving anything between
-    ranks."""
+    """A bound: each rank's forward, backward and 1/world of AdamW, no communication."""
 
     async def setup(self, model: torch.nn.Module) -> None:
         rank, world = self.rank.rank, self.rank.world
@@ -196,12 +152,7 @@ class Split(Torch):
             lo, hi = min(rank * -(-n // world), n), min((rank + 1) * -(-n // world), n)
             if hi > lo:  # a view of the parameter's storage: the update writes the model
                 self.shares.append((p, lo, hi, p.detach().view(-1)[lo:hi]))
-        fused = {"fused": self.options["fused"]} if "fused" in self.options else {}
-        adamw = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
-        self.opt = torch.optim.AdamW([v for *_, v in self.shares], betas=BETAS, eps=EPS, **adamw)
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+        self.opt = self.adamw([v for *_, v in self.shares])
 
     def update(self) -> None:
         for p, lo, hi, share in self.shares:
@@ -211,26 +162,17 @@ class Split(Torch):
 
 class Ours(Torch):
     async def start(self) -> None:
-        from zero3_offload import init_process_group_from_env
-
         self.lr_in_backward = self.options.pop("lr_in_backward", False)
-        self.group = await init_process_group_from_env(self.spec.get("backend", "gloo"))
+        self.group = await z.init_process_group_from_env(self.spec.get("backend", "gloo"))
 
     async def setup(self, model: torch.nn.Module) -> None:
-        from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
-
         wd = self.spec["weight_decay"]
-        opt = OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
-        device = self.spec.get("device", "cpu")
-        self.layer_numels = {
-            n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()
-        }  # before the manager shards them
-        self.config = Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
-        self.manager = Zero3CpuOffloadManager(self.config, self.group, model, **self.units(model))
-        self.names = getattr(model, "layer_names", None)
-
-    def units(self, model: torch.nn.Module) -> dict[str, Any]:
-        return {}  # chain mode: the model's children are the layers
+        opt = z.OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
+        config = z.Zero3CpuOffloadConfig(optimizer=opt, device=self.device.type, **self.options)
+        self.names = getattr(model, "layer_names", None)  # chain mode: the children are the layers
+        blocks = [n for n in self.names or [] if n.startswith("block")]  # module mode: units
+        units = {"units": blocks} if blocks and self.spec["kind"] == "ours-module" else {}
+        self.manager = z.Zero3CpuOffloadManager(config, self.group, model, **units)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         manager, lr = self.manager, self.spec["lr"]
@@ -247,30 +189,16 @@ class Ours(Torch):
         await manager.optimizer_step(lr)
         return loss
 
-    def model_state(self) -> dict[str, int]:
-        m = self.manager.get_memory_stats()
-        params, total = m.master_param_bytes + m.compute_copy_bytes, m.model_state_bytes()
-        state = {"grads": m.gradient_bytes, "optimizer_state": m.optimizer_state_bytes}
-        return {"params": params, **state, "total": total}
-
-    def info(self) -> dict[str, Any]:
-        m = attrs.asdict(self.manager.get_memory_stats())
-        return {"library_memory_stats": {k: v for k, v in m.items() if k.endswith("_bytes")}}
+    def model_state(self) -> int:
+        return self.manager.get_memory_stats().model_state_bytes()
 
     async def close(self) -> None:
-        from zero3_offload import destroy_process_group
-
         await self.manager.close()
-        destroy_process_group()
+        z.destroy_process_group()
 
 
 class OursModule(Ours):
-    """Module mode: the manager runs the model's own forward; its units are the GPT's blocks
-    (the rest the root unit), or by default an HF model's ``_no_split_modules``."""
-
-    def units(self, model: torch.nn.Module) -> dict[str, Any]:
-        blocks = [n for n in getattr(model, "layer_names", []) if n.startswith("block")]
-        return {"units": blocks} if blocks else {}
+    """Module mode: the units are the GPT's blocks, or an HF model's ``_no_split_modules``."""
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         ticker = asyncio.ensure_future(self.tick())  # the event loop's responsiveness
@@ -291,11 +219,10 @@ class OursModule(Ours):
             self.ticks[-1] = max(self.ticks[-1], time.perf_counter() - t0 - every)
 
     def info(self) -> dict[str, Any]:
-        worst = sorted(getattr(self, "ticks", [0.0])[1:] or [0.0])  # the first step warms up
+        worst = sorted(self.ticks[1:] or [0.0])  # the first step warms up
         ms = {"median_step": worst[len(worst) // 2] * 1e3, "max": worst[-1] * 1e3}
-        return {**super().info(), "loop_worst_tick_ms": ms}
+        return {"loop_worst_tick_ms": ms}
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
-SYSTEMS["split"] = Split
-SYSTEMS["ours-module"] = OursModule
+SYSTEMS.update({"split": Split, "ours-module": OursModule})

@@ -1,12 +1,6 @@
-"""The training run of one rank that every training suite uses (:func:`train`), the runs of a
-suite's table of systems x sizes on fresh ranks (:func:`train_runs`, :func:`compare`), and their
-summary, the compact figures the tables show (:func:`summarize`).
-
-A rank may also (from its spec): write the library's JSON log (``log``; read back with
-``zero3_offload.analyze``), take the change of ``get_performance_stats()`` over every step as a
-phase of it (``stats``), stop its timed steps early near its deadline (``pace``), and end with
-one ``finish`` function of the suite (``module:function``), which uses the public API only.
-"""
+"""The training run of one rank (:func:`train`; with ``stats`` in its spec, the change of
+``get_performance_stats()`` over each step), the runs of a suite's systems x sizes on fresh ranks
+(:func:`train_runs`, :func:`compare`) and their summary, the figures of the tables."""
 
 from __future__ import annotations
 
@@ -15,21 +9,19 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 from harness import workload
-from harness.render import MIB
-from harness.runner import launch, load, plan, progress, run_plan, work_directory
+from harness.runner import launch, plan, progress, run_plan, work_directory
 from harness.sampler import StepClock
-from harness.systems import SYSTEMS, System
+from harness.systems import SYSTEMS
+from zero3_offload.stats.performance import OperationStats
 
 LR, WEIGHT_DECAY = 3e-4, 0.01  # AdamW's, unless a suite's spec says otherwise
 LOSS_STEPS, LOSS_TOLERANCE = 5, 1e-3  # the first steps' losses of every system agree this well
-MIN_TIMED = 2  # timed steps a paced run keeps
 
 
 def check_loss_steps(args: Any) -> str | None:
@@ -39,39 +31,26 @@ def check_loss_steps(args: Any) -> str | None:
 
 
 def stats_delta(prev: Any, now: Any) -> dict[str, Any]:
-    """What ``get_performance_stats()`` counted between two snapshots: collectives and transfers
-    (the fields of each record), prefetch counters, optimizer seconds, the seconds of the new
-    timeline intervals by kind and phase, and the layers gathered."""
+    """What ``get_performance_stats()`` counted between two snapshots, new timeline spans too."""
 
-    def diff(a: dict, b: dict) -> dict:
-        out = {}
-        for k, record in a.items():
-            before = attrs.asdict(b[k]) if k in b else {}
-            out[k] = {f: v - before.get(f, 0) for f, v in attrs.asdict(record).items()}
-        return out
+    def since(a: dict, b: dict) -> dict:
+        return {k: attrs.asdict(v.since(b.get(k, OperationStats()))) for k, v in a.items()}
 
     seen, spans = set(prev.timeline), {}
-    events = [e for e in now.timeline if e not in seen]
-    for e in events:
+    for e in (e for e in now.timeline if e not in seen):
         spans[f"{e.kind} {e.phase}"] = spans.get(f"{e.kind} {e.phase}", 0.0) + e.end - e.start
     return {
-        "communication": diff(now.communication, prev.communication),
-        "transfers": diff(now.transfers, prev.transfers),
+        "communication": since(now.communication, prev.communication),
+        "transfers": since(now.transfers, prev.transfers),
         "prefetch": {k: v - prev.prefetch.get(k, 0) for k, v in now.prefetch.items()},
         "optimizer_s": now.total_optimizer_time - prev.total_optimizer_time,
         "spans": spans,
-        "gathered": [e.layer for e in events if e.kind == "gather"],
     }
 
 
 async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
-    if spec.get("log"):
-        from zero3_offload.logging import configure
-
-        configure(json_path=Path(spec["out_dir"]) / f"rank{rank.rank}.jsonl")
     device = torch.device(spec.get("device", "cpu"))
-    cuda = device.type == "cuda"
-    if cuda:
+    if cuda := device.type == "cuda":
         torch.cuda.set_device(0)
     system = SYSTEMS[spec["kind"]](spec, rank)
     await system.start()
@@ -81,12 +60,9 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
     model = workload.build(spec["dims"])
     rank.mark("model_built")
     await system.setup(model)
-    rank.mark("setup_done")
-    manager = getattr(system, "manager", None)  # the library's (the peers have no stats)
-    stats = manager.get_performance_stats if spec.get("stats") and manager else None
-    prev, steps, notes = stats() if stats else None, [], []
-    batches = workload.batches(spec["warmup"] + spec["steps"], spec["dims"], spec["seed"] + 1)
-    for batch in batches:
+    stats = system.manager.get_performance_stats if spec.get("stats") else None
+    prev, steps = stats() if stats else None, []
+    for batch in workload.batches(spec["warmup"] + spec["steps"], spec["dims"], spec["seed"] + 1):
         per = batch[0].shape[0] // rank.world  # this rank's contiguous share of the batch
         x, y = (t[rank.rank * per : (rank.rank + 1) * per].to(device) for t in batch)
         clock = StepClock()
@@ -101,118 +77,61 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
         steps.append(clock.stop(loss=value))
         if stats:
             steps[-1]["stats"], prev = stats_delta(prev, now), now
-        timed = [s["step_s"] for s in steps[spec["warmup"] :]]
-        left = spec["deadline"] - 5.0 - time.time()
-        if (
-            spec.get("pace")
-            and MIN_TIMED <= len(timed) < spec["steps"]
-            and left < 1.5 * max(timed) + 5
-        ):
-            notes.append(
-                f"stopped after {len(timed)} of {spec['steps']} timed steps: {left:.0f} s left"
-            )
-            break
-    result = {"steps": steps, "model_state": system.model_state(), **system.info(), "notes": notes}
+    result = {"steps": steps, "model_state": system.model_state(), **system.info()}
     if cuda:
         result["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    if spec.get("finish"):
-        rank.save(result)  # kept if the finish crashes the process
-        await load(spec["finish"])(spec, system, result)
     await system.close()
     return result
 
 
-def train_runs(
-    args: Any,
-    systems: dict[str, System],
-    sizes: dict[str, dict],
-    threads: dict[str, int],
-    *,
-    spec: dict[str, Any] | None = None,
-    describe: Callable[[dict], str] | None = None,
-) -> list[dict[str, Any]]:
-    """Every run of the plan of ``systems`` x ``sizes`` (name -> dims, ``warmup`` and
-    ``timed_steps``; one size may be named ""), each on fresh ranks running :func:`train` with
-    ``spec`` added to its spec; from ``args``: ``rounds``, ``seed``, ``timeout`` and, if present,
-    ``mmap_threshold`` and ``keep``."""
+def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) -> list[dict]:
+    """Every run of ``systems`` x ``sizes`` on fresh ranks running :func:`train`."""
     get = args.__dict__.get
 
     def one(e: dict[str, Any]) -> dict[str, Any]:
         system, size = systems[e["key"]], sizes[e.get("size", "")]
-        run_spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **(spec or {})}
-        run_spec.update(kind=system.kind, options=system.options, seed=args.seed)
-        run_spec.update(warmup=size["warmup"], steps=size["timed_steps"], threads=threads[e["key"]])
-        run_spec["dims"] = {k: size[k] for k in workload.DIMS if k in size}
-        run_spec["imports"] = ["deepspeed"] * (system.kind == "deepspeed")
-        run_spec["imports"] += ["transformers"] * (size.get("model") == "llama")
-        run_spec["mmap_threshold"] = get("mmap_threshold")
+        spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **kw.get("spec", {}), "seed": args.seed}
+        spec.update(kind=system.kind, options=system.options, threads=threads[e["key"]])
+        spec.update(warmup=size["warmup"], steps=size["timed_steps"])
+        spec["dims"] = {k: size[k] for k in workload.DIMS if k in size}
+        spec["imports"] = ["deepspeed"] * (system.kind == "deepspeed")
+        spec["imports"] += ["transformers"] * (size.get("model") == "llama")
+        spec["mmap_threshold"] = get("mmap_threshold")
         run_dir = workdir / f"{e.get('size', 'run')}-{e['key']}-{e['round']}"
-        kw = {"world": system.world, "torchrun": system.kind != "torch", "timeout_s": args.timeout}
-        sample = {"sample_s": 0.002, "keep_samples": True} if (spec or {}).get("log") else {}
-        run = launch("harness.train:train", run_spec, run_dir, **kw, **sample)
-        if (spec or {}).get("log"):  # the ranks' JSON logs, read before the directory goes
-            for r, rk in enumerate(run["ranks"]):
-                rk["log"] = str(run_dir / f"rank{r}.jsonl")
-                rk.update(load(spec["read"])(rk) if spec.get("read") else {})
+        ranks = {"world": system.world, "torchrun": system.kind != "torch"}
+        run = launch("harness.train:train", spec, run_dir, **ranks, timeout_s=args.timeout)
         return {**run, "warmup": size["warmup"]}
 
     with work_directory("train-", bool(get("keep"))) as workdir:
         entries = plan(list(systems), args.rounds, list(sizes))
-        return run_plan(entries, one, describe or describe_run)
+        return run_plan(entries, one)
 
 
-def compare(args: Any, systems: dict[str, System], dims: dict[str, int], **kw: Any) -> dict:
-    """Train each of ``systems`` on the model of ``dims`` with :func:`train_runs` (``kw`` goes to
-    it; from ``args`` also ``warmup`` and ``repeats``): the config, the raw runs, the systems
-    skipped (DeepSpeed when it is not installed, and systems whose runs failed) with why, and the
-    time it took."""
+def compare(args: Any, systems: dict, dims: dict, threads: dict, **kw: Any) -> tuple[dict, list]:
+    """Train ``systems`` on ``dims``: the compact results (``kw``: config) and the runs."""
     skipped, missing = {}, importlib.util.find_spec("deepspeed") is None  # an optional extra
     for key in [k for k, s in systems.items() if s.kind == "deepspeed" and missing]:
         why = "deepspeed is not installed (pip install deepspeed to include it)"
         skipped[key] = {"label": systems.pop(key).label, "why": why, "failed": False}
         progress(f"SKIPPED {skipped[key]['label']}: {why}")
-    per_layer = workload.layer_params(dims)
+    per_layer, reference = workload.layer_params(dims), kw.pop("reference", "torch")
     model = workload.LLAMA if dims.get("model") == "llama" else workload.MODEL
     progress(f"{model} {dims}: {sum(per_layer.values()):,} params in {len(per_layer)} layers")
-    started = time.perf_counter()
+    started, spec = time.perf_counter(), kw.pop("spec", {})
     size = {**dims, "warmup": args.warmup, "timed_steps": args.repeats}
-    runs = train_runs(args, systems, {"": size}, **kw)
-    for r in runs:  # a failed run: the launcher's error and the ranks' own
-        if not r["ok"]:
-            errors = dict.fromkeys(rk["error"] for rk in r["ranks"] if "error" in rk)
-            why = "; ".join([r["error"], *errors])
-            skipped.setdefault(
-                r["key"], {"label": systems[r["key"]].label, "why": why, "failed": True}
-            )
-    config = {
-        "dims": dims,
-        "seed": args.seed,
-        "warmup": args.warmup,
-        "steps": args.repeats,
-        "model": model,
-        "params": sum(per_layer.values()),
-        "layers": len(per_layer),
-        "largest_layer": max(per_layer.values()),
-        "lr": (kw.get("spec") or {}).get("lr", LR),
-        "weight_decay": (kw.get("spec") or {}).get("weight_decay", WEIGHT_DECAY),
-        "rounds": args.rounds,
-        "corpus": workload.corpus_info(),
-    }
-    took = time.perf_counter() - started
-    return {
-        "config": config,
-        "skipped": skipped,
-        "runs": runs,
-        "total_wall_s": took,
-        "systems": systems,
-    }
-
-
-def describe_run(run: dict[str, Any]) -> str:
-    """A finished run in one line of progress."""
-    rss = max(rk["peak_rss_bytes"] for rk in run["ranks"]) / MIB
-    losses = [round(v, 4) for v in global_losses(run)[:5]]
-    return f"median step {run_median(run):.3f} s, peak RSS/rank {rss:,.0f} MiB, losses {losses}"
+    runs = train_runs(args, systems, {"": size}, threads, spec=spec)
+    for r in (r for r in runs if not r["ok"]):  # a failed run: the launcher's error and the ranks'
+        errors = [rk["error"] for rk in r["ranks"] if "error" in rk]
+        why = "; ".join(dict.fromkeys([r["error"], *errors]))
+        skipped.setdefault(r["key"], {"label": systems[r["key"]].label, "why": why, "failed": True})
+    spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **spec}
+    config = {"dims": dims, "seed": args.seed, "warmup": args.warmup, "steps": args.repeats}
+    config.update(model=model, params=sum(per_layer.values()), layers=len(per_layer))
+    config.update(largest_layer=max(per_layer.values()), lr=spec["lr"], rounds=args.rounds)
+    config.update(weight_decay=spec["weight_decay"], corpus=workload.corpus_info(), **kw)
+    summary = summarize(runs, {k: s._asdict() for k, s in systems.items()}, reference=reference)
+    out = {"config": config, **summary, "runs": [run_row(r) for r in runs], "skipped": skipped}
+    return {**out, "total_wall_s": time.perf_counter() - started}, runs
 
 
 def global_losses(run: dict[str, Any]) -> list[float]:
@@ -222,7 +141,6 @@ def global_losses(run: dict[str, Any]) -> list[float]:
 
 
 def timed(run: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    """Per rank, the timed steps of a run (after its warm-up)."""
     return [rk["steps"][run["warmup"] :] for rk in run["ranks"]]
 
 
@@ -236,12 +154,8 @@ def run_median(run: dict[str, Any]) -> float:
 
 
 def run_row(run: dict[str, Any]) -> dict[str, Any]:
-    """A run's line in the per-round and per-run tables."""
-    row = {
-        k: run[k] for k in ("index", "round", "key", "size", "ok", "wall_s", "error") if k in run
-    }
-    if load := run.get("load_average_at_start"):
-        row["load"] = load[0]
+    keys = ("index", "round", "key", "size", "ok", "wall_s", "error")
+    row = {k: run[k] for k in keys if k in run} | {"load": run["load_average_at_start"][0]}
     if run["ok"]:
         row.update(median_step_s=run_median(run), cpu_s=statistics.median(step_cpu(run)))
         row["peak_rss_bytes"] = max(rk["peak_rss_bytes"] for rk in run["ranks"])
@@ -249,53 +163,43 @@ def run_row(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(
-    runs: list[dict], systems: dict[str, dict], size: str | None = None, reference: str = "torch"
-) -> dict[str, Any]:
-    """Per system with a successful run (at ``size``, if given) the figures of the tables, with
-    its losses' check against the first run of ``reference`` (or of the first system): all
-    finite and the first :data:`LOSS_STEPS` within :data:`LOSS_TOLERANCE` (a bound, which trains
-    nothing together, is not checked); and the agreement of all."""
-    median, out = statistics.median, {}
+    runs: list[dict], systems: dict, size: str | None = None, reference: str = "torch"
+) -> dict:
+    """Per system the figures of the tables, its losses checked against ``reference``'s."""
+    median, out, all_losses = statistics.median, {}, {}
     runs = [r for r in runs if r["ok"] and size in (None, r.get("size"))]
-    all_losses = {}
     for key, system in systems.items():
         if not (ok := [r for r in runs if r["key"] == key]):
             continue
-        steps = [s for r in ok for rank_steps in timed(r) for s in rank_steps]
+        steps, ranks = [s for r in ok for rank in timed(r) for s in rank], [r["ranks"] for r in ok]
         all_losses[key] = losses = [global_losses(r) for r in ok]
         spread = [abs(a - b) for ls in losses[1:] for a, b in zip(ls, losses[0], strict=True)]
+        out[key] = row = {"label": system["label"], "world_size": system["world"], "runs": len(ok)}
+        row["threads_per_rank"] = ranks[0][0]["torch_threads"]
+        row["median_step_s"] = median(x["step_s"] for x in steps)
+        row["median_forward_s"] = median(x["forward_s"] + x["loss_s"] for x in steps)
+        for phase in ("backward", "optimizer"):
+            row[f"median_{phase}_s"] = median(x[f"{phase}_s"] for x in steps)
+        row["best_run_step_s"] = min(run_median(r) for r in ok)
+        row["median_cpu_s"] = median(c for r in ok for c in step_cpu(r))
 
-        def per_run(get: Callable, over_ranks: Callable = max, ok: list = ok) -> float:
-            """The median over runs of the max (or ``over_ranks``) over ranks of ``get(rank)``."""
-            return median(over_ranks(get(rk) for rk in r["ranks"]) for r in ok)
+        def per_run(get: Callable, over: Callable = max, ranks: list = ranks) -> float:
+            """The median over the runs of the max (or ``over``) over each run's ranks."""
+            return median(over(map(get, rs)) for rs in ranks)
 
-        out[key] = {
-            "label": system["label"],
-            "world_size": system["world"],
-            "threads_per_rank": ok[0]["ranks"][0]["torch_threads"],
-            "runs": len(ok),
-            "median_step_s": median(x["step_s"] for x in steps),
-            "best_run_step_s": min(run_median(r) for r in ok),
-            "median_cpu_s": median(c for r in ok for c in step_cpu(r)),
-            # forward_s held forward + loss in runs recorded before loss_s had a phase of its own
-            "median_forward_s": median(x["forward_s"] + x.get("loss_s", 0.0) for x in steps),
-            "median_backward_s": median(x["backward_s"] for x in steps),
-            "median_optimizer_s": median(x["optimizer_s"] for x in steps),
-            "peak_rss_bytes": per_run(lambda rk: rk["peak_rss_bytes"]),
-            "sum_peak_rss_bytes": per_run(lambda rk: rk["peak_rss_bytes"], sum),
-            "import_rss_bytes": per_run(lambda rk: rk["marks"]["imported"]["rss_bytes"]),
-            "built_rss_bytes": per_run(lambda rk: rk["marks"]["model_built"]["rss_bytes"]),
-            "model_state_bytes": max(rk["model_state"]["total"] for rk in ok[0]["ranks"]),
-            "losses": losses[0],
-            "loss_spread": max(spread, default=0.0),
-        }
-        if "peak_gpu_allocated_bytes" in ok[0]["ranks"][0]:
-            out[key]["peak_gpu_bytes"] = per_run(lambda rk: rk["peak_gpu_allocated_bytes"])
+        row["peak_rss_bytes"] = per_run(lambda rk: rk["peak_rss_bytes"])
+        row["sum_peak_rss_bytes"] = per_run(lambda rk: rk["peak_rss_bytes"], sum)
+        row["import_rss_bytes"] = per_run(lambda rk: rk["marks"]["imported"]["rss_bytes"])
+        row["built_rss_bytes"] = per_run(lambda rk: rk["marks"]["model_built"]["rss_bytes"])
+        if "peak_gpu_allocated_bytes" in ranks[0][0]:
+            row["peak_gpu_bytes"] = per_run(lambda rk: rk["peak_gpu_allocated_bytes"])
+        row["model_state_bytes"] = max(rk["model_state"] for rk in ranks[0])
+        row.update(losses=losses[0], loss_spread=max(spread, default=0.0))
     if not out:
         return {"systems": {}, "agreement": None}
     ref = reference if reference in out else next(iter(out))
-    base = out[ref]["losses"]
-    n, diffs = min(LOSS_STEPS, len(base)), []
+    base, diffs = out[ref]["losses"], []
+    n = min(LOSS_STEPS, len(base))
     for key, row in out.items():
         if systems[key]["kind"] == "split":  # a bound: its losses leave the others' after step 0
             continue
@@ -307,17 +211,3 @@ def summarize(
     worst = max((d for d, _ in diffs), default=0.0)
     agreement = {"agree": agree, "max_diff": worst, "reference": out[ref]["label"]}
     return {"systems": out, "agreement": agreement}
-
-
-def part(compared: dict[str, Any], reference: str = "torch", **config: Any) -> dict[str, Any]:
-    """The compact results of :func:`compare` (``config`` added to its config): the summary (the
-    losses checked against ``reference``'s), the runs' lines, the systems skipped and the time it
-    took."""
-    systems = {k: s._asdict() for k, s in compared["systems"].items()}
-    return {
-        "config": {**compared["config"], **config},
-        **summarize(compared["runs"], systems, reference=reference),
-        "runs": [run_row(r) for r in compared["runs"]],
-        "skipped": compared["skipped"],
-        "total_wall_s": compared["total_wall_s"],
-    }

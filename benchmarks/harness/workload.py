@@ -1,8 +1,5 @@
-"""What every training suite trains: the library's ``GPT`` (its children are the layers), or with
-``dims["model"] == "llama"`` transformers' ``LlamaForCausalLM``, built after
-``torch.manual_seed(seed)``, on ``ByteCorpus`` windows (bytes as token ids); every system draws the
-same global batch at each step and a rank of N takes its contiguous 1/N of it.
-"""
+"""What every training suite trains: the library's ``GPT`` (its children are the layers) or
+transformers' ``LlamaForCausalLM``, on ``ByteCorpus`` windows (bytes as token ids)."""
 
 from __future__ import annotations
 
@@ -21,40 +18,28 @@ LLAMA = "transformers' `LlamaForCausalLM`"
 DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_heads", "vocab")
 
 
-def shape(dims: dict[str, int]) -> GPTShape:
-    d, seq, layers, heads = dims["d"], dims["seq"], dims["n_layers"], dims["heads"]
-    vocab = dims.get("vocab") or VOCAB_SIZE  # ids are bytes: more rows than 256 go unused
-    return GPTShape(vocab_size=vocab, seq_len=seq, d_model=d, layers=layers, heads=heads)
-
-
 def build(dims: dict[str, Any]) -> torch.nn.Module:
-    """The GPT, or the Llama (its loss from ``labels``) of ``dims``."""
-    if dims.get("model") != "llama":
-        return GPT(shape(dims))
-    from transformers import LlamaForCausalLM
+    """The GPT (a vocabulary above 256 leaves rows unused) or the Llama of ``dims``."""
+    if dims.get("model") == "llama":
+        from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims["seq"]))
+        return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims["seq"]))
+    shape = dict(vocab_size=dims.get("vocab") or VOCAB_SIZE, seq_len=dims["seq"], d_model=dims["d"])
+    return GPT(GPTShape(**shape, layers=dims["n_layers"], heads=dims["heads"]))
 
 
 def llama_config(dims: dict[str, Any], **extra: Any) -> Any:
-    """A transformers ``LlamaConfig`` of ``dims`` (untied head, no KV cache unless ``extra``
-    says otherwise)."""
+    """A ``LlamaConfig`` of ``dims`` (untied head, no KV cache unless ``extra`` says otherwise)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=dims["vocab"],
-        hidden_size=dims["d"],
-        intermediate_size=dims["ffn"],
-        num_hidden_layers=dims["n_layers"],
-        num_attention_heads=dims["heads"],
-        num_key_value_heads=dims["kv_heads"],
-        **{"tie_word_embeddings": False, "use_cache": False, **extra},
-    )
+    sizes = dict(vocab_size=dims["vocab"], hidden_size=dims["d"], intermediate_size=dims["ffn"])
+    sizes.update(num_hidden_layers=dims["n_layers"], num_attention_heads=dims["heads"])
+    sizes["num_key_value_heads"] = dims["kv_heads"]
+    return LlamaConfig(**sizes, **{"tie_word_embeddings": False, "use_cache": False, **extra})
 
 
 def layer_params(dims: dict[str, Any]) -> dict[str, int]:
-    """Parameters per layer (the Llama's: per decoder layer, the rest as ``root``), counted on
-    the meta device: nothing is allocated."""
+    """Parameters per layer (the Llama: per decoder layer, the rest ``root``), counted on meta."""
     with torch.device("meta"):
         model = build(dims)
     llama = dims.get("model") == "llama"
@@ -70,9 +55,8 @@ def corpus() -> ByteCorpus:
 
 
 def corpus_info() -> dict[str, Any]:
-    c = corpus()
-    sha256 = hashlib.sha256(c.train.numpy().tobytes()).hexdigest()
-    return {"description": f"windows of the first 4 MiB of the {c.source}", "sha256": sha256}
+    sha256 = hashlib.sha256(corpus().train.numpy().tobytes()).hexdigest()
+    return {"description": f"windows of the first 4 MiB of the {corpus().source}", "sha256": sha256}
 
 
 def batches(steps: int, dims: dict[str, int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

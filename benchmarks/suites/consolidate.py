@@ -1,9 +1,6 @@
 """Peak memory and wall time of consolidating a sharded checkpoint into one file.
 
-A ~285 MB model's checkpoint (saved on 2 gloo ranks) is consolidated to safetensors and to
-``.pt``, and the result naively loaded, each case in a fresh process sampled from outside, rounds
-interleaved.
-"""
+To safetensors and ``.pt``, and naive loads, each in a fresh process sampled from outside."""
 
 from __future__ import annotations
 
@@ -19,10 +16,10 @@ from typing import Any
 import safetensors.torch
 import torch
 from harness.render import Col
-from harness.runner import launch, plan, progress, run_plan, work_directory
+from harness.runner import cases, progress, work_directory
 from torch import nn
 
-from zero3_offload import consolidate_checkpoint
+import zero3_offload as z
 
 WORLD, SEED, SAMPLE_S, LN_AFTER = 2, 0, 0.002, (2, 5)  # a LayerNorm after fc2 and fc5
 FULL_WIDTHS = [2048, 3072, 4096, 4096, 3072, 2048, 2048, 3072, 2048]
@@ -33,7 +30,7 @@ CASES = {
     "consolidate -> safetensors": "stream",
     "consolidate -> pt": "pt",
     "naive load_file (mmap) + read all": "naive",
-    "naive load_file (pread)": "naive-pread",
+    "naive load_file (pread)": "naive_pread",
 }
 if "backend" not in inspect.signature(safetensors.torch.load_file).parameters:
     del CASES["naive load_file (pread)"]  # safetensors < 0.8 has no choice of backend
@@ -57,23 +54,17 @@ NOTES = [
     "construction (no optimizer state yet), {checkpoint[bytes]:,} bytes in {checkpoint[files]} "
     "files; outputs {outputs[safetensors]:,} bytes (.safetensors) and {outputs[pt]:,} bytes (.pt). "
     "Read from the page cache (just written).",
-    "each case a fresh process ({threads} torch threads); medians of {config[repeats]} round(s) "
-    "after {config[warmup]} warm-up round(s), cases interleaved.",
-    "Peaks sampled from outside every {config[sample_ms]:g} ms; columns as docs/benchmarks.md "
-    "(consolidate) defines them.",
+    "each case a fresh process ({threads} torch threads), peaks sampled from outside every "
+    "{config[sample_ms]:g} ms; medians of {config[repeats]} round(s) after {config[warmup]} "
+    "warm-up round(s), cases interleaved; columns: docs/benchmarks.md (consolidate).",
     "verified: both outputs hold exactly the model's state-dict names, load strict=True, and "
     "every tensor's SHA-256 equals the original model's.",
 ]
 # fmt: on
 
 
-def check(args: Any) -> str | None:
-    return "--warmup must be >= 0" if args.warmup < 0 else None
-
-
 def make_model(widths: list[int], seed: int) -> nn.Sequential:
-    """Linear layers ``widths[i] -> widths[i+1]``, LayerNorms after :data:`LN_AFTER`; each layer
-    seeded on its own, so the same call builds the same model anywhere."""
+    """Linear layers between ``widths``, LayerNorms after :data:`LN_AFTER`, each seeded alone."""
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
         torch.manual_seed(seed + i)
@@ -88,17 +79,15 @@ def make_model(widths: list[int], seed: int) -> nn.Sequential:
 
 def digests(state: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     """name -> [dtype, shape, sha256 of the bytes]."""
-    out = {}
-    for name, t in state.items():
-        data = t.detach().contiguous().reshape(-1).numpy().data
-        out[name] = [str(t.dtype), list(t.shape), hashlib.sha256(data).hexdigest()]
-    return out
+
+    def sha256(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.detach().contiguous().reshape(-1).numpy().data).hexdigest()
+
+    return {n: [str(t.dtype), list(t.shape), sha256(t)] for n, t in state.items()}
 
 
 async def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Rank target: build the model, construct the manager and save a checkpoint at once."""
-    import zero3_offload as z
-
     group = await z.init_process_group_from_env("gloo")
     model = make_model(spec["widths"], SEED)
     ref = digests(model.state_dict()) if ctx.rank == 0 else None
@@ -114,128 +103,66 @@ def case(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     name, work, t0 = spec["case"], Path(spec["work"]), time.perf_counter()
     if name in ("stream", "pt"):
         out, fmt = (ST_FILE, "safetensors") if name == "stream" else (PT_FILE, "pt")
-        consolidate_checkpoint(spec["root"], work / out, fmt=fmt)
+        z.consolidate_checkpoint(spec["root"], work / out, fmt=fmt)
     elif name.startswith("naive"):
-        kwargs = {"backend": "pread"} if name == "naive-pread" else {}
+        kwargs = {"backend": "pread"} if name == "naive_pread" else {}
         state = safetensors.torch.load_file(str(work / ST_FILE), **kwargs)
         if name == "naive":  # mapped tensors are read lazily: read every byte once
             sum(float(t.sum()) for t in state.values())
     return {"case": name, "wall_s": time.perf_counter() - t0}
 
 
+baseline = stream = pt = naive = naive_pread = case  # the targets of the cases
+
+
 def rows(rounds: list[dict[str, dict]], sizes: dict[str, int]) -> list[dict[str, Any]]:
-    """Per case the medians over the measured rounds, and the peaks above the baseline's, over
-    the model's and the largest tensor's bytes."""
-    model, largest = sum(sizes.values()), max(sizes.values())
-
-    def med(label: str, get: Any) -> float:
-        return statistics.median(get(c[label]) for c in rounds)
-
-    peaks = {
-        "rss": lambda c: c["peak_rss_bytes"],
-        "anon": lambda c: c["sampled_peak_bytes"]["RssAnon"],
-    }
-    base = {key: med(BASELINE, get) for key, get in peaks.items()}
-    out = []
+    """Per case the medians over the rounds, and its peaks above the baseline's, relative too."""
+    model, largest, out = sum(sizes.values()), max(sizes.values()), []
+    peaks = {"rss": lambda c: c["peak_rss_bytes"]}
+    peaks["anon"] = lambda c: c["sampled_peak_bytes"]["RssAnon"]
     for label in rounds[0]:
-        row: dict[str, Any] = {"case": label}
+        runs = [c[label] for c in rounds]
+        out.append(row := {"case": label})
         if label != BASELINE:
-            row["wall_s"] = med(label, lambda c: c["wall_s"])
-            if "fsync_s" in rounds[0][label] and (fsync := med(label, lambda c: c["fsync_s"])):
-                row["fsync_s"] = fsync  # runs that timed the fsync apart
+            row["wall_s"] = statistics.median(c["wall_s"] for c in runs)
         for key, get in peaks.items():
-            row[key] = med(label, get)
+            row[key] = statistics.median(map(get, runs))
             if label != BASELINE:
-                more = row[key] - base[key]
-                row.update(
-                    {
-                        f"{key}_more": more,
-                        f"{key}_model": more / model,
-                        f"{key}_largest": more / largest,
-                    }
-                )
-        out.append(row)
+                row[f"{key}_more"] = more = row[key] - out[0][key]
+                row.update({f"{key}_model": more / model, f"{key}_largest": more / largest})
     return out
 
 
-def model_figures(widths: list[int], sizes: dict[str, int]) -> dict[str, Any]:
-    largest = max(sizes, key=sizes.__getitem__)
-    out = {"layers": len(widths) - 1 + len(LN_AFTER), "widths": " -> ".join(map(str, widths))}
-    out.update(
-        norms=", ".join(f"fc{i}" for i in LN_AFTER), tensors=len(sizes), bytes=sum(sizes.values())
-    )
-    return {**out, "mib": out["bytes"] / 2**20, "largest": largest, "largest_bytes": sizes[largest]}
-
-
 def run(args: Any) -> dict[str, Any] | None:
-    threads, n_rounds = args.threads or torch.get_num_threads(), args.warmup + args.repeats
+    threads = args.threads or torch.get_num_threads()
     widths = QUICK_WIDTHS if args.quick else FULL_WIDTHS
     with torch.device("meta"):
-        sizes = {
-            n: t.numel() * t.element_size()
-            for n, t in make_model(widths, SEED).state_dict().items()
-        }
+        state = make_model(widths, SEED).state_dict()
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     with work_directory("consolidate-", args.keep, args.workdir) as work:
-        spec = {"widths": widths, "root": str(work / "ckpt"), "work": str(work)}
-        saved = launch("suites.consolidate:save", spec, work / "save", world=WORLD)
-        if not saved["ok"]:
-            progress(f"saving failed: {saved['error']}\n" + "\n".join(saved["log_tails"][0]))
+        spec = {"widths": widths, "root": str(work / "ckpt"), "work": str(work), "threads": threads}
+        kw = {"save": {"world": WORLD}, "case": {"torchrun": False, "sample_s": SAMPLE_S}}
+        saved, runs, measured = cases(__name__, CASES, spec, work, args, rotate=False, **kw)
+        if not saved or not all(r["ok"] for r in runs):
             return None
         files = [f.stat().st_size for f in Path(saved["ranks"][0]["path"]).iterdir()]
-
-        def one(e: dict[str, Any]) -> dict[str, Any]:
-            run_dir, case_spec = (
-                work / f"round{e['round']}-{CASES[e['key']]}",
-                {**spec, "case": CASES[e["key"]]},
-            )
-            return launch(
-                "suites.consolidate:case",
-                {**case_spec, "threads": threads},
-                run_dir,
-                torchrun=False,
-                sample_s=SAMPLE_S,
-            )
-
-        runs = run_plan(
-            plan(list(CASES), n_rounds, rotate=False),
-            one,
-            lambda r: f"{r['ranks'][0]['wall_s']:.2f} s",
-        )
-        if not all(r["ok"] for r in runs):
-            return None
-        outputs = {
-            "safetensors": (work / ST_FILE).stat().st_size,
-            "pt": (work / PT_FILE).stat().st_size,
-        }
-        ref = saved["ranks"][0]["digests"]  # each output, loaded strictly, equal to the model
-        for load in (
-            lambda: safetensors.torch.load_file(str(work / ST_FILE)),
-            lambda: torch.load(work / PT_FILE, weights_only=True),
-        ):
-            state = load()
-            with torch.device("meta"):
+        paths = {"safetensors": work / ST_FILE, "pt": work / PT_FILE}
+        outputs = {k: path.stat().st_size for k, path in paths.items()}
+        loads = [safetensors.torch.load_file(str(paths["safetensors"]))]
+        for state in [*loads, torch.load(paths["pt"], weights_only=True)]:
+            with torch.device("meta"):  # each output, loaded strictly, equal to the model
                 make_model(widths, SEED + 1).load_state_dict(state, strict=True, assign=True)
-            if digests(state) != ref:
+            if digests(state) != saved["ranks"][0]["digests"]:
                 progress("consolidated output differs from the model: no results written")
                 return None
-    rounds = [
-        {r["key"]: r["ranks"][0] for r in runs if r["round"] == i}
-        for i in range(args.warmup, n_rounds)
-    ]
-    config = {
-        "world_size": WORLD,
-        "widths": widths,
-        "seed": SEED,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-    }
-    config["sample_ms"] = SAMPLE_S * 1000
-    checkpoint = {"bytes": sum(files), "files": len(files)}
-    return {
-        "config": config,
-        "model": model_figures(widths, sizes),
-        "checkpoint": checkpoint,
-        "outputs": outputs,
-        "threads": threads,
-        "rows": rows(rounds, sizes),
-    }
+    largest = max(sizes, key=sizes.__getitem__)
+    model = {"layers": len(widths) - 1 + len(LN_AFTER), "widths": " -> ".join(map(str, widths))}
+    model.update(norms=", ".join(f"fc{i}" for i in LN_AFTER), tensors=len(sizes))
+    model.update(bytes=sum(sizes.values()), mib=sum(sizes.values()) / 2**20, largest=largest)
+    model["largest_bytes"] = sizes[largest]
+    config = {"world_size": WORLD, "widths": widths, "seed": SEED, "repeats": args.repeats}
+    config.update(warmup=args.warmup, sample_ms=SAMPLE_S * 1000)
+    rounds = [{k: r["ranks"][0] for k, r in c.items()} for c in measured]
+    out = {"config": config, "model": model, "checkpoint": {"bytes": sum(files)}}
+    out["checkpoint"]["files"], out["outputs"], out["threads"] = len(files), outputs, threads
+    return {**out, "rows": rows(rounds, sizes)}

@@ -1,9 +1,6 @@
 """zero3_offload's module mode on a transformers Llama vs plain torch, FSDP2 and DeepSpeed.
 
-The ~300M-parameter LlamaForCausalLM (GQA) computes its own loss from labels in every system; the
-same initial weights, batches and AdamW everywhere, each run fresh processes (peers' method). The
-``gpt`` part trains the library's GPT in module mode next to chain mode, plain torch and FSDP2.
-"""
+peers' method on a ~300M Llama (GQA); ``--models gpt``: module vs chain mode on the GPT."""
 
 from __future__ import annotations
 
@@ -22,23 +19,14 @@ MODELS = {  # name: (full dims, quick dims), indexed by args.quick
     "llama": ({**LLAMA, "seq": 128}, {**LLAMA, **TINY}),
     "gpt": (dict(d=1024, heads=16, n_layers=24, seq=128), dict(d=128, heads=4, n_layers=2, seq=64)),
 }
-TORCH = peers.SYSTEMS["torch"]
 MODULE = System("zero3_offload module mode", "ours-module", WORLD, {})
 BY_LAYER = {"fused": True, "wrap": "decoder_layers"}  # torchtitan's: each decoder layer, the root
-SYSTEMS = {
-    "llama": {
-        "torch": TORCH,
-        "fsdp2": System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER),
-        "deepspeed": peers.SYSTEMS["deepspeed"],
-        "ours_module": MODULE,
-    },
-    "gpt": {
-        "torch": TORCH,
-        "fsdp2": peers.SYSTEMS["fsdp2"],
-        "ours_chain": System("zero3_offload chain mode", "zero3_offload", WORLD, {}),
-        "ours_module": MODULE,
-    },
-}
+LLAMA_PEERS = {"fsdp2": System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER)}
+LLAMA_PEERS["deepspeed"] = peers.SYSTEMS["deepspeed"]
+CHAIN = System("zero3_offload chain mode", "zero3_offload", WORLD, {})
+PARTS = {"llama": LLAMA_PEERS, "gpt": {"fsdp2": peers.SYSTEMS["fsdp2"], "ours_chain": CHAIN}}
+TORCH = peers.SYSTEMS["torch"]
+SYSTEMS = {m: {"torch": TORCH, **t, "ours_module": MODULE} for m, t in PARTS.items()}
 KEYS = sorted({k for table in SYSTEMS.values() for k in table})
 OPTIONS = {
     "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, gpt (both)"},
@@ -49,6 +37,7 @@ DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 360
 DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
 QUICK = {"timeout": 300.0}
 TITLE = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
+GPT_TITLE = "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
 
 
 def check(args: Any) -> str | None:
@@ -61,27 +50,18 @@ def check(args: Any) -> str | None:
     return train.check_loss_steps(args)
 
 
-def loop_ms(runs: list[dict]) -> dict[str, float] | None:
-    """Module mode's event-loop lateness (the worse rank's, over the runs)."""
-    ticks = [
-        rk["loop_worst_tick_ms"]
-        for r in runs
-        if r["ok"] and r["key"] == "ours_module"
-        for rk in r["ranks"]
-    ]
-    return {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
-
-
 def run(args: Any) -> dict[str, Any] | None:
     parts = {}
     for model in args.model_keys:
         systems = {k: s for k, s in SYSTEMS[model].items() if k in args.system_keys}
         dims = {**MODELS[model][args.quick], "global_batch": BATCH}
         threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
-        compared = train.compare(args, systems, dims, threads=threads)
         config = dict(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
-        parts[model] = {"size": model, **train.part(compared, **config)}
-        parts[model]["loop_ms"] = loop_ms(compared["runs"])
+        part, runs = train.compare(args, systems, dims, threads, **config)
+        ok = [r for r in runs if r["ok"] and r["key"] == "ours_module"]
+        ticks = [rk["loop_worst_tick_ms"] for r in ok for rk in r["ranks"]]  # the worse rank's
+        loop = {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
+        parts[model] = {"size": model, **part, "loop_ms": loop}
     if not any(p["systems"] for p in parts.values()):
         return None
     failed = [f"{m}/{r['key']}" for m, p in parts.items() for r in p["runs"] if not r["ok"]]
@@ -89,43 +69,30 @@ def run(args: Any) -> dict[str, Any] | None:
     return {"parts": parts, "failed": failed, "losses_agree": agree}
 
 
-def model_note(model: str, cfg: dict[str, Any]) -> str:
-    dims = cfg["dims"]
-    shape = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']} "
-    if model == "llama":
-        shape += (
-            f"decoder layers, {dims['kv_heads']} KV heads, MLP {dims['ffn']}, vocabulary "
-            f"{dims['vocab']} (the bytes as token ids), seq {dims['seq']}, loss the model's "
-            "own from labels = input ids"
-        )
-    else:
-        shape += f"blocks, byte vocabulary, seq {dims['seq']}"
-    return f"Model: {shape}: {cfg['params']:,} fp32 params"
-
-
 def layout(p: dict[str, Any]) -> list:
-    blocks = []
-    for model, part in p["parts"].items():
-        if model != "llama":
-            blocks.append(
-                "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
-            )
-        blocks += peers.layout(part)
-    return blocks
+    parts = p["parts"].items()
+    return [b for m, part in parts for b in [GPT_TITLE] * (m != "llama") + peers.layout(part)]
 
 
 def notes(p: dict[str, Any]) -> list[str]:
     out: list[str] = []
     for i, (model, part) in enumerate(p["parts"].items()):
-        lines = peers.notes(part, model_note(model, part["config"]))
-        out += [f"{model}: {n}" if i else n for n in lines if n not in out]
-        if ms := part.get("loop_ms"):
-            out.append(
-                f"{model}: the event loop during a module-mode step (a task waking every 10 ms "
-                "counts how late each wake-up is; the worst per step, first step left out): "
-                f"median over steps {ms['median_step']:.1f} ms, worst {ms['max']:.1f} ms (the "
-                "worse rank)."
+        cfg, dims = part["config"], part["config"]["dims"]
+        shape = f"blocks, byte vocabulary, seq {dims['seq']}"
+        if model == "llama":
+            shape = (
+                f"decoder layers, {dims['kv_heads']} KV heads, MLP {dims['ffn']}, vocabulary "
+                f"{dims['vocab']} (the bytes as token ids), seq {dims['seq']}, loss the model's "
+                "own from labels = input ids"
             )
+        size = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']}"
+        lines = peers.notes(part, f"Model: {size} {shape}: {cfg['params']:,} fp32 params")
+        out += [f"{model}: {n}" if i else n for n in lines if n not in out]
+        if ms := part["loop_ms"]:
+            ticker = "(a 10 ms ticker's worst lateness per step, first step out, worse rank)"
+            median, worst = f"{ms['median_step']:.1f} ms", f"{ms['max']:.1f} ms"
+            out.append(f"{model}: the event loop in a module-mode step {ticker}: median {median}, "
+                       f"worst {worst}.")  # fmt: skip
     return out
 
 

@@ -1,9 +1,6 @@
 """Soak: the default `zero3-offload train` job for 2,000 steps; RSS, threads and open fds per rank.
 
-The CLI runs as it is used, its ranks sampled from outside (VmRSS, RssAnon, Threads, open fds);
-each sample gets the rank's step at its time from the `step` events of its log. Goals after
-warm-up: RSS grows <= 1 %, the steady thread and fd counts stay the same.
-"""
+Ranks sampled from outside; goals: RSS grows <= 1 % after warm-up, threads and fds stay flat."""
 
 from __future__ import annotations
 
@@ -39,8 +36,9 @@ NOTES = [
     "windows (after {config[warmup]} warm-up steps), columns and goals (RSS growth <= "
     "{config[rss_goal_pct]:g} %, the steady thread and fd counts the same in both windows) as "
     "docs/benchmarks.md (soak) defines them.",
-    lambda p: "FAILED: " + "; ".join(p["failed"]) if p.get("failed") else None,
+    lambda p: "FAILED: " + "; ".join(p["failed"]) if p["failed"] else None,
 ]
+SAMPLE = {"rss": 2, "anon": 3, "threads": 4, "fds": 5}  # a sample: [t_s, step, rss, anon, ...]
 
 
 def check(args: Any) -> str | None:
@@ -52,41 +50,10 @@ def check(args: Any) -> str | None:
 
 
 def windows(cfg: dict[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The steps [first, last) of the first tenth of the steps after warm-up, and of the last
-    quarter of the steps."""
+    """The steps of the first tenth after warm-up and of the last quarter, as ranges."""
     steps, warmup = cfg["steps"], cfg["warmup"]
-    after = steps - warmup
-    return (warmup, warmup + max(1, after // 10)), (steps - max(1, after // 4), steps)
-
-
-def figures(rows: list[list], secs: list[float], log_bytes: int, work: int, cfg: dict) -> dict:
-    """One rank's figures from its samples ``[t_s, step, rss, anon, threads, fds]`` (the loop's
-    steps only: the final evaluation and checkpoint are left out) and its steps' seconds."""
-    (b0, b1), (e0, e1) = windows(cfg)
-    after = [r for r in rows if cfg["warmup"] <= r[1] < cfg["steps"]]
-    base, end = [r for r in rows if b0 <= r[1] < b1], [r for r in rows if e0 <= r[1] < e1]
-    out: dict[str, Any] = {}
-    for key, i in (("rss", 2), ("anon", 3)) if base and end else ():
-        b, e = statistics.median(r[i] for r in base), statistics.median(r[i] for r in end)
-        out.update({f"{key}_base": b, f"{key}_end": e, f"{key}_growth_pct": 100 * (e / b - 1)})
-    for key, i in (("rss", 2), ("threads", 4), ("fds", 5)) if after else ():
-        out[f"{key}_min"], out[f"{key}_max"] = min(r[i] for r in after), max(r[i] for r in after)
-    for key, i in (("threads", 4), ("fds", 5)) if base and end else ():  # most samples' count
-        out[f"{key}_base"] = statistics.median_low(r[i] for r in base)
-        out[f"{key}_end"] = statistics.median_low(r[i] for r in end)
-        out[f"{key}_off_pct"] = 100 * sum(r[i] != out[f"{key}_base"] for r in after) / len(after)
-    if timed := secs[cfg["warmup"] :]:
-        out["median_step_s"] = statistics.median(timed)
-    if secs:
-        out["log_bytes_per_step"], out["work_events_per_step"] = (
-            log_bytes / len(secs),
-            work / len(secs),
-        )
-    checks = {"rss": out.get("rss_growth_pct", float("inf")) <= cfg["rss_goal_pct"]}
-    checks.update(
-        {k: f"{k}_base" in out and out[f"{k}_base"] == out[f"{k}_end"] for k in ("threads", "fds")}
-    )
-    return {**out, "failed_goals": [k for k, ok in checks.items() if not ok]}
+    tenth, quarter = max(1, (steps - warmup) // 10), max(1, (steps - warmup) // 4)
+    return (warmup, warmup + tenth), (steps - quarter, steps)
 
 
 def spread(lo: float, hi: float, fmt: Any = "{:,}".format) -> str:
@@ -94,54 +61,55 @@ def spread(lo: float, hi: float, fmt: Any = "{:,}".format) -> str:
     return fmt(lo) if lo == hi else f"{fmt(lo)}-{fmt(hi)}"
 
 
+def figures(rows: list[list], secs: list[float], log: dict[str, Any], cfg: dict) -> dict:
+    """One rank's figures from its samples (the loop's steps only), step seconds and log."""
+    (b0, b1), (e0, e1) = windows(cfg)
+    after = [r for r in rows if cfg["warmup"] <= r[1] < cfg["steps"]]
+    base, end, out = [r for r in rows if b0 <= r[1] < b1], [r for r in rows if e0 <= r[1] < e1], {}
+    for key, i in SAMPLE.items() if base and end else ():
+        steady = statistics.median if key in ("rss", "anon") else statistics.median_low
+        out[f"{key}_base"] = steady(r[i] for r in base)
+        out[f"{key}_end"] = steady(r[i] for r in end)
+    for key in ("rss", "anon") if base and end else ():
+        out[f"{key}_growth_pct"] = 100 * (out[f"{key}_end"] / out[f"{key}_base"] - 1)
+    for key in ("rss", "threads", "fds") if after else ():
+        i = SAMPLE[key]
+        out[f"{key}_min"], out[f"{key}_max"] = min(r[i] for r in after), max(r[i] for r in after)
+    for key in ("threads", "fds") if base and end else ():  # the share of samples off the count
+        off = sum(r[SAMPLE[key]] != out[f"{key}_base"] for r in after)
+        out[f"{key}_off_pct"] = 100 * off / len(after)
+    if timed := secs[cfg["warmup"] :]:
+        out["median_step_s"] = statistics.median(timed)
+    if secs:
+        out["log_bytes_per_step"] = log["bytes"] / len(secs)
+        out["work_events_per_step"] = log["work"] / len(secs)
+    checks = {"rss": out.get("rss_growth_pct", float("inf")) <= cfg["rss_goal_pct"]}
+    for k in ("threads", "fds"):
+        checks[k] = f"{k}_base" in out and out[f"{k}_base"] == out[f"{k}_end"]
+    return {**out, "failed_goals": [k for k, ok in checks.items() if not ok]}
+
+
 def curve(samples: list[list[list]], secs: list[float], steps: int) -> list[dict[str, Any]]:
-    """Per bin of steps, per rank: the median RSS and the thread and fd counts seen; rank 0's
-    median step."""
-    width = max(1, -(-steps // ROWS))
+    """Per bin of steps: each rank's median RSS and thread and fd counts; rank 0's median step."""
+    width, out = max(1, -(-steps // ROWS)), []
     bins = [("0 (setup, first eval)", 0, 1)]
     for a in range(0, steps - 1, width):
         bins.append((f"{a + 1}-{min(a + width, steps - 1)}", a + 1, min(a + width + 1, steps)))
-    rows = []
     for label, lo, hi in [*bins, (f"{steps} (last eval, checkpoint)", steps, steps + 1)]:
-        row: dict[str, Any] = {"steps": label}
+        out.append(row := {"steps": label})
         if t := [r[0] for rank in samples for r in rank if lo <= r[1] < hi]:
             row["from_s"] = min(t)
-        for rank, rank_rows in enumerate(samples):
-            if got := [r for r in rank_rows if lo <= r[1] < hi]:
+        for rank, got in enumerate([r for r in rows if lo <= r[1] < hi] for rows in samples):
+            if got:
                 row[f"rss{rank}"] = statistics.median(r[2] for r in got)
                 row[f"threads{rank}"] = spread(min(r[4] for r in got), max(r[4] for r in got))
                 row[f"fds{rank}"] = spread(min(r[5] for r in got), max(r[5] for r in got))
         if lo and (part := secs[max(lo - 1, 0) : hi - 1]):
             row["step_s"] = statistics.median(part)
-        rows.append(row)
-    return rows
-
-
-def summarize(raw: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
-    """The compact results of a job: every rank's figures, the curve, the job's outcome."""
-    secs, samples = raw["step_seconds"], raw["samples"]
-    ranks = [
-        figures(s, secs[r], raw["log_bytes"][r], raw["work_events"][r], cfg)
-        for r, s in enumerate(samples)
-    ]
-    tail = next((ln for ln in reversed(raw["output_tail"]) if "step" in ln), "")
-    out = {
-        "config": cfg,
-        "command": raw["command"],
-        "wall_s": raw["wall_s"],
-        "done": [len(s) for s in secs],
-    }
-    out.update(last_line=tail.strip(), samples=sum(map(len, samples)), ranks=ranks)
-    return {
-        **out,
-        "curve": curve(samples, secs[0], cfg["steps"]),
-        "failed": [raw["error"]] * bool(raw["error"]),
-    }
+    return out
 
 
 def run(args: Any) -> dict[str, Any] | None:
-    import zero3_offload
-
     argv = job.command(args.steps, args.threads, [])
     progress(f"zero3-offload train --steps {args.steps}, sampled every {args.sample_s:g} s")
     with work_directory("soak-", args.keep) as work:
@@ -153,29 +121,18 @@ def run(args: Any) -> dict[str, Any] | None:
     samples = []  # each sample with the rank's steps completed at its time (its step events)
     for log, rows in zip(logs, got["samples"], strict=True):
         ends = sorted(s.end for s in log["steps"])
-        samples.append(
-            [
-                [round(r[0] - got["started"], 3), bisect.bisect_right(ends, r[0]), *r[1:]]
-                for r in rows
-            ]
-        )
-    raw = {**got, "command": argv, "samples": samples, "log_bytes": [g["bytes"] for g in logs]}
-    raw.update(
-        step_seconds=[[t[2] for t in g["train"]] for g in logs],
-        work_events=[g["work"] for g in logs],
-    )
-    cfg = {
-        "world_size": job.WORLD,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "threads_per_rank": args.threads,
-    }
-    cfg.update(
-        sample_interval_s=args.sample_s,
-        rss_goal_pct=RSS_GOAL_PCT,
-        version=zero3_offload.__version__,
-    )
-    return summarize(raw, cfg)
+        at = [(round(r[0] - got["started"], 3), bisect.bisect_right(ends, r[0])) for r in rows]
+        samples.append([[*a, *r[1:]] for a, r in zip(at, rows, strict=True)])
+    secs = [[t[2] for t in g["train"]] for g in logs]
+    cfg = {"world_size": job.WORLD, "steps": args.steps, "warmup": args.warmup}
+    cfg.update(threads_per_rank=args.threads, sample_interval_s=args.sample_s)
+    cfg["rss_goal_pct"] = RSS_GOAL_PCT
+    tail = next((ln for ln in reversed(got["output_tail"]) if "step" in ln), "")
+    out = {"config": cfg, "command": argv, "wall_s": got["wall_s"], "done": [len(s) for s in secs]}
+    out.update(last_line=tail.strip(), samples=sum(map(len, samples)))
+    out["ranks"] = [figures(s, secs[r], logs[r], cfg) for r, s in enumerate(samples)]
+    out["curve"] = curve(samples, secs[0], args.steps)
+    return {**out, "failed": [got["error"]] * bool(got["error"])}
 
 
 def layout(p: dict[str, Any]) -> list:
@@ -190,19 +147,15 @@ def layout(p: dict[str, Any]) -> list:
 
     rows = []
     for rank, f in enumerate(p["ranks"]):
-        rows.append(
-            {**f, "rank": str(rank), "threads": counts(f, "threads"), "fds": counts(f, "fds")}
-        )
+        rows.append({**f, "rank": str(rank), "threads": counts(f, "threads")})
+        rows[-1]["fds"] = counts(f, "fds")
         if "rss_min" in f:
             rows[-1]["after"] = spread(f["rss_min"], f["rss_max"], lambda v: mib(v, 1))
         rows[-1]["goals"] = "FAIL: " + ", ".join(f["failed_goals"]) if f["failed_goals"] else "pass"
     curve = [Col("steps", "steps"), Col("from s", "from_s", ".0f")]
     for r in range(p["config"]["world_size"]):
-        curve += [
-            Col(f"rank {r} RSS MiB", f"rss{r}", "mib1"),
-            Col(f"rank {r} threads", f"threads{r}"),
-        ]
-        curve.append(Col(f"rank {r} fds", f"fds{r}"))
+        curve.append(Col(f"rank {r} RSS MiB", f"rss{r}", "mib1"))
+        curve += [Col(f"rank {r} threads", f"threads{r}"), Col(f"rank {r} fds", f"fds{r}")]
     # fmt: off
     columns = [
         Col("rank", "rank"), Col(f"RSS steps {b0}-{b1 - 1} MiB", "rss_base", "mib1"),
@@ -217,8 +170,5 @@ def layout(p: dict[str, Any]) -> list:
     ]
     # fmt: on
     curve.append(Col("rank 0 median step ms", "step_s", "ms"))
-    return [
-        (columns, rows),
-        "The curve (samples binned by the step they saw):",
-        (curve, p["curve"]),
-    ]
+    title = "The curve (samples binned by the step they saw):"
+    return [(columns, rows), title, (curve, p["curve"])]
