@@ -340,7 +340,7 @@ def _build_parameters(
     )
     check_cpu_budget(cpu_need, config.cpu_memory_budget)
     cpu = torch.device("cpu")
-    pin = config.pin_cpu_memory and device.type == "cuda"
+    pin = _pins(config, device)
     params = ParameterStore(
         codec=codec,
         master_device=cpu if config.offload_optimizer_states else device,
@@ -555,7 +555,7 @@ def _build_gradients(
         streams=streams,
         workers=workers,
         timeline=timeline,
-        pin=config.pin_cpu_memory and device.type == "cuda",
+        pin=_pins(config, device),
     )
     return reducer, gradient_buffers, grads
 
@@ -615,6 +615,11 @@ def _build_runners(
     return clock, landing, None, module
 
 
+def _pins(config: Zero3CpuOffloadConfig, device: torch.device) -> bool:
+    """Whether CPU buffers that go to the device are page-locked (a CUDA device)."""
+    return config.pin_cpu_memory and device.type == "cuda"
+
+
 def _param_read_buffers(config: Zero3CpuOffloadConfig) -> int:
     """Read buffers of compute copies on disk: the gather window and the read-ahead
     (0 when the copies are in memory)."""
@@ -662,7 +667,7 @@ def _open_disk_tiers(
                 buffers=_param_read_buffers(config),
                 timeline=timeline,
                 # Page-locked read buffers for a CUDA device.
-                pin=config.pin_cpu_memory and device.type == "cuda",
+                pin=_pins(config, device),
             )
     except DiskTierError as exc:
         error = exc

@@ -80,7 +80,7 @@ class GradientLanding:
         await self._grads.commit(zip(layers, shards, strict=True))
         self._reducer.forget_pending()
 
-    async def abandon(self, result: PassResult | None) -> None:
+    async def abandon(self, result: PassResult) -> None:
         """Leave nothing of a failed backward in flight; the caller raises its first error.
 
         The pass's shards not committed are dropped. Updates already made stand,
@@ -88,14 +88,12 @@ class GradientLanding:
         """
         self._steps.keep_updates()
         self._reducer.forget_pending()
-        pending = result.pending if result is not None else []
-        landings = result.landings if result is not None else []
-        for task in landings:
+        for task in result.landings:
             task.cancel()
-        for task in landings:
+        for task in result.landings:
             with contextlib.suppress(BaseException):
                 await task
-        for p in pending:
+        for p in result.pending:
             with contextlib.suppress(Zero3Error):
                 await p.collective.wait()
         with contextlib.suppress(Zero3Error):

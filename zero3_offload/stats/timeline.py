@@ -95,11 +95,6 @@ class Timeline:
         return self._recent_steps
 
     @property
-    def step(self) -> int:
-        """The step that intervals added now belong to (the counter's closed steps)."""
-        return self._counter.steps
-
-    @property
     def maxlen(self) -> int:
         """Most events held in memory."""
         maxlen = self._events.maxlen
