@@ -506,6 +506,15 @@ class Zero3CpuOffloadConfig:
     )
     """Format of the compute copies that gathers send to the device (see
     :class:`CpuCompressionMethod`); the fp32 master shards are never compressed."""
+    frozen_compression: CpuCompressionMethod = attrs.field(
+        default=CpuCompressionMethod.NONE,
+        converter=functools.partial(CpuCompressionMethod.parse, field="frozen_compression"),
+    )
+    """Format frozen parameters (``requires_grad=False`` when the manager is built) are
+    stored and all-gathered in: their only copy, with no fp32 master, gradient or
+    optimizer state. ``"none"`` keeps the compute dtype; ``"bf16"``/``"fp16"`` halve
+    fp32; ``"int8"`` stores one absmax scale per ``compression_block_size`` elements.
+    Gathers decode it into the compute dtype."""
     auto_memory_management: AutoMemoryStrategy = attrs.field(
         default=AutoMemoryStrategy.BALANCED,
         converter=functools.partial(AutoMemoryStrategy.parse, field="auto_memory_management"),

@@ -131,6 +131,7 @@ class Zero3CpuOffloadManager:
             pid=os.getpid(),
             layers=len(engine.layers),
             parameters=total_numel(engine.layouts),
+            trainable_parameters=total_numel(engine.layouts, frozen=False),
             owned_parameters=owned_numel(engine.layouts),
         )
 
@@ -563,6 +564,10 @@ class Zero3CpuOffloadManager:
     ) -> Path:
         """Write the trained model as a transformers directory (a collective; module mode).
 
+        For a peft model the directory is its adapter (``adapter_config.json`` and
+        ``adapter_model.safetensors``, as ``PeftModel.from_pretrained`` loads it; see
+        [Note: adapter saves]).
+
         ``AutoModelForCausalLM.from_pretrained(directory)`` loads the result
         as is: ``config.json``, ``model.safetensors`` (or numbered shards of at
         most ``max_shard_bytes`` and their index), tied weights stored once as
@@ -588,6 +593,16 @@ class Zero3CpuOffloadManager:
             raise StateError(
                 "save_pretrained needs a transformers model (module mode, with model.config); "
                 "use save_checkpoint or full_state_dict for other models"
+            )
+        from zero3_offload.integrations.adapter_save import is_peft_model, save_adapter
+
+        if is_peft_model(model):
+            return await save_adapter(
+                directory,
+                model=model,
+                full_state=self._engine.full_state,
+                comm=self._engine.comm,
+                dtype=dtype,
             )
         from zero3_offload.integrations.pretrained_save import save_pretrained
 
@@ -689,7 +704,9 @@ class Zero3CpuOffloadManager:
     # ------------------------------------------------------------ checkpoints
 
     @_flushed
-    async def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+    async def save_checkpoint(
+        self, path: str | os.PathLike[str], *, include_frozen: bool = True
+    ) -> Path:
         """Save this rank's shards and the run's counters under ``path`` (a collective).
 
         Every rank writes its own file; the checkpoint is committed (renamed into
@@ -699,6 +716,9 @@ class Zero3CpuOffloadManager:
 
         Args:
             path: the checkpoint root directory (created if missing).
+            include_frozen: also save the frozen parameters' shards (``requires_grad=False``
+                at construction); without them (a fine-tune of a base model kept
+                elsewhere) a load keeps the frozen values the manager has.
 
         Returns:
             The committed checkpoint directory.
@@ -712,7 +732,7 @@ class Zero3CpuOffloadManager:
         self._check_open()
         if self._state.early_lr is not None:
             raise StateError("updates of this step already started: call optimizer_step first")
-        return await self._engine.checkpointer.save(path)
+        return await self._engine.checkpointer.save(path, include_frozen=include_frozen)
 
     @_flushed
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:

@@ -23,6 +23,7 @@ from zero3_offload.checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     checkpoint_name,
+    frozen_metadata,
     layout_metadata,
     resolve_checkpoint,
 )
@@ -45,6 +46,10 @@ from zero3_offload.version import __version__
 __all__ = ["ShardCheckpointer"]
 
 log = get_logger(__name__)
+
+# The streamed write's group of the frozen shards (no layer is named so: names are
+# module paths or ROOT_UNIT).
+_FROZEN_GROUP = "<frozen>"
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -92,6 +97,17 @@ class ShardCheckpointer:
             tensors.update(self._layer_tensors(layer))
         return tensors
 
+    def _frozen_tensors(self) -> dict[str, torch.Tensor]:
+        """``{layer}.frozen``: each frozen shard's values as gathers decode them, in the
+        storage dtype (a plain dtype) or the compute dtype (a block-wise format)."""
+        codec = self.params.frozen_codec
+        out = {}
+        for layer in self.params.frozen_layers():
+            copy = self.params.frozen_copy(layer)
+            assert copy is not None
+            out[f"{layer}.frozen"] = copy.payload if copy.scales is None else codec.decode(copy)
+        return out
+
     def _entries(self) -> list[ShardEntry]:
         """:meth:`_tensors`' names, dtypes and shapes, without reading the disk tier."""
         tier = self.optimizer.tier
@@ -111,11 +127,15 @@ class ShardCheckpointer:
 
     @contextlib.asynccontextmanager
     async def _resident_layer(self, layer: str) -> AsyncIterator[dict[str, torch.Tensor]]:
-        """``layer``'s tensors of the checkpoint, read from the disk tier for the moment."""
+        """``layer``'s tensors of the checkpoint, read from the disk tier for the moment
+        (the frozen shards, in memory, as one group)."""
+        if layer == _FROZEN_GROUP:
+            yield self._frozen_tensors()
+            return
         async with self.optimizer.resident(layer, write=False):
             yield self._layer_tensors(layer)
 
-    def _metadata(self, scalar_state: list[str]) -> dict[str, Any]:
+    def _metadata(self, scalar_state: list[str], *, frozen_saved: bool) -> dict[str, Any]:
         scaler = self.steps.loss_scaler
         return {
             "format": FORMAT,
@@ -123,6 +143,8 @@ class ShardCheckpointer:
             "library_version": __version__,
             "world_size": self.comm.world_size,
             "layers": layout_metadata(self.layouts),
+            "frozen_layers": frozen_metadata(self.layouts),
+            "frozen_saved": frozen_saved,
             "optimizer": self.config.optimizer.to_dict(),
             "scalar_state": scalar_state,
             **self.counter.state_dict(),  # optimizer_steps, timeline_step, calls_since_update
@@ -132,11 +154,13 @@ class ShardCheckpointer:
             "model_config": self.model_config,
         }
 
-    async def save(self, root: str | os.PathLike[str]) -> Path:
+    async def save(self, root: str | os.PathLike[str], *, include_frozen: bool = True) -> Path:
         """Write this rank's shards and the run's counters; commit when every rank wrote.
 
         Args:
             root: the checkpoint root directory (created if missing).
+            include_frozen: also write the frozen parameters' shards (see [Note: frozen
+                parameters]); without them a load keeps the frozen values it has.
 
         Returns:
             The committed checkpoint directory.
@@ -149,13 +173,17 @@ class ShardCheckpointer:
         root = Path(root)
         name = checkpoint_name(self.counter.updates, self.counter.window_calls)
         streamed = self.optimizer.tier is not None  # read from the disk tier layer by layer
+        frozen = self._frozen_tensors() if include_frozen else {}
         if streamed:
             entries = self._entries()
+            entries += [
+                ShardEntry(key, t.dtype, tuple(t.shape), _FROZEN_GROUP) for key, t in frozen.items()
+            ]
             count = len(entries)
         else:
-            tensors = self._tensors()
+            tensors = {**self._tensors(), **frozen}
             count = len(tensors)
-        meta = self._metadata(self._scalar_state())
+        meta = self._metadata(self._scalar_state(), frozen_saved=include_frozen)
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size
@@ -254,6 +282,13 @@ class ShardCheckpointer:
                 self.params.refresh_compute_copy(layer)
                 self.optimizer.load_layer_state(layer, state)
             del master, state  # not alive while the next layer is read
+        for layer, values in loaded.frozen.items():
+            await self.workers.run(
+                "compress",
+                layer,
+                Phase.STEP,
+                lambda layer=layer, values=values: self.params.put_frozen(layer, values),
+            )
         meta = loaded.meta
         self.grads.load(loaded.grads, meta["backward_passes"])
         self.counter.load_state_dict(meta)

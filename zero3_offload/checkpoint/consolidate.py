@@ -28,7 +28,7 @@ import torch
 from zero3_offload.checkpoint.format import read_metadata, resolve_checkpoint
 from zero3_offload.checkpoint.shard_reader import ShardReader
 from zero3_offload.errors import CheckpointError
-from zero3_offload.parameter.flat_layout import param_key
+from zero3_offload.parameter.flat_layout import param_key, saved_shard_numel
 
 __all__ = ["consolidate_checkpoint", "iter_full_parameters"]
 
@@ -52,9 +52,12 @@ def iter_full_parameters(
     meta = read_metadata(directory)
     world = meta["world_size"]
     reader = ShardReader(directory, world)
-    for layer in meta["layers"]:
-        shard = -(-layer["numel"] // world)
-        key = f"{layer['name']}.master"
+    parts = [(layer, "master") for layer in meta["layers"]]
+    if meta.get("frozen_saved", False):  # see [Note: frozen parameters]
+        parts += [(layer, "frozen") for layer in meta.get("frozen_layers", [])]
+    for layer, kind in parts:
+        shard = saved_shard_numel(layer["numel"], world, layer.get("align", 1))
+        key = f"{layer['name']}.{kind}"
         for param in layer["params"]:
             shape = tuple(param["shape"])
             load = functools.partial(

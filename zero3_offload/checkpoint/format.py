@@ -9,7 +9,10 @@ library version) and one safetensors file per rank,
 ``rank-RRRRR-of-NNNNN.safetensors``, with that rank's 1-D shards:
 ``{layer}.master`` (fp32), ``{layer}.optim.{key}`` (optimizer state: per-element
 moments are shards like the master, ``step`` is a scalar), ``{layer}.grad``
-(accumulated gradient, only inside a window).
+(accumulated gradient, only inside a window), and ``{layer}.frozen`` (the frozen
+parameters' values as gathers decode them, in their storage dtype or, for a
+block-wise format, the compute dtype; laid out as ``frozen_layers`` in the
+metadata says, with its ``align``; absent when saved with ``include_frozen=False``).
 
 safetensors rather than ``torch.distributed.checkpoint``: DCP stores its
 metadata with pickle, and loading must never unpickle; safetensors files hold
@@ -58,6 +61,7 @@ __all__ = [
     "LATEST",
     "METADATA",
     "checkpoint_name",
+    "frozen_metadata",
     "layout_metadata",
     "open_for_reading",
     "read_metadata",
@@ -87,17 +91,29 @@ def checkpoint_name(step: int, micro: int) -> str:
 
 def layout_metadata(layouts: Mapping[str, LayerLayout]) -> list[dict[str, Any]]:
     """The layer and parameter layout as JSON (world-size independent parts)."""
+    return [_layout_entry(name, lay) for name, lay in layouts.items()]
+
+
+def frozen_metadata(layouts: Mapping[str, LayerLayout]) -> list[dict[str, Any]]:
+    """The frozen parts' layouts as JSON (see [Note: frozen parameters]): the entries of
+    ``frozen_layers``, whose shards are the ``{layer}.frozen`` tensors."""
     return [
-        {
-            "name": name,
-            "numel": lay.numel,
-            "params": [
-                {"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
-                for s in lay.slots
-            ],
-        }
-        for name, lay in layouts.items()
+        _layout_entry(name, lay.frozen) for name, lay in layouts.items() if lay.frozen is not None
     ]
+
+
+def _layout_entry(name: str, lay: LayerLayout) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": name,
+        "numel": lay.numel,
+        "params": [
+            {"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
+            for s in lay.slots
+        ],
+    }
+    if lay.align != 1:
+        entry["align"] = lay.align
+    return entry
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -186,10 +202,15 @@ def _check_schema(meta: dict[str, Any], file: Path) -> None:
     scalars = meta.get("scalar_state", [])
     if not isinstance(scalars, list) or not all(isinstance(k, str) for k in scalars):
         raise bad("scalar_state must be a list of strings")
-    for layer in layers:
+    frozen = meta.get("frozen_layers", [])
+    if not isinstance(frozen, list):
+        raise bad("frozen_layers must be a list")
+    for layer in [*layers, *frozen]:
         if not isinstance(layer, dict) or not isinstance(layer.get("name"), str):
             raise bad(f"layer entry {str(layer)[:80]} has no name")
         numel, params = layer.get("numel"), layer.get("params")
+        if not count(layer.get("align", 1), _MAX_ELEMENTS) or layer.get("align", 1) < 1:
+            raise bad(f"layer {layer['name']!r}: align {layer.get('align')!r} is invalid")
         if not count(numel, _MAX_ELEMENTS) or not isinstance(params, list):
             raise bad(f"layer {layer['name']!r}: numel {numel!r} or params out of range")
         for param in params:

@@ -46,19 +46,41 @@ class FullState:
         """The layers, in order."""
         return list(self._layouts)
 
-    async def layer(self, name: str) -> list[tuple[str, torch.Tensor]]:
-        """``(full name, fp32 CPU tensor)`` of ``name``'s parameters (a collective)."""
+    async def layer(self, name: str, *, frozen: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """``(full name, fp32 CPU tensor)`` of ``name``'s parameters (a collective): the
+        trainable ones' masters, then (``frozen``) the frozen ones' values as gathers
+        decode them."""
         layout = self._layouts[name]
-        if not layout.padded_numel:
-            return []
-        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=self._device)
-        async with self._optimizer.resident(name, write=False):  # read from the disk tier
-            master = self._params.master(name).to(self._device)
-            await self._comm.all_gather(full, master, what=f"the values of {name!r}")
-        return [
-            (param_key(name, pname), view.detach().to("cpu", copy=True))
-            for pname, view in layout.unflatten(full)
-        ]
+        out: list[tuple[str, torch.Tensor]] = []
+        if layout.padded_numel:
+            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=self._device)
+            async with self._optimizer.resident(name, write=False):  # read from the disk tier
+                master = self._params.master(name).to(self._device)
+                await self._comm.all_gather(full, master, what=f"the values of {name!r}")
+            out += [
+                (param_key(name, pname), view.detach().to("cpu", copy=True))
+                for pname, view in layout.unflatten(full)
+            ]
+        if frozen and layout.frozen is not None:
+            full = await self.frozen(name)
+            out += [
+                (param_key(name, pname), view.to("cpu", torch.float32, copy=True))
+                for pname, view in layout.frozen.unflatten(full)
+            ]
+        return out
+
+    async def frozen(self, name: str) -> torch.Tensor:
+        """``name``'s whole frozen part in the compute dtype, decoded as a gather decodes
+        it (a collective; see [Note: frozen parameters])."""
+        frozen = self._layouts[name].frozen
+        copy = self._params.frozen_copy(name)
+        assert frozen is not None and copy is not None
+        codec = self._params.frozen_codec
+        shard = torch.empty(frozen.shard_numel, dtype=codec.compute_dtype, device=self._device)
+        codec.decode_(copy.to(self._device), shard)
+        full = torch.empty(frozen.padded_numel, dtype=codec.compute_dtype, device=self._device)
+        await self._comm.all_gather(full, shard, what=f"the frozen values of {name!r}")
+        return full
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """``{name as in model.named_parameters(): fp32 CPU tensor}`` (a collective)."""

@@ -14,10 +14,15 @@ from typing import Any
 import attrs
 import torch
 
-from zero3_offload.checkpoint.format import METADATA, layout_metadata, read_metadata
+from zero3_offload.checkpoint.format import (
+    METADATA,
+    frozen_metadata,
+    layout_metadata,
+    read_metadata,
+)
 from zero3_offload.checkpoint.shard_reader import ShardReader
 from zero3_offload.errors import CheckpointError
-from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.parameter.flat_layout import LayerLayout, saved_shard_numel
 
 __all__ = ["LoadedShards", "read_shards"]
 
@@ -37,6 +42,8 @@ class LoadedShards:
     grads: dict[str, torch.Tensor]  # layer -> 1D fp32 (only inside a window)
     meta: dict[str, Any]
     names: list[str] = attrs.Factory(list)  # the layers with parameters, in order
+    # layer -> this rank's frozen shard (fp32 values); empty when saved without them
+    frozen: dict[str, torch.Tensor] = attrs.Factory(dict)
     read_layer: Callable[[str], tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
 
     def layer(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -50,16 +57,43 @@ class LoadedShards:
         return self.masters[name], self.optim.get(name, {})
 
 
+def _read_frozen(
+    reader: ShardReader, meta: dict[str, Any], layouts: Mapping[str, LayerLayout], file: Path
+) -> dict[str, torch.Tensor]:
+    """This rank's frozen shards (see [Note: frozen parameters]), read from a checkpoint
+    saved with them; {} for one saved without them."""
+    saved = meta.get("frozen_layers", [])
+    if not meta.get("frozen_saved", False):
+        return {}
+    _check_parts(saved, frozen_metadata(layouts), file, "frozen parameters")
+    out = {}
+    for entry in saved:
+        lay = layouts[entry["name"]].frozen
+        assert lay is not None
+        old_shard = saved_shard_numel(entry["numel"], reader.world, entry.get("align", 1))
+        key = f"{entry['name']}.frozen"
+        out[entry["name"]] = reader.flat_range(key, old_shard, lay.shard_start, lay.shard_end)
+    return out
+
+
 def _check_layout(meta: dict[str, Any], layouts: Mapping[str, LayerLayout], file: Path) -> None:
-    saved = {layer["name"]: layer for layer in meta["layers"]}
-    ours = {layer["name"]: layer for layer in layout_metadata(layouts)}
+    _check_parts(meta["layers"], layout_metadata(layouts), file, "layers")
+
+
+def _check_parts(
+    saved_entries: list[dict[str, Any]], our_entries: list[dict[str, Any]], file: Path, what: str
+) -> None:
+    saved = {layer["name"]: layer for layer in saved_entries}
+    ours = {layer["name"]: layer for layer in our_entries}
     if saved.keys() != ours.keys():
         raise CheckpointError(
-            f"{file}: layers differ from the model's: checkpoint has {sorted(saved)}, "
+            f"{file}: {what} differ from the model's: checkpoint has {sorted(saved)}, "
             f"model has {sorted(ours)}"
         )
     for name, layer in ours.items():
-        if saved[name]["params"] != layer["params"]:
+        if saved[name]["params"] != layer["params"] or saved[name].get("align", 1) != layer.get(
+            "align", 1
+        ):
             have = [(p["name"], p["shape"]) for p in saved[name]["params"]]
             want = [(p["name"], p["shape"]) for p in layer["params"]]
             raise CheckpointError(
@@ -116,7 +150,14 @@ def read_shards(
             grads[name] = reader.flat_range(
                 f"{name}.grad", old_shards[name], lay.shard_start, lay.shard_end
             )
-    loaded = LoadedShards(masters={}, optim={}, grads=grads, meta=meta, names=list(with_params))
+    loaded = LoadedShards(
+        masters={},
+        optim={},
+        grads=grads,
+        meta=meta,
+        names=list(with_params),
+        frozen=_read_frozen(reader, meta, layouts, directory / METADATA),
+    )
     if streamed:
         _check_shapes(reader, old_shards, keys, meta)
         loaded.read_layer = read_layer

@@ -222,7 +222,12 @@ def build_engine(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={config.device!r} is invalid: CUDA is not available here")
     mapping = Zero3RankMapping(rank=process_group.rank(), world_size=process_group.size())
-    split = _split_model(model, units, mapping)
+    frozen_codec = ShardCodec(
+        method=config.frozen_compression,
+        compute_dtype=config.compute_dtype,
+        block_size=config.compression_block_size,
+    )
+    split = _split_model(model, units, mapping, frozen_codec.align)
     counter, stats = StepCounter(), Zero3PerformanceStats()
     timeline = Timeline(rank=mapping.rank, counter=counter)
     comm = _build_comm(config, process_group, device, stats)
@@ -237,7 +242,7 @@ def build_engine(
         )
         disk = _open_disk_tiers(config, comm, split.layouts, codec, timeline, device)
         cpu_need, params, gatherer, prefetch = _build_parameters(
-            config, comm, split, codec, disk, streams, timeline, device
+            config, comm, split, (codec, frozen_codec), disk, streams, timeline, device
         )
         shard_initial_values(
             layers=split.layers,
@@ -293,8 +298,10 @@ def _split_model(
     model: nn.Module | Mapping[str, nn.Module],
     units: Sequence[UnitSpec] | None,
     mapping: Zero3RankMapping,
+    frozen_align: int,
 ) -> _Model:
-    """The model's layers (chain mode) or units (module mode), and their flat layouts."""
+    """The model's layers (chain mode) or units (module mode), and their flat layouts
+    (frozen parts aligned to ``frozen_align``; see [Note: frozen parameters])."""
     module_mode = isinstance(model, nn.Module) and (
         units is not None or bool(default_unit_classes(model))
     )
@@ -302,7 +309,7 @@ def _split_model(
         layers: dict[str, nn.Module | UnitParams] = dict(split_layers(model))
         return _Model(
             layers=layers,
-            layouts=build_layouts(layers, mapping),
+            layouts=build_layouts(layers, mapping, frozen_align=frozen_align),
             unit_params=None,
             unit_modules={},
             model=None,
@@ -312,7 +319,7 @@ def _split_model(
     layers = dict(unit_params)
     return _Model(
         layers=layers,
-        layouts=build_layouts(layers, mapping),
+        layouts=build_layouts(layers, mapping, frozen_align=frozen_align),
         unit_params=dict(unit_params),
         unit_modules=dict(unit_modules),
         model=model,
@@ -323,20 +330,25 @@ def _build_parameters(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
     split: _Model,
-    codec: ShardCodec,
+    codecs: tuple[ShardCodec, ShardCodec],
     disk: _DiskTiers,
     streams: CopyStreams,
     timeline: Timeline,
     device: torch.device,
 ) -> tuple[CpuMemoryNeed, ParameterStore, ParameterGatherer, PrefetchScheduler]:
-    """The CPU bytes of the shards (checked against the budget first), the parameter store,
-    the gatherer and the prefetch scheduler."""
+    """The CPU bytes of the shards (checked against the budget first), the parameter store
+    (``codecs``: the compute copies' and the frozen shards'), the gatherer and the
+    prefetch scheduler."""
+    codec, frozen_codec = codecs
     cpu_need = cpu_memory_need(
         config,
         [lay.shard_numel for lay in split.layouts.values() if lay.numel],
         device,
         disk_tier_buffers=_DISK_TIER_BUFFERS,
         disk_copy_buffers=_param_read_buffers(config),
+        frozen_numels=[
+            lay.frozen.shard_numel for lay in split.layouts.values() if lay.frozen is not None
+        ],
     )
     check_cpu_budget(cpu_need, config.cpu_memory_budget)
     cpu = torch.device("cpu")
@@ -350,6 +362,7 @@ def _build_parameters(
         disk=disk.copies,
         # Each initial master goes to the disk tier's file as soon as it is made.
         on_put=disk.tier.write_initial if disk.tier is not None else None,
+        frozen_codec=frozen_codec,
     )
     gatherer = ParameterGatherer(
         layers=split.layers,
@@ -366,7 +379,7 @@ def _build_parameters(
     prefetch = PrefetchScheduler(
         gatherer=gatherer,
         layers=list(split.layers),
-        numels={name: lay.numel for name, lay in split.layouts.items()},
+        numels={name: lay.param_numel for name, lay in split.layouts.items()},
         budget=config.gpu_param_memory_budget,
         depth=config.prefetch_buffer_size if config.async_prefetch else 0,
         bucket=config.prefetch_bucket_size,
@@ -417,6 +430,7 @@ def _build_training(
         comm=comm,
         reducer=reducer,
         total_parameters=total_numel(layouts),
+        trainable_parameters=total_numel(layouts, frozen=False),
         owned_parameters=owned_numel(layouts),
     )
     clock, landing, chain_runner, model_runner = _build_runners(

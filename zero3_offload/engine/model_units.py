@@ -23,9 +23,18 @@ UnitSpec = str | type[nn.Module]
 
 
 def default_unit_classes(model: nn.Module) -> tuple[str, ...]:
-    """Class names listed in a transformers model's ``_no_split_modules`` (empty otherwise)."""
-    names = getattr(model, "_no_split_modules", None) or ()
-    return tuple(str(n) for n in names)
+    """Class names listed in a transformers model's ``_no_split_modules`` (empty otherwise).
+
+    A wrapper that exposes the model it wraps through ``get_base_model()`` (a peft
+    model) is looked through: its units are those of the base model.
+    """
+    names = getattr(model, "_no_split_modules", None)
+    base = getattr(model, "get_base_model", None)
+    if not names and callable(base):
+        inner = base()
+        if isinstance(inner, nn.Module) and inner is not model:
+            return default_unit_classes(inner)
+    return tuple(str(n) for n in names or ())
 
 
 def _choose(model: nn.Module, units: Sequence[UnitSpec] | None) -> dict[str, nn.Module]:

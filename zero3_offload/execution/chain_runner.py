@@ -121,9 +121,12 @@ class ChainRunner:
             # prediction that a training forward is followed by its backward.
             await self._prefetch.begin_pass(phase, names)
             next_order = self._prefetch.next_after_forward(names) if training else ()
+            no_backward: set[str] = set()
             for i, name in enumerate(names):
                 module = await self._prefetch.acquire(names, i)
                 t0 = time.perf_counter()
+                if i == 0 and not h.is_floating_point() and not self._reducer.has_gradients(name):
+                    no_backward.add(name)  # frozen, on token ids: no gradient goes through
                 h, saved = self._runner.forward(name, module, h, keep=training)
                 steps.append(saved)
                 self._clock.compute(name, phase, t0)
@@ -138,6 +141,7 @@ class ChainRunner:
             samples=x.shape[0] if x.dim() else 1,
             steps=steps if training else [],
             output_shape=h.shape,
+            no_backward=no_backward,
         )
         self._clock.finish(phase, started, samples=result.samples)
         return h, result
@@ -170,10 +174,17 @@ class ChainRunner:
         result = PassResult(phase=Phase.BACKWARD)
         self._reducer.begin_pass()
         try:
-            order = names[::-1]
+            # A first layer no gradient goes through is not gathered again (see
+            # [Note: frozen parameters]); the input's gradient is then None.
+            skip = 1 if names and names[0] in forward.no_backward else 0
+            order = names[::-1][: len(names) - skip]
+            if skip:
+                forward.steps[0] = None
             await self._prefetch.begin_pass(Phase.BACKWARD, order)
             for i in range(len(order)):
                 g = await self._backward_layer(forward, order, i, g, result, early_lr)
+            if skip:
+                g = None
             self._reducer.end_pass()
             self._prefetch.end_pass(Phase.BACKWARD, order)
             await self._landing.land(result, early=early_lr is not None)
@@ -200,7 +211,7 @@ class ChainRunner:
     ) -> torch.Tensor | None:
         """Backpropagate ``g`` through ``order[i]``; launch its reduce-scatter and landing."""
         name = order[i]
-        step = len(order) - 1 - i
+        step = len(forward.steps) - 1 - i
         if g is None:
             raise StateError(
                 f"layer {order[i - 1]!r} has a non-floating input, so no gradient "

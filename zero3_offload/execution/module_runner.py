@@ -106,6 +106,8 @@ class UnitPass:
     done: set[str] = attrs.Factory(set)  # backward: units whose gradients were reduced
     units_left: int = 0  # backward: non-root units of the forward not done yet
     slots: dict[str, GradientSlot] = attrs.Factory(dict)  # backward: buffers taken at entry
+    skipped: set[str] = attrs.Factory(set)  # backward: the forward's units without one
+    awaiting_input: set[str] = attrs.Factory(set)  # backward: input gradients still to come
 
     @property
     def observed(self) -> list[str]:
@@ -189,9 +191,10 @@ class ModuleRunner:
                 module.forward = functools.partial(_checkpointed, module.forward)
         for unit in units.values():
             for param in unit.parameters():
-                self._handles.append(
-                    param.register_post_accumulate_grad_hook(self._grad_accumulated)
-                )
+                if param.requires_grad:  # frozen parameters get no gradient
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(self._grad_accumulated)
+                    )
 
     # ------------------------------------------------------- the loop bridge
 
@@ -351,13 +354,15 @@ class ModuleRunner:
         scaler = self._steps.loss_scaler
         scaled = loss * scaler.scale if scaler is not None else loss
         forward_units = forward.units()
-        predicted = self._prefetch.predicted(Phase.BACKWARD) or self._predict_backward(
-            forward_units
-        )
+        predicted = self._prefetch.predicted(Phase.BACKWARD) or self._predict_backward(forward)
         result = PassResult(phase=Phase.BACKWARD)
         unit_pass = UnitPass(phase=Phase.BACKWARD, predicted=predicted, result=result)
         unit_pass.expected = self._count_gradients(scaled)
-        unit_pass.units_left = sum(u != self._root for u in forward_units)
+        unit_pass.skipped = forward.no_backward
+        unit_pass.awaiting_input = set(forward.grad_inputs)
+        unit_pass.units_left = sum(
+            u != self._root and u not in forward.no_backward for u in forward_units
+        )
         self._reducer.begin_pass()
         try:
             await self._prefetch.begin_pass(Phase.BACKWARD, predicted)
@@ -398,9 +403,12 @@ class ModuleRunner:
         self.clear_grads()
         await self._landing.abandon(result)
 
-    def _predict_backward(self, forward_units: list[str]) -> tuple[str, ...]:
-        others = [u for u in reversed(forward_units) if u != self._root]
-        return tuple([self._root, *others] if self._root in forward_units else others)
+    def _predict_backward(self, forward: PassResult) -> tuple[str, ...]:
+        """The forward's units in reverse, the root first, without the units no gradient
+        goes through (a frozen embedding at the input: never gathered in backward)."""
+        units = forward.units()
+        others = [u for u in reversed(units) if u != self._root and u not in forward.no_backward]
+        return tuple([self._root, *others] if self._root in units else others)
 
     def _count_gradients(self, loss: torch.Tensor) -> dict[str, int]:
         """Per unit, the parameters whose gradient this backward will accumulate."""
@@ -440,7 +448,7 @@ class ModuleRunner:
             if p.phase is Phase.BACKWARD:
                 self._release_root_values(p)
         await self._prefetch.acquire(order, i)
-        if p.phase is Phase.BACKWARD and len(self._units[unit]):
+        if p.phase is Phase.BACKWARD and self._reducer.has_gradients(unit):
             # Autograd accumulates into the flat buffer the reduce-scatter sends
             # (see [Note: gradients in place]). The root's gradients arrive at
             # both ends of the backward: it takes a buffer of its own, not a
@@ -464,7 +472,7 @@ class ModuleRunner:
         follows = training and self._prefetch.backward_follows_forward()
         if last and follows:
             next_order = self._prefetch.predicted(Phase.BACKWARD) or self._predict_backward(
-                p.result.units()
+                p.result
             )
         if unit == self._root:
             # A backward starts where the forward ended (the LM head): keep the root.
@@ -481,7 +489,7 @@ class ModuleRunner:
             self._add_compute(unit, Phase.BACKWARD, p.started.pop(unit, None))
         p.done.add(unit)
         params = self._units[unit]
-        if len(params):
+        if self._reducer.has_gradients(unit):
             slot = p.slots.pop(unit, None) or await self._reducer.prepare(
                 unit, params, in_place=False
             )
@@ -493,9 +501,10 @@ class ModuleRunner:
                 self._prefetch.finish((unit,), 0)
             else:
                 self._prefetch.finish(order, i)
-        if unit != self._root:
+        counted = unit != self._root and unit not in p.skipped
+        if counted:
             p.units_left -= 1
-        if p.units_left == 0:
+        if counted and p.units_left == 0:
             # No other unit is gathered in this backward (the root's gradient
             # is the last to complete): reusable buffers, and the root's
             # released parameters, would only add to the backward's peak.
@@ -516,7 +525,8 @@ class ModuleRunner:
         # Autograd can accumulate into a released parameter only through a
         # defined .grad: the in-place views of the root's gradient buffer
         # (fp32); other dtypes keep the values until the root is done.
-        if all(param.grad is not None for param in self._units[root].parameters()):
+        trainable = [param for param in self._units[root].parameters() if param.requires_grad]
+        if all(param.grad is not None for param in trainable):
             self._prefetch.finish((root,), 0, keep_grads=True, pool=False)
 
     def _add_compute(self, unit: str, phase: Phase, t0: float | None) -> None:
@@ -556,6 +566,13 @@ class ModuleRunner:
 
     def _unit_pre(self, unit: str, module: nn.Module, args: Any) -> None:
         self._call(self._enter(unit))
+        p = self._current
+        if p is not None and p.phase is Phase.FORWARD and torch.is_grad_enabled():
+            hook = functools.partial(self._input_grad, unit)
+            for t in tree_flatten(args)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+                    p.result.grad_inputs.add(unit)
 
     def _unit_post(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
         p = self._current
@@ -564,9 +581,13 @@ class ModuleRunner:
         self._call(self._exit(unit))
         if p.phase is Phase.FORWARD:
             hook = functools.partial(self._before_backward, unit)
+            carries = False
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                     t.register_hook(hook)
+                    carries = True
+            if not carries:  # no gradient goes through it: not gathered in backward
+                p.result.no_backward.add(unit)
 
     def _before_backward(self, unit: str, grad: torch.Tensor) -> None:
         p = self._current
@@ -582,7 +603,19 @@ class ModuleRunner:
         if left is None:
             return  # not counted: completed at the end of backward
         p.expected[unit] = left - 1
-        if left == 1:
+        if left == 1 and unit not in p.awaiting_input:
+            self._call(self._unit_done(unit))
+
+    def _input_grad(self, unit: str, grad: torch.Tensor) -> None:
+        """The gradient of ``unit``'s input is computed: its backward is over. Done now
+        when its own gradients are complete too (or it has none)."""
+        p = self._current
+        if p is None or p.phase is not Phase.BACKWARD or unit not in p.awaiting_input:
+            return
+        p.awaiting_input.discard(unit)
+        trainable = self._reducer.has_gradients(unit)
+        complete = p.expected.get(unit) == 0 if trainable else True
+        if complete and unit in p.where and unit not in p.done:
             self._call(self._unit_done(unit))
 
     def _pack(self, t: torch.Tensor) -> object:

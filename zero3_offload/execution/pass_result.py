@@ -41,6 +41,13 @@ class PassResult:
     landings: list[asyncio.Future[torch.Tensor | None]] = attrs.Factory(list)
     """Backward: per reduce-scatter, the task that waits for it and hands its shard over
     (its *landing*: to the gradient store, or to the layer's early update)."""
+    grad_inputs: set[str] = attrs.Factory(set)
+    """Module mode, training forward: the units with an input that needs a gradient. Such
+    a unit's backward is over only once that gradient is computed (its frozen weights
+    may still be needed after its trainable ones have their gradients)."""
+    no_backward: set[str] = attrs.Factory(set)
+    """Training forward: the layers (units) no gradient goes through (frozen, after inputs
+    that need none). Their backward is skipped, so they are not gathered again."""
 
     def units(self) -> list[str]:
         """Distinct layers (units) run, in first-use order."""

@@ -89,6 +89,11 @@ class GradientReducer:
         # layer -> bytes of its reduced shard of this pass, until it is committed
         self._uncommitted: dict[str, int] = {}
 
+    def has_gradients(self, layer: str) -> bool:
+        """Whether ``layer`` has trainable parameters (a layer with none launches no
+        reduce-scatter; see [Note: frozen parameters])."""
+        return self._layouts[layer].numel > 0
+
     def pending_shard_bytes(self) -> int:
         """Bytes of this pass's gradient shards (in flight or landed) not yet committed."""
         return sum(self._uncommitted.values())

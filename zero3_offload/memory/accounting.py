@@ -39,6 +39,7 @@ class MemoryAccounting:
             shared-memory region).
         reducer: this backward's gradient shards not yet committed.
         total_parameters: elements of the whole model.
+        trainable_parameters: elements of its trainable parameters.
         owned_parameters: elements of this rank's shards.
     """
 
@@ -54,6 +55,7 @@ class MemoryAccounting:
         comm: Collectives,
         reducer: GradientReducer,
         total_parameters: int,
+        trainable_parameters: int,
         owned_parameters: int,
     ) -> None:
         self._params = params
@@ -65,6 +67,7 @@ class MemoryAccounting:
         self._comm = comm
         self._reducer = reducer
         self._total = total_parameters
+        self._trainable = trainable_parameters
         self._owned = owned_parameters
         self._process = psutil.Process(os.getpid())
 
@@ -111,6 +114,7 @@ class MemoryAccounting:
             (device, activation_bytes),
             (self._params.master_device, self._params.master_bytes()),
             (self._params.copy_device, self._params.compute_copy_bytes()),
+            (self._params.copy_device, self._params.frozen_bytes()),
             (self._grads.device, self._grads.nbytes()),
             (device, self._reducer.pending_shard_bytes()),
             (self._optimizer.device, self._optimizer.state_bytes()),
@@ -143,6 +147,8 @@ class MemoryAccounting:
             device_allocated_bytes=self.device_allocated(),
             last_memory_pressure=pressure,
             total_parameters=self._total,
+            trainable_parameters=self._trainable,
+            frozen_param_bytes=self._params.frozen_bytes(),
             owned_parameters=self._owned,
             activation_bytes=activation_bytes,
             pressure_checks=pressure_checks,

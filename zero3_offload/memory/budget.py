@@ -39,11 +39,13 @@ class CpuMemoryNeed:
     compute_copies: int
     gradients: int
     disk_tier_buffers: int = 0  # the disk tiers' reused buffers (either device nvme)
+    frozen: int = 0  # frozen parameters' shards (see [Note: frozen parameters])
 
     @property
     def total(self) -> int:
         return (
-            self.master
+            self.frozen
+            + self.master
             + self.optimizer_state
             + self.compute_copies
             + self.gradients
@@ -80,6 +82,7 @@ def cpu_memory_need(
     *,
     disk_tier_buffers: int = 0,
     disk_copy_buffers: int = 0,
+    frozen_numels: Iterable[int] = (),
 ) -> CpuMemoryNeed:
     """CPU bytes of masters, optimizer state, compute copies and gradient shards; with a
     disk tier, of its reused buffers instead of what it holds.
@@ -91,6 +94,8 @@ def cpu_memory_need(
         disk_tier_buffers: how many reused buffers the optimizer's disk tier has.
         disk_copy_buffers: how many read buffers the compute copies on disk have (the
             encoding buffers of writes are counted once they exist).
+        frozen_numels: this rank's frozen shard length of every layer with frozen
+            parameters (stored in ``frozen_compression``'s format where compute copies are).
     """
     cpu = torch.device("cpu")
     master_dev = cpu if config.offload_optimizer_states else device
@@ -118,7 +123,14 @@ def cpu_memory_need(
             copies += codec.wire_nbytes(shard)  # the payload (and int8's scales)
         if config.offload_grads or device.type == "cpu":
             grads += _FP32 * shard
+    frozen_codec = ShardCodec(
+        config.frozen_compression,
+        config.compute_dtype,
+        block_size=config.compression_block_size,
+    )
+    frozen = sum(frozen_codec.wire_nbytes(n) for n in frozen_numels)
     return CpuMemoryNeed(
+        frozen=frozen if copy_dev.type == "cpu" else 0,
         master=master,
         optimizer_state=state,
         compute_copies=copies,
@@ -136,6 +148,7 @@ def check_cpu_budget(need: CpuMemoryNeed, budget: int) -> None:
     if need.total > budget:
         raise MemoryBudgetError(
             f"this rank needs {need.total} bytes of CPU memory (master shards {need.master}, "
+            f"frozen shards {need.frozen}, "
             f"optimizer state {need.optimizer_state}, compute copies {need.compute_copies}, "
             f"gradient shards {need.gradients}, disk tier buffers {need.disk_tier_buffers}) "
             f"but cpu_memory_budget={budget}: raise the "

@@ -63,6 +63,11 @@ class Zero3MemoryStats:
     """Elements of the whole model (all ranks, no padding)."""
     owned_parameters: int
     """Elements of this rank's shards (padding included)."""
+    frozen_param_bytes: int = 0
+    """Frozen parameters' shards (``requires_grad=False``: their only copy, in
+    ``frozen_compression``'s format; no master, gradient or optimizer state)."""
+    trainable_parameters: int = 0
+    """Elements of the model's trainable parameters (all ranks, no padding)."""
     activation_bytes: int = 0
     """Layer inputs and activations the last training forward saved for its backward (distinct
     storages of the tensors autograd saved, gathered parameters excluded)."""
@@ -87,6 +92,7 @@ class Zero3MemoryStats:
         """Parameters, gradients and optimizer state held between steps."""
         return (
             self.master_param_bytes
+            + self.frozen_param_bytes
             + self.compute_copy_bytes
             + self.gradient_bytes
             + self.optimizer_state_bytes

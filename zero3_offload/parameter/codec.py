@@ -143,6 +143,12 @@ class ShardCodec:
         """True when the compute copy of an fp32 master is the master itself."""
         return self.storage_dtype == torch.float32 and self.compute_dtype == torch.float32
 
+    @property
+    def align(self) -> int:
+        """Elements a block-wise format's blocks hold (1 for a plain dtype): where shards of
+        frozen parameters may start (see [Note: frozen parameters])."""
+        return self.block_size if self.method is CpuCompressionMethod.INT8 else 1
+
     def num_blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 

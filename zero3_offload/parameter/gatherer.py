@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 
 import attrs
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 
 from zero3_offload.comm.collectives import Collectives, PendingCollective
 from zero3_offload.comm.copy_streams import CopyStreams
+from zero3_offload.parameter.codec import CompressedShard, ShardCodec
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.stats.phase import Phase
@@ -40,9 +41,19 @@ class GatherHandle:
     # A compressed gather's 1D uint8 buffer of every rank's stored shard, decoded
     # into flat when the all-gather completes (see [Note: compressed gather]).
     wire: torch.Tensor | None = None
+    # The frozen part's all-gather (see [Note: frozen parameters]) and its received
+    # stored shards; None when the layer has no frozen parameters.
+    frozen_pending: PendingCollective | None = None
+    frozen_wire: torch.Tensor | None = None
 
     def is_completed(self) -> bool:
-        return self.pending is None or self.pending.is_completed()
+        return all(p is None or p.is_completed() for p in (self.pending, self.frozen_pending))
+
+    def completed_at(self) -> float | None:
+        """When the last of the layer's all-gathers completed (None: not known)."""
+        times = [p.completed_at for p in (self.pending, self.frozen_pending) if p is not None]
+        known = [t for t in times if t is not None]
+        return max(known) if known and len(known) == len(times) else None
 
 
 class ParameterGatherer:
@@ -94,6 +105,9 @@ class ParameterGatherer:
         self._timeline = timeline
         codec = store.codec
         self.compressed_wire = compressed_wire and codec.storage_dtype != codec.compute_dtype
+        # Frozen shards always travel as stored (see [Note: frozen parameters]).
+        frozen = store.frozen_codec
+        self._frozen_on_wire = frozen.storage_dtype != frozen.compute_dtype
         self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
         self._inflight: dict[str, GatherHandle] = {}
         self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
@@ -129,8 +143,12 @@ class ParameterGatherer:
 
     def _bind(self, name: str, flat: torch.Tensor) -> None:
         params = dict(self._layers[name].named_parameters())
-        for pname, view in self._layouts[name].unflatten(flat):
+        layout = self._layouts[name]
+        for pname, view in layout.unflatten(flat):
             params[pname].data = view
+        if layout.frozen is not None:
+            for pname, view in layout.frozen.unflatten(flat[layout.padded_numel :]):
+                params[pname].data = view
 
     def nbytes(self, name: str) -> int:
         """Bytes of ``name``'s buffers while its gather is in flight: the gathered buffer
@@ -138,9 +156,18 @@ class ParameterGatherer:
         return self._flat_nbytes(name) + self._wire_nbytes(name)
 
     def _flat_nbytes(self, name: str) -> int:
-        return self._layouts[name].padded_numel * self._store.codec.compute_itemsize
+        return self._layouts[name].gather_numel * self._store.codec.compute_itemsize
 
     def _wire_nbytes(self, name: str) -> int:
+        layout = self._layouts[name]
+        frozen = 0
+        if layout.frozen is not None and self._frozen_on_wire:
+            frozen = self._comm.world_size * self._store.frozen_codec.wire_nbytes(
+                layout.frozen.shard_numel
+            )
+        return frozen + self._trainable_wire_nbytes(name)
+
+    def _trainable_wire_nbytes(self, name: str) -> int:
         layout = self._layouts[name]
         if not self.compressed_wire or not layout.padded_numel:
             return 0
@@ -176,7 +203,10 @@ class ParameterGatherer:
 
     def inflight_bytes(self) -> int:
         """Bytes of buffers whose gather is in flight (received compressed shards included)."""
-        return sum(tensor_bytes(h.flat) + tensor_bytes(h.wire) for h in self._inflight.values())
+        return sum(
+            tensor_bytes(h.flat) + tensor_bytes(h.wire) + tensor_bytes(h.frozen_wire)
+            for h in self._inflight.values()
+        )
 
     def pooled_bytes(self) -> int:
         """Bytes of released buffers pooled for reuse."""
@@ -213,44 +243,92 @@ class ParameterGatherer:
         stream, and the all-gather is launched from that stream, so the compute
         stream only waits when it needs the result (see [Note: copy streams]);
         with a compressed wire the stored copy is all-gathered and decoded when
-        the collective completes (see [Note: compressed gather]).
+        the collective completes (see [Note: compressed gather]). A layer with
+        frozen parameters gathers their shards as stored into the buffer's frozen
+        part with a second all-gather (see [Note: frozen parameters]).
         Collectives start here, in program order, identically on every rank.
         """
         layout = self._layouts[name]
         dtype = self._store.compute_dtype
-        flat = self.take_buffer(layout.padded_numel, dtype)
+        flat = self.take_buffer(layout.gather_numel, dtype)
+        trainable = flat[: layout.padded_numel]
         pending = wire = None
         started = time.perf_counter()
         if layout.padded_numel and self._store.disk is not None:
-            pending, wire = self._launch_from_disk(name, flat, phase)
+            pending, wire = self._launch_from_disk(name, trainable, phase)
         elif layout.padded_numel:
-            src = self._store.compute_copy(name)
-            what = f"the gather of {name!r}"
-            with self._streams.on(self._streams.h2d):
-                copy_started = self._streams.event_now(self._streams.h2d)
-                staged = src.to(self.device, non_blocking=True)
-                if staged is not src:
-                    self._streams.track_copy(
-                        "h2d", name, phase, src.nbytes(), copy_started, self._streams.h2d
-                    )
-                if self.compressed_wire:
-                    wire = self.take_buffer(self._wire_nbytes(name), torch.uint8)
-                    pending = self._comm.start_all_gather(wire, staged.wire(), what=what)
-                    pending.then(functools.partial(self._decode, wire, flat))
-                else:
-                    if staged.scales is None and staged.payload.dtype == dtype:
-                        shard = staged.payload
-                    else:
-                        shard = torch.empty(layout.shard_numel, dtype=dtype, device=self.device)
-                        self._store.codec.decode_(staged, shard)
-                    pending = self._comm.start_all_gather(flat, shard, what=what)
-        waiter = asyncio.ensure_future(pending.wait()) if pending is not None else None
+            pending, wire = self._launch_part(
+                name,
+                trainable,
+                self._store.compute_copy(name),
+                self._store.codec,
+                self.compressed_wire,
+                layout.shard_numel,
+                phase,
+            )
+        frozen_pending = frozen_wire = None
+        frozen_copy = self._store.frozen_copy(name)
+        if layout.frozen is not None and frozen_copy is not None:
+            frozen_pending, frozen_wire = self._launch_part(
+                name,
+                flat[layout.padded_numel :],
+                frozen_copy,
+                self._store.frozen_codec,
+                self._frozen_on_wire,
+                layout.frozen.shard_numel,
+                phase,
+            )
+        waits = [p.wait() for p in (pending, frozen_pending) if p is not None]
+        waiter = asyncio.ensure_future(_all(waits)) if waits else None
         handle = GatherHandle(
-            layer=name, flat=flat, pending=pending, started=started, waiter=waiter, wire=wire
+            layer=name,
+            flat=flat,
+            pending=pending,
+            started=started,
+            waiter=waiter,
+            wire=wire,
+            frozen_pending=frozen_pending,
+            frozen_wire=frozen_wire,
         )
         self._inflight[name] = handle
         self.high_water_bytes = max(self.high_water_bytes, self.reserved_bytes())
         return handle
+
+    def _launch_part(
+        self,
+        name: str,
+        out: torch.Tensor,
+        src: CompressedShard,
+        codec: ShardCodec,
+        on_wire: bool,
+        shard_numel: int,
+        phase: Phase,
+    ) -> tuple[PendingCollective, torch.Tensor | None]:
+        """Launch the all-gather of one part of ``name``'s buffer (``out``) from this
+        rank's shard ``src`` in ``codec``'s format: sent as stored and decoded after
+        (``on_wire``), or decoded first."""
+        what = f"the gather of {name!r}"
+        wire = None
+        with self._streams.on(self._streams.h2d):
+            copy_started = self._streams.event_now(self._streams.h2d)
+            staged = src.to(self.device, non_blocking=True)
+            if staged is not src:
+                self._streams.track_copy(
+                    "h2d", name, phase, src.nbytes(), copy_started, self._streams.h2d
+                )
+            if on_wire:
+                size = self._comm.world_size * codec.wire_nbytes(shard_numel)
+                wire = self.take_buffer(size, torch.uint8)
+                pending = self._comm.start_all_gather(wire, staged.wire(), what=what)
+                pending.then(functools.partial(self._decode, codec, wire, out))
+            else:
+                if staged.scales is None and staged.payload.dtype == out.dtype:
+                    shard = staged.payload
+                else:
+                    shard = torch.empty(shard_numel, dtype=out.dtype, device=self.device)
+                    codec.decode_(staged, shard)
+                pending = self._comm.start_all_gather(out, shard, what=what)
+        return pending, wire
 
     def _launch_from_disk(
         self, name: str, flat: torch.Tensor, phase: Phase
@@ -267,11 +345,11 @@ class ParameterGatherer:
         wire = None
         with self._streams.on(self._streams.h2d):
             if self.compressed_wire:
-                wire = self.take_buffer(self._wire_nbytes(name), torch.uint8)
+                wire = self.take_buffer(self._trainable_wire_nbytes(name), torch.uint8)
                 pending = self._comm.start_all_gather(
                     wire, lambda: staged.wait().to(device).wire(), what=what
                 )
-                pending.then(functools.partial(self._decode, wire, flat))
+                pending.then(functools.partial(self._decode, codec, wire, flat))
             else:
                 direct = codec.storage_dtype == flat.dtype
                 shard_numel = self._layouts[name].shard_numel
@@ -296,7 +374,7 @@ class ParameterGatherer:
         if self._store.disk is not None:
             self._store.disk.read_ahead(names, phase)
 
-    def _decode(self, wire: torch.Tensor, flat: torch.Tensor) -> None:
+    def _decode(self, codec: ShardCodec, wire: torch.Tensor, flat: torch.Tensor) -> None:
         """Decode a completed compressed all-gather into the gathered buffer.
 
         [Note: compressed gather]
@@ -311,7 +389,7 @@ class ParameterGatherer:
         current stream, which the collective's wait has ordered after it).
         """
         self._streams.mark_used_on_current(wire)
-        self._store.codec.decode_gathered_(wire, flat, world_size=self._comm.world_size)
+        codec.decode_gathered_(wire, flat, world_size=self._comm.world_size)
 
     async def complete(self, name: str, phase: Phase) -> nn.Module:
         """Wait for ``name``'s launched gather and bind its parameters.
@@ -326,10 +404,11 @@ class ParameterGatherer:
                 await handle.waiter
         finally:
             del self._inflight[name]
-        if handle.wire is not None:
-            self.give_buffer(handle.wire)  # decoded already (see _decode)
+        for wire in (handle.wire, handle.frozen_wire):
+            if wire is not None:
+                self.give_buffer(wire)  # decoded already (see _decode)
         self._streams.mark_used_on_current(handle.flat)
-        done = handle.pending.completed_at if handle.pending is not None else None
+        done = handle.completed_at()
         self._timeline.add(
             "gather",
             name,
@@ -376,3 +455,11 @@ class ParameterGatherer:
                 self.give_buffer(flat)
             now = time.perf_counter()
             self._timeline.add("release", name, phase, now, now, nbytes=tensor_bytes(flat))
+
+
+async def _all(waits: list[Awaitable[None]]) -> None:
+    """Await every one of ``waits`` (each is awaited, also after one failed)."""
+    results = await asyncio.gather(*waits, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

@@ -164,14 +164,26 @@ def shard_initial_values(
         _refuse_uninitialisable(layers, init_fn)
     for name, module in layers.items():
         layout = layouts[name]
+        frozen = layout.frozen
         if source is not None:
             store.put_master(name, source(name, layout).to(device))
+            if frozen is not None:
+                store.put_frozen(name, source(name, frozen))
             gatherer.release_views(name)
             continue
         _materialize(name, module, init_fn)
-        flat = layout.flatten(module, dtype=torch.float32).to(device)
-        comm.start_broadcast(flat, src=0, what=f"the initial values of {name!r}").wait_blocking()
-        store.put_master(name, flat[layout.shard_start : layout.shard_end].clone())
+        for part in (layout, frozen):
+            if part is None:
+                continue
+            flat = part.flatten(module, dtype=torch.float32).to(device)
+            what = f"the initial values of {name!r}"
+            comm.start_broadcast(flat, src=0, what=what).wait_blocking()
+            shard = flat[part.shard_start : part.shard_end].clone()
+            if part is layout:
+                store.put_master(name, shard)
+            else:
+                store.put_frozen(name, shard)
+            del flat
         if model is None:
             _broadcast_buffers(module, comm, device)
         gatherer.release_views(name)  # this layer's full values are not kept

@@ -1,4 +1,4 @@
-"""This rank's parameter shards: fp32 masters and their compute copies.
+"""This rank's parameter shards: fp32 masters, their compute copies, and frozen copies.
 
 Mirrors the parameter store of the Rust module's ``parameter_management.rs``, with real
 data: the master is what the optimizer updates, the compute copy (in the
@@ -49,6 +49,10 @@ class ParameterStore:
             copies on disk]); None keeps them in memory.
         on_put: called as ``on_put(layer, master)`` after each initial master is stored
             (the disk tier writes it to its file at once); None: nothing.
+        frozen_codec: the format of frozen parameters' shards (``frozen_compression``;
+            see [Note: frozen parameters]): their only copy, kept where compute copies
+            are kept (in memory, also when trainable compute copies are on disk);
+            None: the compute copies' codec.
     """
 
     def __init__(
@@ -61,8 +65,10 @@ class ParameterStore:
         masters_on_disk: bool = False,
         disk: DiskComputeCopies | None = None,
         on_put: Callable[[str, torch.Tensor], None] | None = None,
+        frozen_codec: ShardCodec | None = None,
     ) -> None:
         self.codec = codec
+        self.frozen_codec = frozen_codec if frozen_codec is not None else codec
         self.disk = disk
         self.masters_on_disk = masters_on_disk
         # Called as on_put(layer, master) once a layer's initial master and compute copy
@@ -72,6 +78,7 @@ class ParameterStore:
         self.copy_device = copy_device
         self.pin = pin and copy_device.type == "cpu"
         self._shards: dict[str, _StoredShard] = {}
+        self._frozen: dict[str, CompressedShard] = {}  # layer -> its frozen shard
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -97,6 +104,26 @@ class ParameterStore:
             self.refresh_compute_copy(layer)
         if self._on_put is not None and master.numel():
             self._on_put(layer, master)
+
+    def put_frozen(self, layer: str, values: torch.Tensor) -> None:
+        """Encode ``values`` (this rank's 1D shard of ``layer``'s frozen parameters, any
+        float dtype) as its frozen copy (blocking CPU work for a block-wise format)."""
+        copy = self._frozen.get(layer)
+        if copy is None:  # later values (a checkpoint's) are encoded into the same copy
+            copy = self.frozen_codec.empty(values.numel(), device=self.copy_device, pin=self.pin)
+            self._frozen[layer] = copy
+        self.frozen_codec.encode_(values.to(self.copy_device, torch.float32), copy)
+
+    def frozen_copy(self, layer: str) -> CompressedShard | None:
+        """``layer``'s frozen shard in ``frozen_codec``'s format (None: nothing frozen)."""
+        return self._frozen.get(layer)
+
+    def frozen_layers(self) -> list[str]:
+        return list(self._frozen)
+
+    def frozen_bytes(self) -> int:
+        """Bytes of the frozen shards (payload and scales), counted from the tensors."""
+        return sum(copy.nbytes() for copy in self._frozen.values())
 
     def master(self, layer: str) -> torch.Tensor:
         """The fp32 master shard of ``layer`` (updated in place by the optimizer)."""
