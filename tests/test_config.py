@@ -43,6 +43,7 @@ EXPECTED_DEFAULTS = {
     "compression_block_size": 256,
     "gather_compression": GatherCompressionMethod.NONE,
     "reduce_dtype": ReduceDtype.FP32,
+    "frozen_compression": CpuCompressionMethod.NONE,
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
