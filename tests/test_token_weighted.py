@@ -471,6 +471,7 @@ def test_a_mid_window_checkpoint_resumes_at_another_world_size(runs3: dict) -> N
     assert results[0]["losses"][-2:] == pytest.approx(ref["losses"][-2:], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_tokens_misuse_is_refused_on_every_rank(runs2: dict) -> None:
     results = get(runs2, "refusals")
     for r in results:
