@@ -272,7 +272,7 @@ def test_compression_methods():
     assert CpuCompressionMethod.FP16.storage_dtype(torch.float32) is torch.float16
     assert CpuCompressionMethod.BF16.storage_dtype(torch.float32) is torch.bfloat16
     assert CpuCompressionMethod.INT8.storage_dtype(torch.float32) is torch.int8
-    assert len({m.description() for m in CpuCompressionMethod}) == 4
+    assert len({m.description() for m in CpuCompressionMethod}) == 5
 
 
 @pytest.mark.parametrize(

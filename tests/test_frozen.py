@@ -42,6 +42,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from zero3_offload import Zero3CpuOffloadManager
+from zero3_offload.parameter import nf4_roundtrip
 from zero3_offload.testing import RankContext
 
 MICRO_STEPS = 20  # 10 AdamW steps (accumulation 2, clipping 1.0)
@@ -54,6 +55,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
     "lora-gpt2": ("gpt2", "lora", {}, None),
     "lora-ours-ckpt": ("llama", "lora", {"activation_checkpointing": True}, None),
     "lora-model-ckpt": ("llama", "lora", {}, "reentrant"),
+    "lora-nf4": ("llama", "lora", {"frozen_compression": "nf4"}, None),
+    "lora-bf16": ("qwen2", "lora", {"frozen_compression": "bf16"}, None),
     "frozen-embedding": ("llama", "embedding", {"keep_gathered_for_backward": False}, None),
     "last-two-layers": ("llama4", "last-two", {"keep_gathered_for_backward": False}, None),
     "trainable-llama4": ("llama4", "none", {"keep_gathered_for_backward": False}, None),
@@ -103,6 +106,17 @@ def model_of(variant: str) -> nn.Module:
     return model
 
 
+def stored(variant: str, t: torch.Tensor) -> torch.Tensor:
+    """A frozen value as the variant's ``frozen_compression`` stores and decodes it (fp32
+    compute): what plain training on the dequantized base weights starts from."""
+    method = VARIANTS[variant][2].get("frozen_compression", "none")
+    if method == "nf4":
+        return nf4_roundtrip(t.detach(), dtype=torch.float32)
+    if method == "bf16":
+        return t.detach().to(torch.bfloat16).float()
+    return t.detach()
+
+
 def kind_of(variant: str) -> str:
     arch = VARIANTS[variant][0]
     return "llama" if arch == "llama4" else arch
@@ -110,8 +124,13 @@ def kind_of(variant: str) -> str:
 
 @functools.cache
 def plain(variant: str) -> dict[str, Any]:
-    """Plain single-process training on whole batches (peft or transformers as is)."""
+    """Plain single-process training on whole batches (peft or transformers as is), from
+    the frozen values as the variant stores them."""
     model = model_of(variant)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.copy_(stored(variant, p))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
     kind = kind_of(variant)
@@ -133,10 +152,11 @@ async def train_frozen(
     """Train ``variant`` with the manager on this rank's slice of every batch."""
     model = model_of(variant)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    initial = {n: p.detach().clone() for n, p in model.named_parameters() if n in frozen}
+    initial = {n: stored(variant, p).clone() for n, p in model.named_parameters() if n in frozen}
     numels = {
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "frozen_sizes": [p.numel() for p in model.parameters() if not p.requires_grad],
     }
     manager = Zero3CpuOffloadManager(make_config(VARIANTS[variant][2]), ctx.group, model)
     kind = kind_of(variant)
@@ -269,6 +289,20 @@ def test_frozen_parameters_hold_only_their_compute_copy(runs2: dict[str, list[An
         assert r["trainable_numel"] * 2 <= master_bytes <= r["trainable_numel"] * 2 + 4 * 2 * 16
         # AdamW's two moments and step counts: for the adapters only.
         assert r["state_bytes"] < 3 * master_bytes
+
+
+@pytest.mark.slow
+def test_nf4_frozen_copies_hold_their_true_compressed_bytes(runs2: dict[str, list[Any]]) -> None:
+    for r in _results(runs2, "lora-nf4"):
+        # Each frozen parameter starts a 64-element block; the unit's frozen part is
+        # padded to whole blocks per rank: half a byte per element and 4 per block.
+        aligned = sum(-(-n // 64) * 64 for n in r["frozen_sizes"])
+        frozen_bytes, _ = r["memory"]
+        assert aligned // 2 * 9 // 16 <= frozen_bytes <= (aligned // 2 + 64 * 5) * 9 // 16
+        # ... against 2 bytes per element for fp32 at 2 ranks.
+        assert frozen_bytes < r["frozen_numel"] * 2 / 3.5
+    for r in _results(runs2, "lora-bf16"):
+        assert r["memory"][0] <= r["frozen_numel"] + 2 * 2 * 16 * 5
 
 
 @pytest.mark.slow

@@ -128,6 +128,8 @@ def test_two_ranks_save_resume_and_continue_the_data(
         assert {"manager_ready", "step", "train_step", "checkpoint_saved"} <= {
             e["event"] for e in events
         }
+        # The backward is token-weighted: every step counts 2 ranks x 4 x 32 label tokens.
+        assert {e["tokens"] for e in events if e["event"] == "step"} == {2 * 4 * 32}
     assert main(["analyze", "--json", *map(str, sorted((run / "logs").glob("*.jsonl")))]) == 0
 
     # As if the run had stopped after step 8: resume continues from there, with

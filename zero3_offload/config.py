@@ -227,13 +227,16 @@ class CpuCompressionMethod(_ChoiceEnum):
     """Format of each parameter shard's compute copy: what a gather sends to the device.
 
     The fp32 master shard is never compressed. ``INT8`` stores one absmax scale per
-    ``compression_block_size`` elements.
+    ``compression_block_size`` elements. ``NF4`` (QLoRA's 4-bit NormalFloat, one absmax
+    scale per 64 elements) is a format of the codec for frozen parameters' copies; as
+    ``cpu_compression`` of trainable parameters it is refused.
     """
 
     NONE = "none"
     FP16 = "fp16"
     BF16 = "bf16"
     INT8 = "int8"
+    NF4 = "nf4"
 
     def is_lossy(self) -> bool:
         """Return True when decompression does not give back the fp32 master values."""
@@ -262,6 +265,7 @@ _COMPRESSION_DTYPES = types.MappingProxyType(
         CpuCompressionMethod.FP16: torch.float16,
         CpuCompressionMethod.BF16: torch.bfloat16,
         CpuCompressionMethod.INT8: torch.int8,
+        CpuCompressionMethod.NF4: torch.uint8,
     }
 )
 _COMPRESSION_DESCRIPTIONS = types.MappingProxyType(
@@ -270,6 +274,10 @@ _COMPRESSION_DESCRIPTIONS = types.MappingProxyType(
         CpuCompressionMethod.FP16: "fp16 copy of each shard (lossy, 2 bytes per element)",
         CpuCompressionMethod.BF16: "bf16 copy of each shard (lossy, 2 bytes per element)",
         CpuCompressionMethod.INT8: "int8 with per-block absmax scales (lossy, ~1 byte/element)",
+        CpuCompressionMethod.NF4: (
+            "4-bit NormalFloat with an absmax scale per 64 elements, two per byte (lossy, "
+            "~0.56 byte/element; frozen parameters only)"
+        ),
     }
 )
 
@@ -505,7 +513,8 @@ class Zero3CpuOffloadConfig:
         converter=functools.partial(CpuCompressionMethod.parse, field="cpu_compression"),
     )
     """Format of the compute copies that gathers send to the device (see
-    :class:`CpuCompressionMethod`); the fp32 master shards are never compressed."""
+    :class:`CpuCompressionMethod`; ``"nf4"`` is refused: it is for frozen parameters);
+    the fp32 master shards are never compressed."""
     frozen_compression: CpuCompressionMethod = attrs.field(
         default=CpuCompressionMethod.NONE,
         converter=functools.partial(CpuCompressionMethod.parse, field="frozen_compression"),
@@ -513,8 +522,9 @@ class Zero3CpuOffloadConfig:
     """Format frozen parameters (``requires_grad=False`` when the manager is built) are
     stored and all-gathered in: their only copy, with no fp32 master, gradient or
     optimizer state. ``"none"`` keeps the compute dtype; ``"bf16"``/``"fp16"`` halve
-    fp32; ``"int8"`` stores one absmax scale per ``compression_block_size`` elements.
-    Gathers decode it into the compute dtype."""
+    fp32; ``"int8"`` stores one absmax scale per ``compression_block_size`` elements;
+    ``"nf4"`` is QLoRA's 4-bit NormalFloat (one absmax scale per 64 elements). Gathers
+    decode it into the compute dtype."""
     auto_memory_management: AutoMemoryStrategy = attrs.field(
         default=AutoMemoryStrategy.BALANCED,
         converter=functools.partial(AutoMemoryStrategy.parse, field="auto_memory_management"),
@@ -674,6 +684,13 @@ class Zero3CpuOffloadConfig:
             raise ConfigError(
                 "speculative_step=True is invalid with offload_optimizer_device='nvme': "
                 "the pre-update copies need the state in memory; set one of them back"
+            )
+        if self.cpu_compression is CpuCompressionMethod.NF4:
+            raise ConfigError(
+                "cpu_compression='nf4' is invalid: NF4 (4-bit NormalFloat) stores the copies "
+                "of frozen parameters (QLoRA-style): set frozen_compression='nf4'; the compute "
+                "copies of trainable parameters, re-encoded at every update, take 'int8', "
+                "'bf16' or 'fp16'"
             )
         wire = self.gather_compression.compute_copy_format()
         if wire.is_lossy() and self.cpu_compression not in (CpuCompressionMethod.NONE, wire):

@@ -33,7 +33,7 @@ from zero3_offload.engine.engine import Engine, build_engine
 from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.engine.step_state import StepState
 from zero3_offload.errors import StateError, Zero3Error
-from zero3_offload.execution.arguments import check_lr, check_step_call
+from zero3_offload.execution.arguments import check_lr, check_step_call, check_tokens
 from zero3_offload.execution.chain_runner import ChainRunner, forward_phase
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.logging import get_logger
@@ -281,12 +281,22 @@ class Zero3CpuOffloadManager:
                 return repr(value)
             return type(value).__name__
 
-        shown = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+        # A backward's tokens= are each rank's own count: only whether it is given must agree.
+        shown = [show(a) for a in args] + [
+            f"{k}={'given' if k == 'tokens' else show(v)}"
+            for k, v in kwargs.items()
+            if not (k == "tokens" and v is None)
+        ]
         grad = "" if torch.is_grad_enabled() else " under no_grad"
         return (
             f"{name}({', '.join(shown)}){grad} at step {self._engine.counter.steps}, "
             f"micro-step {self._engine.counter.window_calls}"
         )
+
+    def _check_tokens(self, tokens: object) -> int | None:
+        """A backward's ``tokens`` as an int, checked against the open window's backwards."""
+        grads = self._engine.grads
+        return check_tokens(tokens, micro_steps=grads.micro_steps, weighted=grads.weighted)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -352,6 +362,7 @@ class Zero3CpuOffloadManager:
         layer_names: Sequence[str],
         *,
         learning_rate: float | None = None,
+        tokens: int | torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Backpropagate ``grad_output`` through ``layer_names`` in reverse.
 
@@ -369,6 +380,13 @@ class Zero3CpuOffloadManager:
                 update start while earlier layers still run backward (see
                 [Note: optimizer update during backward]); ``optimizer_step``
                 must then be called with the same value.
+            tokens: the number of valid tokens (an int >= 0, or a one-element
+                integer tensor) whose mean is this rank's loss. The update then
+                follows the global token mean, ``sum of per-token losses / valid
+                tokens of all ranks and micro-steps of the window``, instead of
+                the mean of the ranks' and micro-steps' means (see [Note:
+                token-weighted gradients] in ``gradient.store``). Every backward
+                of a window passes it, on every rank, or none does.
 
         Returns:
             The gradient with respect to the forward input, or None when the
@@ -379,11 +397,12 @@ class Zero3CpuOffloadManager:
                 backward_pass already started this step's updates (call
                 optimizer_step first).
             InputError: when ``grad_output``'s shape differs from the output's, or
-                it is complex or on the meta device.
+                it is complex or on the meta device; for an invalid ``tokens``, or
+                one given (or not) unlike the window's earlier backwards.
             LayerExecutionError: when a layer raises.
             CommunicationError: when a collective fails.
         """
-        runner, state = self._chain_runner("backward_pass"), self._state
+        runner, state, engine = self._chain_runner("backward_pass"), self._state, self._engine
         if state.early_lr is not None:
             raise StateError(
                 "the last backward_pass already updated the layers of this step (its "
@@ -391,14 +410,12 @@ class Zero3CpuOffloadManager:
                 "before the next backward_pass"
             )
         forward = runner.check_backward(state.forward, layer_names, grad_output)
-        early_lr = None
-        if learning_rate is not None:
-            early_lr = check_lr(learning_rate)
-            window_calls = self._engine.counter.window_calls
-            if not self._engine.steps.can_start_early(tuple(forward.layers), window_calls):
-                early_lr = None
+        count = self._check_tokens(tokens)
+        lr = None if learning_rate is None else check_lr(learning_rate)
+        names, calls = tuple(forward.layers), engine.counter.window_calls
+        early_lr = await engine.steps.early_rate(lr, names, calls, tokens=count)
         state.forward = None  # one backward per forward, whatever happens
-        grad_input, _ = await runner.backward(grad_output, forward, early_lr=early_lr)
+        grad_input, _ = await runner.backward(grad_output, forward, early_lr=early_lr, tokens=count)
         state.early_lr = early_lr
         return grad_input
 
@@ -433,7 +450,9 @@ class Zero3CpuOffloadManager:
         return out
 
     @_flushed
-    async def backward(self, loss: torch.Tensor) -> None:
+    async def backward(
+        self, loss: torch.Tensor, *, tokens: int | torch.Tensor | None = None
+    ) -> None:
         """Backpropagate this rank's ``loss`` through the last :meth:`forward` (module mode).
 
         Each unit's gradient is reduce-scattered (mean over ranks) as soon as
@@ -446,17 +465,28 @@ class Zero3CpuOffloadManager:
             loss: a scalar computed from the last training forward's output
                 (d(this rank's loss); the manager averages over ranks and
                 accumulation steps).
+            tokens: the number of valid tokens (an int >= 0, or a one-element
+                integer tensor) whose mean ``loss`` is, e.g. the labels other than
+                -100 that a causal LM predicts. The update then follows the global
+                token mean over all ranks and micro-steps of the window, as
+                single-process training of the whole batch does (transformers'
+                ``num_items_in_batch``; see [Note: token-weighted gradients] in
+                ``gradient.store``). Every backward of a window passes it, on
+                every rank, or none does.
 
         Raises:
             StateError: without a training forward since the last backward.
-            InputError: when ``loss`` is not a scalar tensor with autograd history.
+            InputError: when ``loss`` is not a scalar tensor with autograd history;
+                for an invalid ``tokens``, or one given (or not) unlike the window's
+                earlier backwards.
             LayerExecutionError: when the model's backward raised.
             CommunicationError: when a collective fails.
         """
         runner = self._module_runner("backward")
         forward = runner.check_backward(self._state.forward, loss)
+        count = self._check_tokens(tokens)
         self._state.forward = None  # one backward per forward, whatever happens
-        await runner.backward(loss, forward)
+        await runner.backward(loss, forward, tokens=count)
 
     @_flushed
     async def generate(
@@ -539,6 +569,7 @@ class Zero3CpuOffloadManager:
             prefetch_hit_rate=engine.prefetch.metrics.hit_rate(),
             memory_pressure=pressure.pressure,
             loss_scale=self.loss_scale,
+            tokens=engine.steps.last_tokens,
         )
         return updated is not None
 

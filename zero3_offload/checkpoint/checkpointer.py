@@ -135,7 +135,9 @@ class ShardCheckpointer:
         async with self.optimizer.resident(layer, write=False):
             yield self._layer_tensors(layer)
 
-    def _metadata(self, scalar_state: list[str], *, frozen_saved: bool) -> dict[str, Any]:
+    def _metadata(
+        self, scalar_state: list[str], window_tokens: int | None, *, frozen_saved: bool
+    ) -> dict[str, Any]:
         scaler = self.steps.loss_scaler
         return {
             "format": FORMAT,
@@ -149,6 +151,8 @@ class ShardCheckpointer:
             "scalar_state": scalar_state,
             **self.counter.state_dict(),  # optimizer_steps, timeline_step, calls_since_update
             "backward_passes": self.grads.micro_steps,
+            # A token-weighted open window: its valid tokens so far, summed over ranks.
+            "window_tokens": window_tokens,
             "loss_scaler": None if scaler is None else scaler.state_dict(),
             "config": self.config.to_dict(),
             "model_config": self.model_config,
@@ -183,7 +187,12 @@ class ShardCheckpointer:
         else:
             tensors = {**self._tensors(), **frozen}
             count = len(tensors)
-        meta = self._metadata(self._scalar_state(), frozen_saved=include_frozen)
+        # The accumulated gradients of a token-weighted window are sums over every rank's
+        # tokens, whatever the world size (see [Note: token-weighted gradients]): the
+        # window's total goes with them, so a load at any world size goes on exactly.
+        grads = self.grads
+        window_tokens = await grads.token_total(self.comm) if grads.weighted else None
+        meta = self._metadata(self._scalar_state(), window_tokens, frozen_saved=include_frozen)
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size
@@ -246,6 +255,14 @@ class ShardCheckpointer:
                     f"{directory}: saved after {done} micro-steps of a window, more than "
                     f"gradient_accumulation_steps={k} allows"
                 )
+            tokens = loaded.meta.get("window_tokens")
+            if tokens is not None and (
+                isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+            ):
+                raise CheckpointError(
+                    f"{directory}: window_tokens={tokens!r} in its metadata is not a count "
+                    "of tokens (an int >= 0)"
+                )
         except CheckpointError as exc:
             error = exc
         if not await self.comm.agree(error is None, what="every rank's checkpoint read"):
@@ -290,7 +307,11 @@ class ShardCheckpointer:
                 lambda layer=layer, values=values: self.params.put_frozen(layer, values),
             )
         meta = loaded.meta
-        self.grads.load(loaded.grads, meta["backward_passes"])
+        window_tokens = meta.get("window_tokens")
+        if window_tokens is not None:
+            # Rank 0 holds the saved window's count, so the sum over ranks is the total.
+            window_tokens = window_tokens if self.comm.rank == 0 else 0
+        self.grads.load(loaded.grads, meta["backward_passes"], window_tokens)
         self.counter.load_state_dict(meta)
         if self.steps.loss_scaler is not None and meta["loss_scaler"] is not None:
             self.steps.loss_scaler.load_state_dict(meta["loss_scaler"])

@@ -6,6 +6,7 @@ manager as it was.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -13,7 +14,13 @@ import torch
 from zero3_offload.errors import ConfigError, InputError, LayerNotFoundError, StateError
 from zero3_offload.execution.pass_result import PassResult
 
-__all__ = ["check_backward_args", "check_lr", "check_step_call", "resolve_layer_names"]
+__all__ = [
+    "check_backward_args",
+    "check_lr",
+    "check_step_call",
+    "check_tokens",
+    "resolve_layer_names",
+]
 
 
 def check_lr(learning_rate: object) -> float:
@@ -54,6 +61,45 @@ def check_step_call(
             "to backward_pass, whose updates already started: pass the same value"
         )
     return lr
+
+
+def check_tokens(tokens: object, *, micro_steps: int, weighted: bool) -> int | None:
+    """The ``tokens=`` of a backward as an int (None: not token-weighted), if it may run now.
+
+    Args:
+        tokens: the call's ``tokens`` (an int >= 0, a one-element integer tensor, or None).
+        micro_steps: backward passes committed in the open accumulation window.
+        weighted: whether they were token-weighted (meaningful when ``micro_steps > 0``).
+
+    A window is token-weighted or not as a whole: a backward that differs from the
+    window's earlier ones is refused (every rank makes the same calls, so every
+    rank refuses it; a rank whose call differs from the others' is caught by the
+    divergence check before the backward's first collective).
+    """
+    count: int | None = None
+    if tokens is not None:
+        if isinstance(tokens, torch.Tensor):
+            if tokens.numel() != 1 or tokens.is_floating_point() or tokens.is_complex():
+                raise InputError(
+                    f"tokens must be an int or a one-element integer tensor, got a tensor of "
+                    f"shape {tuple(tokens.shape)} and dtype {tokens.dtype}: pass e.g. "
+                    "int((labels != -100).sum())"
+                )
+            tokens = int(tokens.item())
+        if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+            raise InputError(
+                f"tokens={tokens!r} is invalid: it must be the number (an int >= 0) of valid "
+                "tokens whose mean is this rank's loss"
+            )
+        count = int(tokens)
+    if micro_steps and weighted != (count is not None):
+        had, now = ("with", "without") if weighted else ("without", "with")
+        raise InputError(
+            f"this backward is {now} tokens= but the {micro_steps} earlier backward(s) of this "
+            f"accumulation window were {had} it: within a window pass tokens= to every "
+            "backward or to none (nothing changed; the window is as it was)"
+        )
+    return count
 
 
 def resolve_layer_names(

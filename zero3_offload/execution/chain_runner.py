@@ -147,7 +147,12 @@ class ChainRunner:
         return h, result
 
     async def backward(
-        self, grad_output: torch.Tensor, forward: PassResult, *, early_lr: float | None = None
+        self,
+        grad_output: torch.Tensor,
+        forward: PassResult,
+        *,
+        early_lr: float | None = None,
+        tokens: int | None = None,
     ) -> tuple[torch.Tensor | None, PassResult]:
         """Backpropagate ``grad_output`` through ``forward``'s layers in reverse.
 
@@ -155,6 +160,8 @@ class ChainRunner:
         layer is done; with ``early_lr`` each layer's update starts as its shard
         lands (see [Note: optimizer update during backward]), else the shards are
         committed when the whole pass succeeded. ``forward`` is used up either way.
+        With ``tokens`` the pass is token-weighted (see [Note: token-weighted
+        gradients] in ``gradient.store``).
 
         Returns:
             The gradient with respect to the forward's input (None when the input is
@@ -172,7 +179,7 @@ class ChainRunner:
         if scaler is not None:
             g = g * scaler.scale
         result = PassResult(phase=Phase.BACKWARD)
-        self._reducer.begin_pass()
+        self._reducer.begin_pass(tokens=tokens)
         try:
             # A first layer no gradient goes through is not gathered again (see
             # [Note: frozen parameters]); the input's gradient is then None.
@@ -187,7 +194,7 @@ class ChainRunner:
                 g = None
             self._reducer.end_pass()
             self._prefetch.end_pass(Phase.BACKWARD, order)
-            await self._landing.land(result, early=early_lr is not None)
+            await self._landing.land(result, early=early_lr is not None, tokens=tokens)
         except BaseException as exc:
             forward.steps.clear()  # the graphs are (partly) consumed: a new forward is needed
             await self._landing.abandon(result)

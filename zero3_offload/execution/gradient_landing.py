@@ -66,18 +66,21 @@ class GradientLanding:
             landing = self._reducer.finish(pending)
         result.landings.append(asyncio.ensure_future(landing))
 
-    async def land(self, result: PassResult, *, early: bool = False) -> None:
+    async def land(
+        self, result: PassResult, *, early: bool = False, tokens: int | None = None
+    ) -> None:
         """Wait for every landing of ``result`` and commit the shards (``early``: the early
-        updates committed each shard already; the micro-step is counted)."""
+        updates committed each shard already; the micro-step is counted), with the pass's
+        valid ``tokens`` when it was token-weighted."""
         waited = time.perf_counter()
         shards = await asyncio.gather(*result.landings)
         # Waits for every layer's reduce-scatter (and early update): no single layer's.
         self._timeline.add("wait", "*", Phase.BACKWARD, waited, time.perf_counter())
         if early:
-            self._grads.count_micro_step()
+            self._grads.count_micro_step(tokens)
             return
         layers = (p.layer for p in result.pending)
-        await self._grads.commit(zip(layers, shards, strict=True))
+        await self._grads.commit(zip(layers, shards, strict=True), tokens=tokens)
         self._reducer.forget_pending()
 
     async def abandon(self, result: PassResult) -> None:

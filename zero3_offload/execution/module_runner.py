@@ -339,12 +339,16 @@ class ModuleRunner:
             )
         return forward
 
-    async def backward(self, loss: torch.Tensor, forward: PassResult) -> PassResult:
+    async def backward(
+        self, loss: torch.Tensor, forward: PassResult, *, tokens: int | None = None
+    ) -> PassResult:
         """Backpropagate ``loss`` (checked by :meth:`check_backward`) on the model thread.
 
         Each unit's reduce-scatter is launched as soon as its gradients are
         complete; the shards are committed when the whole backward succeeded. On
-        failure nothing is committed and nothing stays in flight.
+        failure nothing is committed and nothing stays in flight. With ``tokens``
+        the pass is token-weighted (see [Note: token-weighted gradients] in
+        ``gradient.store``).
 
         Raises:
             LayerExecutionError: when the model's backward raised.
@@ -363,7 +367,7 @@ class ModuleRunner:
         unit_pass.units_left = sum(
             u != self._root and u not in forward.no_backward for u in forward_units
         )
-        self._reducer.begin_pass()
+        self._reducer.begin_pass(tokens=tokens)
         try:
             await self._prefetch.begin_pass(Phase.BACKWARD, predicted)
             self._current = unit_pass
@@ -383,7 +387,7 @@ class ModuleRunner:
                     await self._unit_done(unit)
             self._current = None
             self._prefetch.end_pass(Phase.BACKWARD, unit_pass.observed)
-            await self._landing.land(result)
+            await self._landing.land(result, tokens=tokens)
         except BaseException:
             await self.abandon(result)
             raise

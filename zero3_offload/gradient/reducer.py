@@ -11,7 +11,10 @@ every rank's whole gradient and divides by the world size without
 communicating; this is the real collective.) With ``reduce_dtype`` bf16 the
 flat gradient is cast into its slot's bf16 buffer, that is reduce-scattered
 (the mean taken as for fp32: ``ReduceOp.AVG`` where the backend has it, else a
-sum divided by the world size, in bf16), and the shard widened to fp32.
+sum divided by the world size, in bf16), and the shard widened to fp32. In a
+token-weighted backward the flat gradient is multiplied by ``tokens *
+world_size`` before it is sent (see [Note: token-weighted gradients] in
+``gradient.store``).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class GradientReducer:
         self._timeline = timeline
         # layer -> bytes of its reduced shard of this pass, until it is committed
         self._uncommitted: dict[str, int] = {}
+        self._weight: float | None = None  # this pass's gradient weight (token-weighted)
 
     def has_gradients(self, layer: str) -> bool:
         """Whether ``layer`` has trainable parameters (a layer with none launches no
@@ -110,10 +114,17 @@ class GradientReducer:
         """Every reduce-scatter of a backward is launched: free the idle gradient buffers."""
         self._buffers.trim()
 
-    def begin_pass(self) -> None:
-        """Start a backward pass: buffers a failed pass took and never launched are free."""
+    def begin_pass(self, *, tokens: int | None = None) -> None:
+        """Start a backward pass: buffers a failed pass took and never launched are free.
+
+        With ``tokens`` (this rank's valid tokens of a token-weighted pass) every
+        gradient of the pass is multiplied by ``tokens * world_size`` before it is
+        reduced, zeroed for 0 tokens (see [Note: token-weighted gradients] in
+        ``gradient.store``).
+        """
         self._buffers.untake_all()
         self._uncommitted.clear()
+        self._weight = None if tokens is None else float(tokens * self._comm.world_size)
 
     async def prepare(
         self,
@@ -184,6 +195,8 @@ class GradientReducer:
                 dest.copy_(grad.reshape(-1))
             param.grad = None
         flat[layout.numel :].zero_()
+        if self._weight is not None:
+            await self._weigh(flat, self._weight)
         shard = torch.empty(layout.shard_numel, dtype=torch.float32, device=flat.device)
         what = f"the gradients of {layer!r}"
         if self._buffers.wire_dtype is None:
@@ -212,6 +225,16 @@ class GradientReducer:
         )
         self._buffers.hold(prepared.index, pending.collective)
         return pending
+
+    @staticmethod
+    async def _weigh(flat: torch.Tensor, weight: float) -> None:
+        """Multiply ``flat`` by ``weight`` in place; zero it for 0 (a NaN of an all-masked
+        micro-batch's loss must not reach the sum)."""
+        scale = flat.zero_ if weight == 0 else functools.partial(flat.mul_, weight)
+        if flat.numel() >= _ZERO_OFF_LOOP:
+            await anyio.to_thread.run_sync(scale)  # keeps the event loop free
+        else:
+            scale()
 
     async def finish(self, pending: PendingGradient) -> torch.Tensor:
         """Wait for ``pending``'s reduce-scatter; returns the averaged shard.

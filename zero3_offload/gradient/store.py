@@ -3,6 +3,27 @@
 Shards of one backward pass are committed only when the whole pass succeeded
 (or, with early updates, layer by layer as each lands), so a pass that raised
 leaves the accumulated gradients as they were.
+
+[Note: token-weighted gradients]
+``backward(loss, tokens=n)`` says that ``loss`` is this rank's mean over
+``n`` valid tokens. The reducer then multiplies the layer's flat fp32
+gradient by ``n * world_size`` before the reduce-scatter (the mean over
+ranks), so the shard it lands is the gradient of the *sum* of the per-token
+losses of every rank's micro-batch, whatever the world size; a micro-batch
+with ``n = 0`` contributes zeros (its loss, often NaN for an all-masked batch,
+is not used). The store accumulates these over the window and counts the
+window's tokens of this rank (``tokens``). At the step the ranks sum their
+counts (one scalar all-reduce, :meth:`GradientStore.token_total`) and the
+accumulated shards are divided by the total, so the gradient is that of
+``sum of per-token losses / total valid tokens`` over all ranks and
+micro-steps: single-process training on the whole batch. Clipping and fp16
+unscaling apply to that final gradient. When updates start during the last
+backward (see [Note: optimizer update during backward] in
+``optimizer_state.step_runner``) the total is agreed at the start of that
+backward, with its own ``n`` counted ahead; the step reuses it. A window
+whose total is 0 skips its update on every rank. The weight goes on the fp32
+buffer rather than the loss, so fp16 activations and gradients see the same
+magnitudes as without ``tokens`` (no extra overflow).
 """
 
 from __future__ import annotations
@@ -48,6 +69,11 @@ class GradientStore:
         self._pin = pin and device.type == "cpu"
         self._grads: dict[str, torch.Tensor] = {}  # layer -> 1D fp32 [shard_numel]
         self.micro_steps = 0  # backward passes accumulated since the last clear
+        # Valid tokens of this window's backward passes on this rank; None: the window
+        # is not token-weighted (see [Note: token-weighted gradients]).
+        self.tokens: int | None = None
+        # The last agreed total: ((micro_steps, tokens) it covered, the sum over ranks).
+        self._agreed: tuple[tuple[int, int], int] | None = None
 
     async def commit_layer(self, layer: str, shard: torch.Tensor) -> None:
         """Add one reduced shard (fp32, on the compute device) to ``layer``'s gradient.
@@ -89,20 +115,58 @@ class GradientStore:
 
         self._grads[layer] = await self._workers.run("grad-accumulate", layer, Phase.BACKWARD, land)
 
-    async def commit(self, shards: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Add one backward pass's shards (layer, shard) and count the micro-step."""
+    async def commit(
+        self, shards: Iterable[tuple[str, torch.Tensor]], *, tokens: int | None = None
+    ) -> None:
+        """Add one backward pass's shards (layer, shard) and count the micro-step (and its
+        ``tokens``, for a token-weighted pass)."""
         for layer, shard in shards:
             await self.commit_layer(layer, shard)
-        self.count_micro_step()
+        self.count_micro_step(tokens)
 
-    def count_micro_step(self) -> None:
-        """Count one backward pass whose shards were committed layer by layer."""
+    def count_micro_step(self, tokens: int | None = None) -> None:
+        """Count one backward pass whose shards were committed layer by layer, with its
+        valid ``tokens`` when it was token-weighted."""
         self.micro_steps += 1
+        if tokens is not None:
+            self.tokens = (self.tokens or 0) + tokens
 
-    def load(self, grads: dict[str, torch.Tensor], micro_steps: int) -> None:
-        """Replace the accumulated shards (e.g. from a checkpoint taken mid-window)."""
+    @property
+    def weighted(self) -> bool:
+        """Whether the open window's backward passes were token-weighted."""
+        return self.tokens is not None
+
+    async def token_total(self, comm: Collectives, *, pending: int | None = None) -> int:
+        """The window's valid tokens summed over ranks (a collective, unless agreed already).
+
+        Args:
+            comm: the group's collectives.
+            pending: tokens of a backward not committed yet, counted ahead (the last
+                backward of a window whose updates start during it); None: none.
+
+        The total agreed for the same window state (micro-steps and tokens, the
+        pending backward counted as committed) is reused without a collective;
+        after a pending backward failed, the state differs on every rank and the
+        total is agreed again.
+        """
+        counted = 0 if pending is None else pending
+        key = (self.micro_steps + (pending is not None), (self.tokens or 0) + counted)
+        if self._agreed is not None and self._agreed[0] == key:
+            return self._agreed[1]
+        total = torch.tensor([float(key[1])], dtype=torch.float64, device=comm.device)
+        await comm.all_reduce_sum(total, what="the window's valid tokens")
+        self._agreed = (key, round(float(total.item())))
+        return self._agreed[1]
+
+    def load(
+        self, grads: dict[str, torch.Tensor], micro_steps: int, tokens: int | None = None
+    ) -> None:
+        """Replace the accumulated shards (e.g. from a checkpoint taken mid-window), with
+        this rank's part of the window's valid tokens when it is token-weighted."""
         self._grads = {k: v.to(self.device, torch.float32).clone() for k, v in grads.items()}
         self.micro_steps = micro_steps
+        self.tokens = tokens
+        self._agreed = None
 
     def get(self, layer: str) -> torch.Tensor | None:
         """The accumulated gradient shard of ``layer``, or None if it got none."""
@@ -157,9 +221,11 @@ class GradientStore:
         self._grads.pop(layer, None)
 
     def clear(self) -> None:
-        """Drop every gradient shard (after an optimizer step)."""
+        """Drop every gradient shard and the window's token count (after an optimizer step)."""
         self._grads.clear()
         self.micro_steps = 0
+        self.tokens = None
+        self._agreed = None
 
     def nbytes(self) -> int:
         """Bytes of the accumulated shards, counted from the tensors."""

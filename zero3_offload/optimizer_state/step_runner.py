@@ -17,7 +17,8 @@ Global-norm clipping (the norm covers every shard of every rank) and fp16
 loss scaling (an inf anywhere skips the step) need every gradient before any
 update is known to be right. With ``speculative_step`` the early updates
 start anyway, with the gradient as it lands (scaled by ``1 / (accumulation
-steps * loss scale)``, as the step would scale it): before each, the layer's
+steps * loss scale)``, or ``1 / (window tokens * loss scale)`` when
+token-weighted, as the step would scale it): before each, the layer's
 fp32 master shard and optimizer state are copied into reused buffers
 (:class:`SpeculationBackup`), and its gradient shard is held. ``optimizer_step``
 then validates: the inf check and the global norm run over the held shards
@@ -96,6 +97,10 @@ class StepRunner:
         self.loss_scaler: LossScaler | None = LossScaler() if self._fp16 else None
         self.stepped: set[str] = set()  # layers already updated in this window
         self.last_grad_norm: float | None = None  # global norm before clipping, last update
+        # Valid tokens over all ranks of the last closed token-weighted window (None: the
+        # last window was not token-weighted); see [Note: token-weighted gradients].
+        self.last_tokens: int | None = None
+        self._tokens: int | None = None  # the open window's total, once agreed
         self.rollbacks = 0  # steps whose speculative updates were undone
 
     def can_start_early(self, names: tuple[str, ...], calls_since_update: int) -> bool:
@@ -112,9 +117,33 @@ class StepRunner:
         # gradient is in (see [Note: speculative update]).
         return self._clip > 0 or self.loss_scaler is not None
 
+    async def early_rate(
+        self,
+        lr: float | None,
+        names: tuple[str, ...],
+        calls_since_update: int,
+        *,
+        tokens: int | None,
+    ) -> float | None:
+        """The learning rate a backward's early updates run with, or None (they wait for
+        ``optimizer_step``).
+
+        A token-weighted backward whose updates may start agrees on the window's token
+        total first (a collective; its own ``tokens`` counted ahead), since each early
+        update divides by it; a total of 0 starts none (the step skips).
+        """
+        if lr is None or not self.can_start_early(names, calls_since_update):
+            return None
+        if tokens is None:
+            return lr
+        self._tokens = await self._grads.token_total(self._comm, pending=tokens)
+        return lr if self._tokens > 0 else None
+
     def _grad_scale(self) -> float:
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        return 1.0 / (self._k * loss_scale)
+        # A token-weighted window holds the gradient of the sum of per-token losses.
+        count = self._k if self._tokens is None else self._tokens
+        return 1.0 / (count * loss_scale)
 
     async def update_layer(
         self, name: str, lr: float, grad_scale: float, *, save: bool = False
@@ -159,7 +188,7 @@ class StepRunner:
         if self._needs_validation():
             await self.update_layer(pending.layer, lr, self._grad_scale(), save=True)
             return
-        await self.update_layer(pending.layer, lr, 1.0 / self._k)
+        await self.update_layer(pending.layer, lr, self._grad_scale())
         self._grads.drop(pending.layer)
 
     def keep_updates(self) -> None:
@@ -201,7 +230,8 @@ class StepRunner:
 
         Returns:
             The layers updated in this window (early ones included), or None
-            when fp16 loss scaling found inf/nan on some rank (step skipped).
+            when fp16 loss scaling found inf/nan on some rank, or a token-weighted
+            window had no valid token on any rank (step skipped).
         """
         try:
             if not await self._apply(lr, list(first), ready):
@@ -210,12 +240,27 @@ class StepRunner:
         finally:
             self.stepped.clear()
             self.keep_updates()
+            self._tokens = None
+
+    async def _agree_tokens(self, speculated: list[str]) -> bool:
+        """For a token-weighted window, agree on its token total; False when it is 0 (the
+        step is skipped on every rank: there is no loss to follow)."""
+        self._tokens = await self._grads.token_total(self._comm) if self._grads.weighted else None
+        self.last_tokens = self._tokens
+        if self._tokens != 0:
+            return True
+        if speculated:
+            await self._roll_back(speculated)
+        log.warning("step_skipped", rank=self._comm.rank, reason="no valid tokens on any rank")
+        return False
 
     async def _apply(
         self, lr: float, first: list[str], ready: Callable[[list[str]], None] | None
     ) -> bool:
         remaining = [n for n in self._grads.layers() if n not in self.stepped]
         speculated = self._backup.saved()
+        if not await self._agree_tokens(speculated):
+            return False
         if not remaining and not speculated:
             if ready is not None:
                 ready(first)
@@ -261,6 +306,7 @@ class StepRunner:
     def reset(self) -> None:
         """Forget the window's progress, the loss scale and the pre-update copies."""
         self.stepped.clear()
+        self._tokens = None
         self._backup.clear()
         if self._fp16:
             self.loss_scaler = LossScaler()

@@ -2,7 +2,8 @@
 
 - ``rank_mapping``: which slice of each flat buffer a rank owns;
 - ``flat_layout``: each layer's parameters laid end to end, padded;
-- ``codec``: the compute copy's compression format (fp16, bf16, int8);
+- ``codec``: the compute copy's compression format (fp16, bf16, int8, nf4);
+- ``nf4``: QLoRA's 4-bit NormalFloat code (blocks of 64), and its public pure functions;
 - ``store``: this rank's fp32 master shards and their compute copies;
 - ``gatherer``: all-gathering layers on the device, binding and releasing them;
 - ``meta_init``: materialising meta-device layers one at a time.
@@ -16,10 +17,19 @@ from zero3_offload.parameter.meta_init import (
     reset_parameters_in_order,
     shard_initial_values,
 )
+from zero3_offload.parameter.nf4 import (
+    NF4_BLOCK,
+    NF4_CODE,
+    nf4_dequantize,
+    nf4_quantize,
+    nf4_roundtrip,
+)
 from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.parameter.store import ParameterStore
 
 __all__ = [
+    "NF4_BLOCK",
+    "NF4_CODE",
     "CompressedShard",
     "GatherHandle",
     "InitFn",
@@ -30,6 +40,9 @@ __all__ = [
     "ShardCodec",
     "Zero3RankMapping",
     "build_layouts",
+    "nf4_dequantize",
+    "nf4_quantize",
+    "nf4_roundtrip",
     "reset_parameters_in_order",
     "shard_initial_values",
 ]

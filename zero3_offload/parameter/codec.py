@@ -11,6 +11,11 @@ byte count is what it costs:
   ``scale = absmax / 127``, ``q = round(x / scale)``, ``x̂ = q * scale``, so
   ``|x - x̂| <= scale / 2 = absmax / 254`` for every element. Scales and
   payload share one byte buffer (scales first), so the shard is one tensor.
+- ``NF4``: the 4-bit NormalFloat code of QLoRA, two indices per byte, one
+  fp32 absmax scale per block of 64 elements (whatever ``block_size`` says),
+  scales first in one byte buffer as for INT8: ``ceil(n / 2) + 4 * ceil(n /
+  64)`` bytes (see [Note: nf4] in ``parameter.nf4``). Meant for frozen
+  parameters, whose shards start at block boundaries.
 
 Encoding runs on the CPU (in a worker thread) into preallocated buffers;
 decoding runs on the device after the copy, into a preallocated buffer of the
@@ -27,6 +32,13 @@ import torch
 
 from zero3_offload.config import CpuCompressionMethod
 from zero3_offload.errors import InputError
+from zero3_offload.parameter.nf4 import (
+    NF4_BLOCK,
+    nf4_decode_,
+    nf4_encode_,
+    nf4_nbytes,
+    nf4_split,
+)
 
 __all__ = ["CompressedShard", "ShardCodec"]
 
@@ -63,27 +75,40 @@ def _quantize(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
 class CompressedShard:
     """One shard's compute copy in its storage format.
 
-    An ``INT8`` shard's scales and payload are views of one byte buffer, ``packed``
-    (the scales' bytes first, so they are 4-byte aligned), so the whole shard is one
-    tensor to copy to the device and to all-gather (see :meth:`wire`).
+    An ``INT8`` or ``NF4`` shard's scales and payload are views of one byte buffer,
+    ``packed`` (the scales' bytes first, so they are 4-byte aligned), so the whole
+    shard is one tensor to copy to the device and to all-gather (see :meth:`wire`).
     """
 
-    payload: torch.Tensor  # 1D [numel] in the storage dtype
-    scales: torch.Tensor | None  # 1D fp32 [ceil(numel / block)], INT8 only
-    packed: torch.Tensor | None = None  # 1D uint8 that scales and payload view, INT8 only
+    payload: torch.Tensor  # 1D [numel] in the storage dtype (NF4: uint8 [ceil(numel / 2)])
+    scales: torch.Tensor | None  # 1D fp32 [ceil(numel / block)], INT8 and NF4 only
+    packed: torch.Tensor | None = None  # 1D uint8 that scales and payload view
+    nf4_numel: int | None = None  # elements of an NF4 shard (two per payload byte)
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, numel: int, blocks: int) -> CompressedShard:
-        """An ``INT8`` shard of ``numel`` elements and ``blocks`` scales viewing ``packed``.
+    def from_packed(
+        cls, packed: torch.Tensor, numel: int, blocks: int, *, nf4: bool = False
+    ) -> CompressedShard:
+        """An ``INT8`` (or ``nf4``: ``NF4``) shard of ``numel`` elements and ``blocks``
+        scales viewing ``packed``.
 
-        ``packed`` is 1D uint8 of ``4 * blocks + numel`` bytes: the scales, then the
-        payload. Where it does not start at a multiple of 4 bytes of its storage (a
-        rank's part of a gathered buffer), the scales are a copy, not a view.
+        ``packed`` is 1D uint8: the scales (``4 * blocks`` bytes), then the payload
+        (INT8: ``numel`` bytes; NF4: ``ceil(numel / 2)``). Where it does not start at a
+        multiple of 4 bytes of its storage (a rank's part of a gathered buffer), the
+        scales are a copy, not a view.
         """
+        if nf4:
+            scales, payload = nf4_split(packed, numel)
+            return cls(payload, scales, packed, nf4_numel=numel)
         scale_bytes = packed[: 4 * blocks]
         if scale_bytes.storage_offset() % 4:
             scale_bytes = scale_bytes.clone()
         return cls(packed[4 * blocks :].view(torch.int8), scale_bytes.view(torch.float32), packed)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the shard (an NF4 payload byte holds two)."""
+        return self.payload.numel() if self.nf4_numel is None else self.nf4_numel
 
     def nbytes(self) -> int:
         """Bytes of the payload and scales, counted from the tensors."""
@@ -101,7 +126,9 @@ class CompressedShard:
         if self.scales is None:
             return self.payload.view(torch.uint8)
         if self.packed is None:
-            raise InputError("an INT8 shard without its packed buffer cannot be sent as one tensor")
+            raise InputError(
+                "an INT8 or NF4 shard without its packed buffer cannot be sent as one tensor"
+            )
         return self.packed
 
     def to(self, device: torch.device, *, non_blocking: bool = False) -> CompressedShard:
@@ -111,7 +138,9 @@ class CompressedShard:
             return self
         if self.packed is not None and self.scales is not None:
             packed = self.packed.to(device, non_blocking=non_blocking)
-            return CompressedShard.from_packed(packed, self.payload.numel(), self.scales.numel())
+            return CompressedShard.from_packed(
+                packed, self.numel, self.scales.numel(), nf4=self.nf4_numel is not None
+            )
         scales = None if self.scales is None else self.scales.to(device, non_blocking=non_blocking)
         return CompressedShard(self.payload.to(device, non_blocking=non_blocking), scales)
 
@@ -122,7 +151,7 @@ class ShardCodec:
     Args:
         method: the compression format.
         compute_dtype: dtype the device computes in (the decode target).
-        block_size: INT8 block length (elements sharing one scale).
+        block_size: INT8 block length (elements sharing one scale); NF4's is 64.
     """
 
     def __init__(
@@ -130,8 +159,11 @@ class ShardCodec:
     ) -> None:
         self.method = method
         self.compute_dtype = compute_dtype
-        self.block_size = block_size
+        self._nf4 = method is CpuCompressionMethod.NF4
+        self.block_size = NF4_BLOCK if self._nf4 else block_size
         self.storage_dtype = method.storage_dtype(compute_dtype)
+        # Scales and payload in one byte buffer.
+        self._packed = self._nf4 or method is CpuCompressionMethod.INT8
 
     @property
     def compute_itemsize(self) -> int:
@@ -147,14 +179,14 @@ class ShardCodec:
     def align(self) -> int:
         """Elements a block-wise format's blocks hold (1 for a plain dtype): where shards of
         frozen parameters may start (see [Note: frozen parameters])."""
-        return self.block_size if self.method is CpuCompressionMethod.INT8 else 1
+        return self.block_size if self._packed else 1
 
     def num_blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 
     def empty(self, numel: int, *, device: torch.device, pin: bool = False) -> CompressedShard:
         """A preallocated compressed shard of ``numel`` elements."""
-        if self.method is CpuCompressionMethod.INT8:
+        if self._packed:
             packed = torch.empty(
                 self.wire_nbytes(numel), dtype=torch.uint8, device=device, pin_memory=pin
             )
@@ -165,14 +197,16 @@ class ShardCodec:
     def view(self, buffer: torch.Tensor, numel: int) -> CompressedShard:
         """The shard of ``numel`` elements laid out at the start of ``buffer`` (1D uint8,
         at least :meth:`wire_nbytes` long) as :meth:`CompressedShard.wire` lays it out."""
-        if self.method is CpuCompressionMethod.INT8:
+        if self._packed:
             return CompressedShard.from_packed(
-                buffer[: self.wire_nbytes(numel)], numel, self.num_blocks(numel)
+                buffer[: self.wire_nbytes(numel)], numel, self.num_blocks(numel), nf4=self._nf4
             )
         return CompressedShard(buffer[: self.wire_nbytes(numel)].view(self.storage_dtype), None)
 
     def wire_nbytes(self, numel: int) -> int:
         """Bytes :meth:`CompressedShard.wire` has for a shard of ``numel`` elements."""
+        if self._nf4:
+            return nf4_nbytes(numel)
         itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
         scales = 4 * self.num_blocks(numel) if self.method is CpuCompressionMethod.INT8 else 0
         return itemsize * numel + scales
@@ -180,11 +214,14 @@ class ShardCodec:
     def encode_(self, master: torch.Tensor, out: CompressedShard) -> None:
         """Write ``master`` (1D fp32) into ``out`` in the storage format.
 
-        Safe to call from several worker threads at once (INT8 scratch space is
-        per thread).
+        Safe to call from several worker threads at once (INT8 and NF4 scratch space
+        is per thread).
         """
         if out.scales is None:
             out.payload.copy_(master)
+            return
+        if self._nf4:
+            nf4_encode_(master, out.scales, out.payload)
             return
         block = self.block_size
         full = master.numel() // block * block
@@ -208,6 +245,9 @@ class ShardCodec:
         if src.scales is None:
             out.copy_(src.payload)
             return
+        if self._nf4:
+            nf4_decode_(src.scales, src.payload, out)
+            return
         block = self.block_size
         numel = src.payload.numel()
         full = numel // block * block
@@ -225,10 +265,10 @@ class ShardCodec:
 
         ``wire`` is 1D uint8, rank ``r``'s shard in its ``r``-th equal part; ``out`` is the
         1D compute-dtype buffer of ``world_size`` shards. Each rank's part is decoded as
-        :meth:`decode_` decodes that rank's shard (``INT8`` blocks restart at every
-        shard), so the result is bitwise that of decoding each shard and gathering.
+        :meth:`decode_` decodes that rank's shard (``INT8`` and ``NF4`` blocks restart at
+        every shard), so the result is bitwise that of decoding each shard and gathering.
         """
-        if self.method is not CpuCompressionMethod.INT8:
+        if not self._packed:
             out.copy_(wire.view(self.storage_dtype))
             return
         shard, part = out.numel() // world_size, wire.numel() // world_size
@@ -238,6 +278,6 @@ class ShardCodec:
 
     def decode(self, src: CompressedShard) -> torch.Tensor:
         """The compute-dtype values of ``src`` in a new tensor."""
-        out = torch.empty(src.payload.numel(), dtype=self.compute_dtype, device=src.payload.device)
+        out = torch.empty(src.numel, dtype=self.compute_dtype, device=src.payload.device)
         self.decode_(src, out)
         return out

@@ -4,10 +4,12 @@ Each rank builds the GPT on the meta device and hands it to
 ``Zero3CpuOffloadManager.from_meta``, so no rank ever holds the whole model;
 then every step runs ``forward_pass``, the loss outside the manager,
 ``backward_pass`` (with the learning rate, so layer updates start during
-backward) and ``optimizer_step``, once per micro-step. With ``--model DIR`` the
-model is a transformers causal LM (see ``train.hf``) run in module mode: each
-micro-step is ``forward(input_ids=x, labels=x)`` (transformers computes the
-shifted loss), ``backward(out.loss)`` and ``optimizer_step``; ``--export`` ends
+backward, and the micro-batch's valid label tokens, so the update follows the
+global token mean) and ``optimizer_step``, once per micro-step. With ``--model
+DIR`` the model is a transformers causal LM (see ``train.hf``) run in module
+mode: each micro-step is ``forward(input_ids=x, labels=x)`` (transformers
+computes the shifted loss), ``backward(out.loss, tokens=n)`` (``n``: the
+labels it predicts) and ``optimizer_step``; ``--export`` ends
 the run with ``save_pretrained``. Batches depend only on
 ``(seed, step, micro-step, rank)``, so a resumed run sees the data the
 uninterrupted run would have seen.
@@ -66,6 +68,7 @@ log = zlogging.get_logger(__name__)
 # the free pages the next steps use again fault back in (about 40 MiB per rank in the default
 # job): every 50 steps that costs well under 1 % of the run.
 _TRIM_EVERY = 50
+_IGNORED = -100  # the label id cross-entropy (and transformers) leaves out of the loss
 
 
 class TrainError(Zero3Error):
@@ -193,6 +196,12 @@ class _Trainer:
         loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), y.to(out.device).reshape(-1))
         return loss, logits
 
+    async def sums(self, *values: float) -> list[float]:
+        """``values`` summed over ranks (a collective)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
+        await self.comm.all_reduce_sum(t, what="the reported losses")
+        return t.tolist()
+
     async def mean(self, *values: float) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
         await self.comm.all_reduce_sum(t, what="the reported losses")
@@ -221,25 +230,34 @@ class _Trainer:
         (mean,) = await self.mean(total / self.opts.eval_batches)
         return mean
 
-    async def _micro_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
-        """Forward and backward of one micro-batch; its loss."""
+    async def _micro_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[float, int]:
+        """Forward and backward of one micro-batch; its loss and its valid tokens.
+
+        The loss is the micro-batch's mean over its valid (not ignored, -100) label
+        tokens, and the backward says how many there were (``tokens=``), so the update
+        follows the global token mean of the step's batch over all ranks and micro-steps.
+        """
         if self.hf:
             # transformers shifts the labels itself: seq_len - 1 predictions per sequence.
             out = await self.manager.forward(input_ids=x, labels=x, use_cache=False)
-            await self.manager.backward(out.loss)
-            return float(out.loss.item())
+            tokens = int((x[:, 1:] != _IGNORED).sum())
+            await self.manager.backward(out.loss, tokens=tokens)
+            return float(out.loss.item()), tokens
         out = await self.manager.forward_pass(x, self.names)
         loss, logits = self._loss(out, y)
         loss.backward()
-        await self.manager.backward_pass(logits.grad, self.names, learning_rate=lr)
-        return loss.item()
+        tokens = int((y != _IGNORED).sum())
+        await self.manager.backward_pass(logits.grad, self.names, learning_rate=lr, tokens=tokens)
+        return loss.item(), tokens
 
-    async def train_step(self, step: int, lr: float) -> float:
-        losses = []
+    async def train_step(self, step: int, lr: float) -> tuple[float, int]:
+        """One step; this rank's sum of per-token losses and its valid tokens."""
+        total, count = 0.0, 0
         for micro in range(self.run.zero3.gradient_accumulation_steps):
-            losses.append(await self._micro_step(*self._batch("train", step, micro), lr))
+            loss, tokens = await self._micro_step(*self._batch("train", step, micro), lr)
+            total, count = total + loss * tokens, count + tokens
             await self.manager.optimizer_step(lr)
-        return sum(losses) / len(losses)
+        return total, count
 
     async def export(self) -> str | None:
         """Write ``--export`` (a collective): the model, and on rank 0 its tokenizer."""
@@ -288,8 +306,10 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
         for step in range(first, opts.steps):
             lr = learning_rate(step, opts)
             t0 = time.perf_counter()
-            loss = await trainer.train_step(step, lr)
-            loss, stops = await trainer.mean(loss, float(stop.requested))
+            loss_sum, tokens = await trainer.train_step(step, lr)
+            # The step's global token mean: what the update followed.
+            loss_sum, tokens, stops = await trainer.sums(loss_sum, tokens, float(stop.requested))
+            loss = loss_sum / tokens if tokens else float("nan")
             done, seconds = step + 1, time.perf_counter() - t0
             log.info("train_step", rank=rank, step=done, loss=loss, lr=lr, seconds=seconds)
             rep.step(
