@@ -10,6 +10,7 @@ gradient needs it. One rank run per world size trains every variant in turn.
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,11 @@ def plain(variant: str) -> dict[str, Any]:
 
 
 async def train_frozen(
-    ctx: RankContext, variant: str, save: str | None = None, adapter: str | None = None
+    ctx: RankContext,
+    variant: str,
+    save: str | None = None,
+    adapter: str | None = None,
+    merged: str | None = None,
 ) -> dict[str, Any]:
     """Train ``variant`` with the manager on this rank's slice of every batch."""
     model = model_of(variant)
@@ -173,6 +178,8 @@ async def train_frozen(
     state = await manager.full_state_dict()
     if adapter is not None:
         await manager.save_pretrained(adapter)
+    if merged is not None:
+        await manager.save_pretrained(merged, merged=True)
     await manager.close()
     return {
         "losses": losses,
@@ -220,10 +227,40 @@ def _run(calls: dict[str, tuple[Any, ...]], world: int) -> dict[str, list[Any]]:
     return run_named(world, {k: (guarded, *call) for k, call in calls.items()})
 
 
+PRETRAINED_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "o_proj"])
+ADAPTER_SEED = 7
+
+
+async def pretrained_lora(ctx: RankContext, directory: str) -> dict[str, Any]:
+    """``from_pretrained`` with a LoRA config: train 6 micro-steps."""
+    manager = Zero3CpuOffloadManager.from_pretrained(
+        make_config({}),
+        ctx.group,
+        directory,
+        peft_config=LoraConfig(**PRETRAINED_LORA),
+        seed=ADAPTER_SEED,
+    )
+    losses = []
+    for i in range(6):
+        out = await manager.forward(**call_kwargs("llama", local(batch(i, "llama"), ctx)))
+        await manager.backward(out.loss)
+        losses.append(await global_mean(ctx, out.loss))
+        await manager.optimizer_step(LR)
+    state = await manager.full_state_dict()
+    frozen_bytes = manager.get_memory_stats().frozen_param_bytes
+    await manager.close()
+    return {"losses": losses, "state": state, "frozen_bytes": frozen_bytes}
+
+
 @pytest.fixture(scope="module")
 def runs2(root: Path) -> dict[str, list[Any]]:
+    _build("llama").save_pretrained(root / "base")
     calls: dict[str, tuple[Any, ...]] = {v: (train_frozen, v) for v in VARIANTS}
-    calls["lora-llama"] = (train_frozen, "lora-llama", str(root / "ckpt"), str(root / "adapter"))
+    calls["pretrained-lora"] = (pretrained_lora, str(root / "base"))
+    calls["lora-llama"] = (
+        train_frozen, "lora-llama", str(root / "ckpt"), str(root / "adapter"), str(root / "merged")
+    )  # fmt: skip
+    calls["lora-gpt2"] = (train_frozen, "lora-gpt2", None, None, str(root / "merged-gpt2"))
     return _run(calls, 2)
 
 
@@ -336,6 +373,12 @@ def test_checkpoint_with_frozen_shards_loads_at_another_world_size(
 @functools.cache
 def plain_at(micro_steps: int) -> dict[str, torch.Tensor]:
     """The lora-llama plain run's parameters after ``micro_steps``."""
+    return params(plain_model_at(micro_steps))
+
+
+@functools.cache
+def plain_model_at(micro_steps: int) -> nn.Module:
+    """The lora-llama plain run's model after ``micro_steps``."""
     model = model_of("lora-llama")
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
@@ -345,7 +388,7 @@ def plain_at(micro_steps: int) -> dict[str, torch.Tensor]:
             torch.nn.utils.clip_grad_norm_(trainable, CLIP)
             opt.step()
             opt.zero_grad()
-    return params(model)
+    return model
 
 
 @pytest.mark.slow
@@ -363,6 +406,76 @@ def test_adapter_directory_loads_with_peft_and_gives_equal_logits(
     with torch.no_grad():
         got, want = loaded(input_ids=x).logits, ref(input_ids=x).logits
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["lora-llama", "lora-gpt2"])
+def test_merged_save_loads_as_the_plain_merged_model(
+    runs2: dict[str, list[Any]], root: Path, variant: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _results(runs2, variant)
+    directory = root / ("merged" if variant == "lora-llama" else "merged-gpt2")
+    loaded = AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    merged = copy.deepcopy(plain(variant)["model"]).merge_and_unload().eval()
+    kind = kind_of(variant)
+    x = batch(98, kind)
+    with torch.no_grad():
+        got, want = loaded(input_ids=x).logits, merged(input_ids=x).logits
+    assert (got - want).abs().max().item() < 1e-4
+    assert not any("lora" in n for n, _ in loaded.named_parameters())
+
+
+@pytest.mark.slow
+def test_from_pretrained_with_lora_trains_like_plain_peft(
+    runs2: dict[str, list[Any]], root: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from zero3_offload.integrations.peft_pretrained import reset_adapters
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(root / "base")), LoraConfig(**PRETRAINED_LORA)
+    )
+    reset_adapters(model, ADAPTER_SEED)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    losses = []
+    for i in range(6):
+        loss = model(**call_kwargs("llama", batch(i, "llama"))).loss
+        (loss / ACC).backward()
+        losses.append(loss.item())
+        if (i + 1) % ACC == 0:
+            torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+            opt.step()
+            opt.zero_grad()
+    for r in _results(runs2, "pretrained-lora"):
+        assert max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True)) < 1e-5
+        assert max_diff(r["state"], params(model)) < 1e-4
+        assert r["frozen_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_export_of_a_peft_checkpoint_writes_the_adapter_or_the_merged_model(
+    runs2: dict[str, list[Any]], root: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from zero3_offload.cli import main
+
+    _results(runs2, "lora-llama")
+    assert main(["export", str(root / "ckpt"), str(root / "exported-adapter")]) == 0
+    assert main(["export", str(root / "ckpt"), str(root / "exported-merged"), "--merged"]) == 0
+    ref = copy.deepcopy(plain_model_at(SAVE_AT)).eval()
+    x = batch(97, "llama")
+    adapter = PeftModel.from_pretrained(_build("llama"), str(root / "exported-adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(root / "exported-merged")).eval()
+    with torch.no_grad():
+        want = ref(input_ids=x).logits
+        assert (adapter(input_ids=x).logits - want).abs().max().item() < 1e-4
+        assert (merged(input_ids=x).logits - want).abs().max().item() < 1e-4
 
 
 # ------------------------------------------------------------------------- chain mode

@@ -228,7 +228,9 @@ def _add_export(commands: Any) -> None:
             "Write the parameters of a checkpoint saved in module mode from a transformers "
             "model as a directory that AutoModelForCausalLM.from_pretrained(OUT) loads: "
             "config.json and safetensors weights (sharded when large), streamed parameter by "
-            "parameter. Needs transformers (pip install 'zero3_offload[hf]')."
+            "parameter. A checkpoint of a peft model is written as its adapter directory "
+            "(what PeftModel.from_pretrained loads), or with --merged as the base model with "
+            "the LoRA adapters merged. Needs transformers (pip install 'zero3_offload[hf]')."
         ),
     )
     parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or root")
@@ -252,6 +254,12 @@ def _add_export(commands: Any) -> None:
         default="float32",
         help="dtype of the stored weights (default: float32)",
     )
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="for a checkpoint of a peft (LoRA) model: write the base model with the adapters "
+        "merged into its weights, instead of the adapter directory",
+    )
     parser.set_defaults(handler=_export)
 
 
@@ -271,6 +279,7 @@ def _export(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_mib * 2**20,
             dtype=getattr(torch, args.dtype),
             progress=advance,
+            merged=args.merged,
         ),
     )
     size = sum(f.stat().st_size for f in files)

@@ -170,6 +170,8 @@ class Zero3CpuOffloadManager:
         path: str | os.PathLike[str],
         *,
         units: Sequence[UnitSpec] | None = None,
+        peft_config: Any = None,
+        seed: int = 0,
     ) -> Zero3CpuOffloadManager:
         """Build a module-mode manager from a local transformers model directory.
 
@@ -184,18 +186,30 @@ class Zero3CpuOffloadManager:
             process_group: the group whose ranks share the model.
             path: the model directory.
             units: as for the constructor (default: the model's ``_no_split_modules``).
+            peft_config: a peft config (e.g. ``LoraConfig``): the model is that peft model
+                over the loaded base, whose frozen weights each rank reads by slices
+                (see [Note: peft from pretrained]).
+            seed: the seed the adapters are initialised from (with ``peft_config``;
+                ``zero3_offload.integrations.peft_pretrained.reset_adapters`` gives
+                the same values to a plain peft model).
 
         Returns:
-            The manager; ``manager.model`` is the transformers model.
+            The manager; ``manager.model`` is the transformers (or peft) model.
 
         Raises:
             ConfigError: when transformers is missing or cannot build the config.
             CheckpointError: for a missing or hostile directory, or weights that do
                 not match the config.
         """
+        from zero3_offload.integrations.peft_pretrained import PeftPretrainedShards
         from zero3_offload.integrations.pretrained_load import PretrainedShards
 
-        with PretrainedShards(path) as pretrained:
+        opened = (
+            PretrainedShards(path)
+            if peft_config is None
+            else PeftPretrainedShards(path, peft_config, seed=seed)
+        )
+        with opened as pretrained:
             manager = cls(
                 config, process_group, pretrained.model, units=units, shard_source=pretrained.shard
             )
@@ -592,12 +606,15 @@ class Zero3CpuOffloadManager:
         *,
         max_shard_bytes: int = 5 * 2**30,
         dtype: torch.dtype = torch.float32,
+        merged: bool = False,
     ) -> Path:
         """Write the trained model as a transformers directory (a collective; module mode).
 
         For a peft model the directory is its adapter (``adapter_config.json`` and
         ``adapter_model.safetensors``, as ``PeftModel.from_pretrained`` loads it; see
-        [Note: adapter saves]).
+        [Note: adapter saves]); with ``merged`` it is the base model with the LoRA
+        adapters merged into its weights, streamed unit by unit (see [Note: merged
+        saves]).
 
         ``AutoModelForCausalLM.from_pretrained(directory)`` loads the result
         as is: ``config.json``, ``model.safetensors`` (or numbered shards of at
@@ -616,6 +633,8 @@ class Zero3CpuOffloadManager:
 
         Raises:
             StateError: when the model has no transformers ``config``.
+            InputError: ``merged`` for a model without adapters, or an adapter that
+                cannot be merged (DoRA, LoRA biases, embedding adapters).
             CheckpointError: when writing failed on rank 0 (every rank raises).
         """
         self._check_open()
@@ -625,25 +644,16 @@ class Zero3CpuOffloadManager:
                 "save_pretrained needs a transformers model (module mode, with model.config); "
                 "use save_checkpoint or full_state_dict for other models"
             )
-        from zero3_offload.integrations.adapter_save import is_peft_model, save_adapter
+        from zero3_offload.integrations.model_save import save_model
 
-        if is_peft_model(model):
-            return await save_adapter(
-                directory,
-                model=model,
-                full_state=self._engine.full_state,
-                comm=self._engine.comm,
-                dtype=dtype,
-            )
-        from zero3_offload.integrations.pretrained_save import save_pretrained
-
-        return await save_pretrained(
+        return await save_model(
             directory,
-            model_config=model.config,
+            model=model,
             full_state=self._engine.full_state,
             comm=self._engine.comm,
             max_shard_bytes=max_shard_bytes,
             dtype=dtype,
+            merged=merged,
         )
 
     def get_performance_stats(self) -> Zero3PerformanceStats:

@@ -69,6 +69,7 @@ class ShardCheckpointer:
     workers: WorkerThreads
     counter: StepCounter  # the run's step counts: saved and restored
     model_config: dict[str, Any] | None = None  # a transformers model's config, for export
+    peft: dict[str, Any] | None = None  # a peft model's adapter config and modules, for export
 
     def _layer_tensors(self, layer: str) -> dict[str, torch.Tensor]:
         """``layer``'s tensors of a checkpoint, by name (with the disk tier, the master and
@@ -156,6 +157,7 @@ class ShardCheckpointer:
             "loss_scaler": None if scaler is None else scaler.state_dict(),
             "config": self.config.to_dict(),
             "model_config": self.model_config,
+            "peft": self.peft,
         }
 
     async def save(self, root: str | os.PathLike[str], *, include_frozen: bool = True) -> Path:

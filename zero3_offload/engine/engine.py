@@ -40,6 +40,7 @@ from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
+from zero3_offload.integrations.peft_metadata import peft_metadata
 from zero3_offload.memory.accounting import MemoryAccounting
 from zero3_offload.memory.allocator import trim_heap
 from zero3_offload.memory.budget import (
@@ -473,6 +474,7 @@ def _build_training(
             workers=workers,
             counter=counter,
             model_config=_model_config(split.model),
+            peft=peft_metadata(split.model),
         ),
         full_state=FullState(
             layouts=layouts, params=params, optimizer=optimizer, comm=comm, device=device

@@ -50,11 +50,24 @@ class PretrainedShards:
         Raises:
             CheckpointError: when a parameter is missing from the files or has another shape.
         """
+        return self.shard_of(layer, layout)
+
+    def shard_of(
+        self, layer: str, layout: LayerLayout, *, names: dict[str, str] | None = None
+    ) -> torch.Tensor:
+        """:meth:`shard`, with ``names`` (slot name -> name in the files) for the slots
+        to read: the others are left zero; None reads every slot under its own name.
+
+        Raises:
+            CheckpointError: when a parameter is missing from the files or has another shape.
+        """
         out = torch.zeros(layout.shard_numel, dtype=torch.float32)
         for slot in layout.slots:
+            if names is not None and slot.name not in names:
+                continue
             lo = max(slot.offset, layout.shard_start)
             hi = min(slot.offset + slot.numel, layout.shard_end)
-            name = param_key(layer, slot.name)
+            name = names[slot.name] if names is not None else param_key(layer, slot.name)
             if name not in self.weights:
                 raise CheckpointError(
                     f"{name} is missing from the weights of {self.directory}: the directory "

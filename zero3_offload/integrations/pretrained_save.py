@@ -14,6 +14,7 @@ import torch
 from zero3_offload.checkpoint.full_state import FullState
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.errors import CheckpointError, Zero3Error
+from zero3_offload.integrations.merged_lora_state import MergedLoraState
 from zero3_offload.integrations.pretrained_writer import write_pretrained
 from zero3_offload.logging import get_logger
 
@@ -26,7 +27,7 @@ async def save_pretrained(
     directory: str | os.PathLike[str],
     *,
     model_config: Any,
-    full_state: FullState,
+    full_state: FullState | MergedLoraState,
     comm: Collectives,
     max_shard_bytes: int,
     dtype: torch.dtype,
