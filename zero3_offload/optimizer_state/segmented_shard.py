@@ -161,8 +161,8 @@ class SegmentedShard:
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the layer's state with ``state`` (copies on the master's device, of the
-        keys this rank's segments keep), in place; an empty ``state`` is a fresh start (the optimizers are made again, with
-        what their constructors put in the state)."""
+        keys this rank's segments keep), in place; an empty ``state`` is a fresh start
+        (the optimizers are made again, with what their constructors put in the state)."""
         self.state.clear()
         device = self._master.device
         # The keys this rank's segments keep (a checkpoint's scalars come from any rank).
