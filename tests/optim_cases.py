@@ -64,21 +64,6 @@ def named_groups(rule: str | None, model: nn.Module) -> list[dict[str, Any]] | N
     raise KeyError(rule)
 
 
-class NormalizedSGD(torch.optim.Optimizer):
-    """SGD on the gradient divided by its norm: not element-wise (it reduces over each
-    tensor), so the manager must refuse it."""
-
-    def __init__(self, params: Any, lr: float = 1e-3) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
-
-
 @attrs.frozen
 class OptimCase:
     """One training run: the config's optimizer, its groups and config fields."""

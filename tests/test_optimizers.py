@@ -86,7 +86,7 @@ REFUSED: dict[str, tuple[OptimCase, tuple[str, ...]]] = {
     "LBFGS": (OptimCase("torch.optim.LBFGS"), ("ConfigError", "LBFGS", "closure")),
     "SparseAdam": (OptimCase("torch.optim.SparseAdam"), ("ConfigError", "sparse gradients")),
     "not element-wise": (
-        OptimCase("optim_cases.NormalizedSGD"),
+        OptimCase("helpers.NormalizedSGD"),
         ("ConfigError", "NormalizedSGD", "not element-wise"),
     ),
     "Muon on a vector": (
@@ -118,12 +118,20 @@ def _resume(saved: Path) -> OptimCase:
     return OptimCase(groups="muon", first_micro=MICRO, micro_steps=MICRO, load_dir=str(saved))
 
 
+def _on_disk(root: Path) -> OptimCase:
+    """HF's decay split with the masters and state in the disk tier's files."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = {"offload_optimizer_device": "nvme", "nvme_path": str(root)}
+    return OptimCase(groups="decay", micro_steps=MICRO, config=config)
+
+
 @pytest.fixture(scope="module")
 def runs2(saved: Path) -> dict[str, list[Any]]:
     extra: dict[str, tuple[Any, ...]] = {
         f"refused:{name}": (refusal, case) for name, (case, _) in REFUSED.items()
     }
     extra["save"] = (guarded, train_case, OptimCase(**MUON, save_dir=str(saved)))
+    extra["decay-on-disk"] = (guarded, train_case, _on_disk(saved.parent / "nvme"))
     extra["chain"] = (guarded, train_chain, CHAIN_STEPS, 8)
     extra["resume"] = (guarded, train_case, _resume(saved))
     return run_named(2, _calls(extra))
@@ -167,6 +175,12 @@ def test_parameter_groups_train_like_plain_torch(
 ) -> None:
     case, tol = GROUPS[name]
     assert_trains_like_torch([unwrap(r) for r in runs[name]], case, tol)
+
+
+def test_parameter_groups_on_the_disk_tier(runs2: dict[str, list[Any]], saved: Path) -> None:
+    # Segmented shards whose state the disk tier streams through its buffers.
+    results = [unwrap(r) for r in runs2["decay-on-disk"]]
+    assert_trains_like_torch(results, _on_disk(saved.parent / "nvme"), 1e-4)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

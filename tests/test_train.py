@@ -266,6 +266,7 @@ def test_deepspeed_config_maps_keys_and_lists_the_rest(tmp_path: Path, capsys) -
     assert zero3["optimizer"] | {"fused": None} == {
         "kind": "adamw", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
         "momentum": 0.0, "dampening": 0.0, "nesterov": False, "amsgrad": False, "fused": None,
+        "options": {},
     }  # fmt: skip
     for key in UNSUPPORTED:  # one line each, then all of them in one list
         assert re.search(rf"^{re.escape(str(ds))}: unsupported key {re.escape(key)}=", err, re.M)

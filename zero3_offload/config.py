@@ -473,9 +473,8 @@ def check_optimizer_options(
 
 
 def _as_options(value: object) -> object:
-    if isinstance(value, Mapping):
-        return types.MappingProxyType(dict(value))
-    return value
+    # A copy: the caller's mapping may change later (it is not read again).
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 _check_options = rule(

@@ -218,6 +218,7 @@ class ShardCheckpointer:
                     streamed=streamed,
                     param_optimizers=self.optimizer.param_optimizers(),
                     owned={name: names for name, names in owned.items() if names},
+                    uneven=self.optimizer.uneven_state(),
                 ),
             )
             k = self.config.gradient_accumulation_steps

@@ -100,6 +100,7 @@ def read_shards(
     streamed: bool = False,
     param_optimizers: Mapping[str, str] | None = None,
     owned: Mapping[str, list[str]] | None = None,
+    uneven: bool = False,
 ) -> LoadedShards:
     """Read this rank's slices (per its current layouts) of the checkpoint in ``directory``.
 
@@ -117,6 +118,8 @@ def read_shards(
         owned: layer -> names (in the layer) of the whole parameters this rank owns now;
             their state is read from whichever rank's file holds it (see [Note: owned
             parameters]), so it loads at any world size.
+        uneven: the ranks' files may hold different tensors (parameter groups cut the
+            shards into segments, or whole parameters are owned): read every file's keys.
 
     Raises:
         CheckpointError: for missing, truncated or corrupt files, another model's
@@ -127,7 +130,9 @@ def read_shards(
     _check_optimizers(meta, optimizer_kind, param_optimizers or {}, directory / METADATA)
     world = meta["world_size"]
     reader = ShardReader(directory, world)
-    keys = reader.layer_keys()
+    # Every rank's file holds the same tensors unless the state is uneven across ranks
+    # (segmented shards, whole parameters): then every file's keys are read.
+    keys = reader.layer_keys() if uneven else reader.keys(0)
     with_params = {name: lay for name, lay in layouts.items() if lay.numel}
     # Each layer's shard length in the saved world (the saved files' tensor length).
     old_shards = {name: -(-lay.numel // world) for name, lay in with_params.items()}

@@ -399,16 +399,19 @@ def _check_scalars(
 ) -> None:
     """The element-wise groups of one layer share its scalar state (``step``, NAdam's
     ``mu_product``, ...): refuse groups of one layer whose scalars would differ."""
+    traces: dict[int, tuple[float, ...]] = {}  # group -> its probe's scalars
     for layer, lay_plan in plan.layers.items():
         if lay_plan.fast is not None:
             continue
-        seen: dict[str, tuple[ResolvedGroup, float]] = {}
+        seen: dict[str, tuple[ResolvedGroup, tuple[float, ...]]] = {}
         for g in dict.fromkeys(of[param_key(layer, s.name)] for s in layouts[layer].slots):
             group = plan.groups[g]
             kind = group.kind
             if kind.shape_aware or not kind.scalar_keys:
                 continue
-            trace = kind.scalar_trace(group.overrides, group.lr_scale)
+            if g not in traces:
+                traces[g] = kind.scalar_trace(group.overrides, group.lr_scale)
+            trace = traces[g]
             for i, key in enumerate(kind.scalar_keys):
                 values = trace[i :: len(kind.scalar_keys)]
                 if key in seen and seen[key][1] != values:

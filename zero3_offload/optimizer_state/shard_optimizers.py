@@ -172,6 +172,11 @@ class ShardOptimizers:
         """Each trainable parameter's optimizer class by full name (empty without a plan)."""
         return {} if self._plan is None else self._plan.param_optimizers()
 
+    def uneven_state(self) -> bool:
+        """Whether the ranks may keep different state tensors of a layer (segmented
+        shards, whole parameters at their owners; see [Note: segmented shards])."""
+        return bool(self._segmented) or self.owned is not None
+
     def owned_state(self, layer: str) -> dict[str, torch.Tensor]:
         """The state of ``layer``'s whole parameters this rank owns (see [Note: owned
         parameters]), ``{"<param>.<key>": tensor}``."""
