@@ -251,8 +251,8 @@ def chain_reference(steps: int, batch_size: int) -> dict[str, Any]:
 
 
 async def train_chain(ctx: RankContext, steps: int, batch_size: int) -> dict[str, Any]:
-    """Chain mode with ``chain_groups``: updates start during backward (speculatively,
-    under clipping) for the element-wise parameters; the whole ones wait for the step."""
+    """Chain mode with ``chain_groups``: the units without whole parameters update
+    during backward (speculatively, under clipping); the blocks wait for the step."""
     from helpers import make_batches, make_model, train_step
 
     model = make_model()

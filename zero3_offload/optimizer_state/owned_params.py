@@ -22,8 +22,9 @@ gathers before this layer's block), so every rank launches the same ones in the 
 order while one layer steps and the next one's gathers are in flight; at most two
 layers' gathered buffers are held. The element-wise parameters of the same layer are
 updated on the shard as usual. The cost per such layer and update: about three times
-its fp32 size received per rank, and the owners' update time. These updates never
-start during backward (they run in ``optimizer_step``), and the disk tier
+its fp32 size received per rank, and the owners' update time. A layer holding such
+parameters never updates during backward (its collectives would interleave with the
+backward's): the step runner leaves it to ``optimizer_step``. The disk tier
 (``offload_optimizer_device="nvme"``) refuses them.
 """
 
