@@ -467,3 +467,26 @@ def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(tmp_path
     resumed = ok(train("--world-size", "2", "--steps", str(killed + 2), "--out", str(run),
                        "--resume", *SMALL))  # fmt: skip
     assert set(steps(resumed)) == {killed + 1, killed + 2}
+
+
+def test_any_torch_optimizer_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys,
+        "--print-config",
+        "--optimizer-kind",
+        "torch.optim.RMSprop",
+        "--optimizer-options",
+        '{"alpha": 0.9, "centered": true}',
+    )
+    assert code == 0, err
+    optimizer = json.loads(out)["zero3"]["optimizer"]
+    assert optimizer["kind"] == "torch.optim.RMSprop"
+    assert optimizer["options"] == {"alpha": 0.9, "centered": True}
+    code, _, err = run_cli(
+        capsys, "--optimizer-kind", "torch.optim.RMSprop", "--optimizer-options", "[1]"
+    )
+    assert code == 2 and "JSON object" in err
+    code, _, err = run_cli(
+        capsys, "--optimizer-kind", "torch.optim.RMSprop", "--optimizer-options", '{"alfa": 1}'
+    )
+    assert code == 2 and "takes alpha" in err

@@ -141,3 +141,16 @@ def test_parameters_may_be_given_as_tensors() -> None:
 def test_bad_groups_are_refused(groups: list, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
         _plan(groups)
+
+
+def test_train_command_splits_decay_only_when_there_is_one() -> None:
+    from zero3_offload.train.decay_split import trainer_param_groups
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    decay, no_decay = trainer_param_groups(model, OptimizerConfig(weight_decay=0.1))
+    assert decay == {"params": ["0.weight"]}  # the config's weight decay applies
+    assert no_decay == {"params": ["0.bias", "1.weight", "1.bias"], "weight_decay": 0.0}
+    assert trainer_param_groups(model, OptimizerConfig(weight_decay=0.0)) is None
+    assert trainer_param_groups(model, OptimizerConfig(kind="torch.optim.Rprop")) is None
+    # A dotted kind's own default weight decay (AdamW: 0.01) is split too.
+    assert trainer_param_groups(model, OptimizerConfig(kind="torch.optim.AdamW")) is not None

@@ -108,7 +108,7 @@ class LayerPlan:
     segments: tuple[Segment, ...]  # this rank's segments (empty when fast)
     owned: tuple[OwnedSlot, ...]  # parameters updated whole (every rank lists all)
     full_keys: tuple[str, ...]  # the per-element state tensors this layer keeps
-    scalar_bytes: int  # bytes of the layer's scalar state
+    scalar_bytes: int  # bytes of the layer's scalar state on this rank
     block: int  # elements of the largest owner's block of this layer's exchange
 
 
