@@ -121,6 +121,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ plain PyTorch reference
 
 
+class NormalizedSGD(torch.optim.Optimizer):
+    """SGD on the gradient divided by its norm: not element-wise (it reduces over each
+    tensor), so the manager must refuse it."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
+
+
 def make_torch_optimizer(kind: str, params: object, **kw: float) -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=kw.get("weight_decay", 0.0))

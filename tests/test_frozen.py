@@ -58,6 +58,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
     "lora-model-ckpt": ("llama", "lora", {}, "reentrant"),
     "lora-nf4": ("llama", "lora", {"frozen_compression": "nf4"}, None),
     "lora-bf16": ("qwen2", "lora", {"frozen_compression": "bf16"}, None),
+    "lora-plus": ("llama", "lora", {}, None),
     "frozen-embedding": ("llama", "embedding", {"keep_gathered_for_backward": False}, None),
     "last-two-layers": ("llama4", "last-two", {"keep_gathered_for_backward": False}, None),
     "trainable-llama4": ("llama4", "none", {"keep_gathered_for_backward": False}, None),
@@ -118,6 +119,37 @@ def stored(variant: str, t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+LORA_PLUS = 16.0  # LoRA+: the B matrices at 16 times the learning rate
+
+
+def groups_of(variant: str, model: nn.Module) -> list[dict[str, Any]] | None:
+    """The variant's parameter groups, by name (LoRA+: B matrices at ``LORA_PLUS`` x lr)."""
+    if variant != "lora-plus":
+        return None
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [n for n in names if "lora_B" in n], "lr_scale": LORA_PLUS},
+        {"params": [n for n in names if "lora_B" not in n]},
+    ]
+
+
+def plain_optimizer(variant: str, model: nn.Module) -> torch.optim.Optimizer:
+    """torch's AdamW with the variant's groups (group lr = LR x lr_scale)."""
+    by_name = dict(model.named_parameters())
+    groups = groups_of(variant, model)
+    if groups is None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    return torch.optim.AdamW(
+        [
+            {"params": [by_name[n] for n in g["params"]], "lr": LR * g.get("lr_scale", 1.0)}
+            for g in groups
+        ],
+        lr=LR,
+        weight_decay=0.0,
+    )
+
+
 def kind_of(variant: str) -> str:
     arch = VARIANTS[variant][0]
     return "llama" if arch == "llama4" else arch
@@ -133,7 +165,7 @@ def plain(variant: str) -> dict[str, Any]:
             if not p.requires_grad:
                 p.copy_(stored(variant, p))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    opt = plain_optimizer(variant, model)
     kind = kind_of(variant)
     losses = []
     for i in range(MICRO_STEPS):
@@ -163,7 +195,12 @@ async def train_frozen(
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
         "frozen_sizes": [p.numel() for p in model.parameters() if not p.requires_grad],
     }
-    manager = Zero3CpuOffloadManager(make_config(VARIANTS[variant][2]), ctx.group, model)
+    manager = Zero3CpuOffloadManager(
+        make_config(VARIANTS[variant][2]),
+        ctx.group,
+        model,
+        param_groups=groups_of(variant, model),
+    )
     kind = kind_of(variant)
     losses, counts = [], []
     for i in range(MICRO_STEPS):

@@ -268,6 +268,7 @@ def test_deepspeed_config_maps_keys_and_lists_the_rest(tmp_path: Path, capsys) -
     assert zero3["optimizer"] | {"fused": None} == {
         "kind": "adamw", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
         "momentum": 0.0, "dampening": 0.0, "nesterov": False, "amsgrad": False, "fused": None,
+        "options": {},
     }  # fmt: skip
     for key in UNSUPPORTED:  # one line each, then all of them in one list
         assert re.search(rf"^{re.escape(str(ds))}: unsupported key {re.escape(key)}=", err, re.M)
@@ -468,3 +469,26 @@ def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(tmp_path
     resumed = ok(train("--world-size", "2", "--steps", str(killed + 2), "--out", str(run),
                        "--resume", *SMALL))  # fmt: skip
     assert set(steps(resumed)) == {killed + 1, killed + 2}
+
+
+def test_any_torch_optimizer_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys,
+        "--print-config",
+        "--optimizer-kind",
+        "torch.optim.RMSprop",
+        "--optimizer-options",
+        '{"alpha": 0.9, "centered": true}',
+    )
+    assert code == 0, err
+    optimizer = json.loads(out)["zero3"]["optimizer"]
+    assert optimizer["kind"] == "torch.optim.RMSprop"
+    assert optimizer["options"] == {"alpha": 0.9, "centered": True}
+    code, _, err = run_cli(
+        capsys, "--optimizer-kind", "torch.optim.RMSprop", "--optimizer-options", "[1]"
+    )
+    assert code == 2 and "JSON object" in err
+    code, _, err = run_cli(
+        capsys, "--optimizer-kind", "torch.optim.RMSprop", "--optimizer-options", '{"alfa": 1}'
+    )
+    assert code == 2 and "takes alpha" in err

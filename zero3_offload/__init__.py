@@ -41,6 +41,7 @@ from zero3_offload.errors import (
 )
 from zero3_offload.manager import Zero3CpuOffloadManager
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
+from zero3_offload.optimizer_state.decay_groups import decay_param_groups
 from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.prefetch.status import PrefetchQueueStatus
 from zero3_offload.stats.performance import Zero3PerformanceStats
@@ -73,6 +74,7 @@ __all__ = [
     "Zero3RankMapping",
     "__version__",
     "consolidate_checkpoint",
+    "decay_param_groups",
     "destroy_process_group",
     "init_process_group",
     "init_process_group_from_env",

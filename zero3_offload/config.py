@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import enum
 import functools
+import importlib
 import inspect
 import itertools
 import math
@@ -28,7 +29,7 @@ import re
 import textwrap
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -381,15 +382,132 @@ _check_betas = rule(
     ),
 )
 _OPTIMIZER_KINDS = ("adamw", "adam", "sgd")
-_check_kind = rule("must be 'adamw', 'adam' or 'sgd'", lambda v: v in _OPTIMIZER_KINDS)
+BUILTIN_OPTIMIZERS = types.MappingProxyType(
+    {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
+)
+"""The short kinds and the torch class each names."""
+# Constructor arguments the library sets itself: the learning rate (``learning_rate *
+# lr_scale``), the kernel (``OptimizerConfig.fused``) and the parameters.
+RESERVED_OPTIONS = frozenset({"params", "lr", "fused", "foreach"})
+_check_kind = rule(
+    "must be 'adamw', 'adam', 'sgd' or the dotted name of a torch.optim.Optimizer subclass "
+    "(e.g. 'torch.optim.RMSprop')",
+    lambda v: isinstance(v, str) and (v in _OPTIMIZER_KINDS or "." in v),
+)
+
+
+def optimizer_class(kind: str) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim.Optimizer`` subclass ``kind`` names: a short kind or a dotted name
+    (its module is imported).
+
+    Raises:
+        ConfigError: when the name cannot be imported or is not an optimizer class.
+    """
+    dotted = BUILTIN_OPTIMIZERS.get(kind, kind)
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            f"optimizer kind={kind!r} is invalid: cannot import {dotted} ({exc})"
+        ) from None
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"optimizer kind={kind!r} is invalid: {dotted} is not a torch.optim.Optimizer subclass"
+        )
+    return found
+
+
+def optimizer_label(cls: type) -> str:
+    """``cls``'s dotted name as users write it (``torch.optim.RMSprop``)."""
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def optimizer_option_names(cls: type[torch.optim.Optimizer]) -> tuple[str, ...]:
+    """The options ``cls``'s constructor takes, without the ones the library sets."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(
+        name
+        for name, p in params.items()
+        if name != "self"
+        and name not in RESERVED_OPTIONS
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    )
+
+
+def _json_safe(value: object) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return not isinstance(value, float) or math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_json_safe(v) for v in value)
+    return False
+
+
+def check_optimizer_options(
+    cls: type[torch.optim.Optimizer], options: Mapping[str, Any], where: str
+) -> None:
+    """Refuse options ``cls``'s constructor does not take, the ones the library sets, and
+    values that are not JSON-safe (they are saved in checkpoints).
+
+    Raises:
+        ConfigError: naming ``where``, the option and what is allowed.
+    """
+    valid = optimizer_option_names(cls)
+    name = optimizer_label(cls)
+    for key, value in options.items():
+        if key == "lr":
+            fail(
+                f"{where}lr",
+                value,
+                "the learning rate is optimizer_step's learning_rate (times a parameter "
+                "group's lr_scale); give lr_scale instead",
+            )
+        if key in RESERVED_OPTIONS:
+            fail(f"{where}{key}", value, "the kernel is chosen by OptimizerConfig.fused")
+        if key not in valid:
+            fail(f"{where}{key}", value, f"{name} takes {', '.join(valid) or 'no options'}")
+        if not _json_safe(value):
+            fail(
+                f"{where}{key}",
+                value,
+                "must be None, a bool, a number, a str, or a list of them (it is saved "
+                "in checkpoints as JSON)",
+            )
+
+
+def _as_options(value: object) -> object:
+    # A copy: the caller's mapping may change later (it is not read again).
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+_check_options = rule(
+    "must be a mapping of option names to values",
+    lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+)
 
 
 @attrs.frozen(kw_only=True)
 class OptimizerConfig:
     """Optimizer applied to each rank's shard; rules are those of ``torch.optim``."""
 
-    kind: Literal["adamw", "adam", "sgd"] = attrs.field(default="adamw", validator=_check_kind)
-    """Update rule: ``torch.optim.AdamW``, ``Adam`` or ``SGD`` semantics."""
+    kind: str = attrs.field(default="adamw", validator=_check_kind)
+    """Update rule: ``"adamw"``, ``"adam"`` or ``"sgd"`` (``torch.optim.AdamW``, ``Adam``,
+    ``SGD``, with the fields below), or the dotted name of any ``torch.optim.Optimizer``
+    subclass (e.g. ``"torch.optim.RMSprop"``, ``"torch.optim.Muon"``) with its constructor
+    arguments in ``options``. Element-wise optimizers update the flat shards; Adafactor
+    and Muon update each parameter whole at one owning rank; others are refused with the
+    reason (see docs/optimizers.md)."""
+    options: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_as_options, validator=_check_options, hash=False
+    )
+    """Constructor arguments of a dotted ``kind`` (e.g. ``{"alpha": 0.9}``), without ``lr``
+    (the learning rate is ``optimizer_step``'s) and the kernel flags; JSON values only.
+    Empty for the short kinds, which take the fields below."""
     betas: tuple[float, float] = attrs.field(
         default=(0.9, 0.999), converter=_as_betas, validator=_check_betas
     )
@@ -411,6 +529,16 @@ class OptimizerConfig:
     the fastest available for the device (None)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.kind not in _OPTIMIZER_KINDS:
+            self._check_dotted()
+            return
+        if self.options:
+            fail(
+                "options",
+                dict(self.options),
+                f"applies to a dotted kind; kind={self.kind!r} takes the fields "
+                "(weight_decay, betas, ...)",
+            )
         if self.kind != "sgd":
             for name in ("momentum", "dampening", "nesterov"):
                 if getattr(self, name):
@@ -429,6 +557,34 @@ class OptimizerConfig:
                 f"(got momentum={self.momentum}, dampening={self.dampening})",
             )
 
+    def _check_dotted(self) -> None:
+        cls = optimizer_class(self.kind)
+        for field in attrs.fields(type(self)):
+            if field.name in ("kind", "options", "fused"):
+                continue
+            if getattr(self, field.name) != field.default:
+                fail(
+                    field.name,
+                    getattr(self, field.name),
+                    f"applies to kind 'adamw', 'adam' or 'sgd'; with kind={self.kind!r} give "
+                    f"the constructor's arguments in options",
+                )
+        check_optimizer_options(cls, self.options, "options.")
+
+    def class_name(self) -> str:
+        """The dotted name of the torch class (``"torch.optim.AdamW"`` for ``"adamw"``)."""
+        return BUILTIN_OPTIMIZERS.get(self.kind, self.kind)
+
+    def torch_options(self) -> dict[str, Any]:
+        """The constructor arguments of the torch optimizer (without ``lr`` and the kernel)."""
+        if self.kind not in _OPTIMIZER_KINDS:
+            return dict(self.options)
+        if self.kind == "sgd":
+            names = ("momentum", "dampening", "weight_decay", "nesterov")
+        else:
+            names = ("betas", "eps", "weight_decay", "amsgrad")
+        return {name: getattr(self, name) for name in names}
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerConfig:
         """Build from a mapping of field names (e.g. parsed JSON).
@@ -442,6 +598,9 @@ class OptimizerConfig:
         """Return the fields as a JSON-safe dict (``betas`` as a list)."""
         out = attrs.asdict(self)
         out["betas"] = list(self.betas)
+        out["options"] = {
+            k: list(v) if isinstance(v, tuple) else v for k, v in self.options.items()
+        }
         return out
 
 

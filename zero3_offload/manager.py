@@ -38,6 +38,7 @@ from zero3_offload.execution.chain_runner import ChainRunner, forward_phase
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.logging import get_logger
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
+from zero3_offload.optimizer_state.optimizer_plan import ParamGroup
 from zero3_offload.parameter.flat_layout import owned_numel, total_numel
 from zero3_offload.parameter.meta_init import InitFn, ShardSource, reset_parameters_in_order
 from zero3_offload.prefetch.status import PrefetchQueueStatus
@@ -100,10 +101,19 @@ class Zero3CpuOffloadManager:
         shard_source: ``source(layer, layout)`` returns this rank's fp32
             shard of each layer (e.g. read from pretrained weight files, as
             :meth:`from_pretrained` does) instead of broadcasting rank 0's values.
+        param_groups: torch's parameter groups, ``[{"params": [...], option: value,
+            ...}]``: parameters or their ``named_parameters()`` names, options over
+            the config's optimizer's, ``"lr_scale"`` (the group's learning rate is
+            ``learning_rate * lr_scale``) and ``"optimizer"`` (the group's own, e.g.
+            ``"torch.optim.Muon"``). Parameters in no group keep the config's. See
+            [Note: parameter groups] in ``optimizer_state.optimizer_plan``.
 
     Raises:
-        ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
-        InputError: when the model cannot be partitioned.
+        ConfigError: when the config cannot run here (e.g. CUDA asked but absent),
+            or a parameter group is invalid or names an optimizer that cannot run
+            on shards (the message says why).
+        InputError: when the model cannot be partitioned, or a parameter group names
+            something that is not a parameter of the model, or a parameter twice.
         MemoryBudgetError: when the shards or a layer do not fit their budget.
         CommunicationError: when the initial broadcast fails.
     """
@@ -117,9 +127,16 @@ class Zero3CpuOffloadManager:
         init_fn: InitFn = reset_parameters_in_order,
         units: Sequence[UnitSpec] | None = None,
         shard_source: ShardSource | None = None,
+        param_groups: Sequence[ParamGroup] | None = None,
     ) -> None:
         self._engine = build_engine(
-            config, process_group, model, init_fn=init_fn, units=units, shard_source=shard_source
+            config,
+            process_group,
+            model,
+            init_fn=init_fn,
+            units=units,
+            shard_source=shard_source,
+            param_groups=param_groups,
         )
         self._state = StepState()
         self._closed = False
@@ -144,6 +161,7 @@ class Zero3CpuOffloadManager:
         *,
         seed: int | None = None,
         init_fn: InitFn = reset_parameters_in_order,
+        param_groups: Sequence[ParamGroup] | None = None,
     ) -> Zero3CpuOffloadManager:
         """Build the manager from a model constructed on the meta device.
 
@@ -160,7 +178,7 @@ class Zero3CpuOffloadManager:
         """
         if seed is not None:
             torch.manual_seed(seed)
-        return cls(config, process_group, model, init_fn=init_fn)
+        return cls(config, process_group, model, init_fn=init_fn, param_groups=param_groups)
 
     @classmethod
     def from_pretrained(
@@ -170,6 +188,7 @@ class Zero3CpuOffloadManager:
         path: str | os.PathLike[str],
         *,
         units: Sequence[UnitSpec] | None = None,
+        param_groups: Sequence[ParamGroup] | None = None,
         peft_config: Any = None,
         seed: int = 0,
     ) -> Zero3CpuOffloadManager:
@@ -186,6 +205,8 @@ class Zero3CpuOffloadManager:
             process_group: the group whose ranks share the model.
             path: the model directory.
             units: as for the constructor (default: the model's ``_no_split_modules``).
+            param_groups: as for the constructor; give parameter names (the model is
+                built here).
             peft_config: a peft config (e.g. ``LoraConfig``): the model is that peft model
                 over the loaded base, whose frozen weights each rank reads by slices
                 (see [Note: peft from pretrained]).
@@ -211,7 +232,12 @@ class Zero3CpuOffloadManager:
         )
         with opened as pretrained:
             manager = cls(
-                config, process_group, pretrained.model, units=units, shard_source=pretrained.shard
+                config,
+                process_group,
+                pretrained.model,
+                units=units,
+                shard_source=pretrained.shard,
+                param_groups=param_groups,
             )
         log.info(
             "pretrained_loaded",

@@ -77,6 +77,8 @@ class ShardCheckpointer:
         tensors = {f"{layer}.master": self.params.master(layer)}
         for key, value in self.optimizer.layer_state(layer).items():
             tensors[f"{layer}.optim.{key}"] = value
+        for key, value in self.optimizer.owned_state(layer).items():
+            tensors[f"{layer}.owned.{key}"] = value  # whole parameters: this rank's only
         grad = self.grads.get(layer)
         if grad is not None:
             tensors[f"{layer}.grad"] = grad
@@ -149,6 +151,7 @@ class ShardCheckpointer:
             "frozen_layers": frozen_metadata(self.layouts),
             "frozen_saved": frozen_saved,
             "optimizer": self.config.optimizer.to_dict(),
+            "param_optimizers": self.optimizer.param_optimizers(),
             "scalar_state": scalar_state,
             **self.counter.state_dict(),  # optimizer_steps, timeline_step, calls_since_update
             "backward_passes": self.grads.micro_steps,
@@ -242,12 +245,19 @@ class ShardCheckpointer:
             kind = self.config.optimizer.kind
             # With the disk tier, layer by layer in restore: the state may not fit memory.
             streamed = self.optimizer.tier is not None
+            owned = {name: self.optimizer.owned_names(name) for name in self.optimizer.layers()}
             loaded = await self.workers.run(
                 "checkpoint-read",
                 "",
                 Phase.STEP,
                 lambda: read_shards(
-                    directory, self.layouts, optimizer_kind=kind, streamed=streamed
+                    directory,
+                    self.layouts,
+                    optimizer_kind=kind,
+                    streamed=streamed,
+                    param_optimizers=self.optimizer.param_optimizers(),
+                    owned={name: names for name, names in owned.items() if names},
+                    uneven=self.optimizer.uneven_state(),
                 ),
             )
             k = self.config.gradient_accumulation_steps
@@ -300,6 +310,7 @@ class ShardCheckpointer:
                 self.params.master(layer).copy_(master)
                 self.params.refresh_compute_copy(layer)
                 self.optimizer.load_layer_state(layer, state)
+            self.optimizer.load_owned_state(layer, loaded.owned.get(layer, {}))
             del master, state  # not alive while the next layer is read
         for layer, values in loaded.frozen.items():
             await self.workers.run(

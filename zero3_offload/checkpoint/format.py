@@ -8,11 +8,15 @@ shapes and offsets, world size, step counters, loss-scaler state, config,
 library version) and one safetensors file per rank,
 ``rank-RRRRR-of-NNNNN.safetensors``, with that rank's 1-D shards:
 ``{layer}.master`` (fp32), ``{layer}.optim.{key}`` (optimizer state: per-element
-moments are shards like the master, ``step`` is a scalar), ``{layer}.grad``
+moments are shards like the master, ``step`` is a scalar), ``{layer}.owned.{param}.{key}``
+(the state of a whole parameter a shape-aware optimizer updates, in its owner's file
+only, with its own shape; see [Note: owned parameters]), ``{layer}.grad``
 (accumulated gradient, only inside a window), and ``{layer}.frozen`` (the frozen
 parameters' values as gathers decode them, in their storage dtype or, for a
 block-wise format, the compute dtype; laid out as ``frozen_layers`` in the
 metadata says, with its ``align``; absent when saved with ``include_frozen=False``).
+``metadata.json`` also names each parameter's optimizer class (``param_optimizers``);
+a load refuses a parameter whose optimizer differs.
 
 safetensors rather than ``torch.distributed.checkpoint``: DCP stores its
 metadata with pickle, and loading must never unpickle; safetensors files hold
@@ -36,8 +40,10 @@ on every rank and undoes the save. The next successful save deletes
 Load at any world size: a layer's flat padded buffer is the concatenation of
 the saved shards, so each rank reads exactly the slice ``[r*S', (r+1)*S')`` it
 owns now (padding beyond the real elements is zero) from whichever files hold
-it, with ``safe_open(...).get_slice``. Everything is read and checked before
-any state changes; ranks agree (all-reduce) before committing.
+it, with ``safe_open(...).get_slice``. A scalar, and a whole parameter's state, is
+read from the first file that holds it (owners change with the world size).
+Everything is read and checked before any state changes; ranks agree (all-reduce)
+before committing.
 """
 
 from __future__ import annotations
@@ -199,6 +205,11 @@ def _check_schema(meta: dict[str, Any], file: Path) -> None:
         raise bad("layers must be a list and optimizer an object")
     if not isinstance(optimizer.get("kind"), str):
         raise bad("optimizer.kind must be a string")
+    param_optimizers = meta.get("param_optimizers", {})
+    if not isinstance(param_optimizers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in param_optimizers.items()
+    ):
+        raise bad("param_optimizers must map parameter names to optimizer names")
     scalars = meta.get("scalar_state", [])
     if not isinstance(scalars, list) or not all(isinstance(k, str) for k in scalars):
         raise bad("scalar_state must be a list of strings")

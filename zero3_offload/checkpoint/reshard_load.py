@@ -21,6 +21,7 @@ from zero3_offload.checkpoint.format import (
     read_metadata,
 )
 from zero3_offload.checkpoint.shard_reader import ShardReader
+from zero3_offload.config import BUILTIN_OPTIMIZERS
 from zero3_offload.errors import CheckpointError
 from zero3_offload.parameter.flat_layout import LayerLayout, saved_shard_numel
 
@@ -41,6 +42,8 @@ class LoadedShards:
     optim: dict[str, dict[str, torch.Tensor]]  # layer -> state key -> tensor
     grads: dict[str, torch.Tensor]  # layer -> 1D fp32 (only inside a window)
     meta: dict[str, Any]
+    # layer -> "<param>.<key>" -> the state of a whole parameter this rank owns now
+    owned: dict[str, dict[str, torch.Tensor]] = attrs.Factory(dict)
     names: list[str] = attrs.Factory(list)  # the layers with parameters, in order
     # layer -> this rank's frozen shard (fp32 values); empty when saved without them
     frozen: dict[str, torch.Tensor] = attrs.Factory(dict)
@@ -101,12 +104,37 @@ def _check_parts(
             )
 
 
+def _check_optimizers(
+    meta: dict[str, Any], optimizer_kind: str, current: Mapping[str, str], file: Path
+) -> None:
+    """Every parameter's optimizer class is the one it was saved with."""
+    saved_kind = meta["optimizer"]["kind"]
+    saved = meta.get("param_optimizers") or {}
+    if not current or not saved:  # without parameter groups' records: the config's kind
+        if BUILTIN_OPTIMIZERS.get(saved_kind, saved_kind) != BUILTIN_OPTIMIZERS.get(
+            optimizer_kind, optimizer_kind
+        ):
+            raise CheckpointError(
+                f"{file}: saved with optimizer {saved_kind!r}, the manager uses {optimizer_kind!r}"
+            )
+        return
+    for name, label in current.items():
+        if saved.get(name) != label:
+            raise CheckpointError(
+                f"{file}: parameter {name} was trained with optimizer {saved.get(name)!r}, "
+                f"the manager updates it with {label!r}; give it the same optimizer"
+            )
+
+
 def read_shards(
     directory: Path,
     layouts: Mapping[str, LayerLayout],
     *,
     optimizer_kind: str,
     streamed: bool = False,
+    param_optimizers: Mapping[str, str] | None = None,
+    owned: Mapping[str, list[str]] | None = None,
+    uneven: bool = False,
 ) -> LoadedShards:
     """Read this rank's slices (per its current layouts) of the checkpoint in ``directory``.
 
@@ -114,20 +142,31 @@ def read_shards(
     (every rank's holds the same tensors, in the saved shapes) and each layer's master
     and state are read when :meth:`LoadedShards.layer` asks for them.
 
+    Args:
+        directory: the checkpoint directory.
+        layouts: this rank's layouts now.
+        optimizer_kind: the config's optimizer kind.
+        streamed: read each layer's master and state when asked (the disk tier).
+        param_optimizers: each parameter's optimizer class now (see [Note: parameter
+            groups]); they must be the ones saved.
+        owned: layer -> names (in the layer) of the whole parameters this rank owns now;
+            their state is read from whichever rank's file holds it (see [Note: owned
+            parameters]), so it loads at any world size.
+        uneven: the ranks' files may hold different tensors (parameter groups cut the
+            shards into segments, or whole parameters are owned): read every file's keys.
+
     Raises:
         CheckpointError: for missing, truncated or corrupt files, another model's
             checkpoint, or another optimizer's state.
     """
     meta = read_metadata(directory)
     _check_layout(meta, layouts, directory / METADATA)
-    if meta["optimizer"]["kind"] != optimizer_kind:
-        raise CheckpointError(
-            f"{directory / METADATA}: saved with optimizer {meta['optimizer']['kind']!r}, "
-            f"the manager uses {optimizer_kind!r}"
-        )
+    _check_optimizers(meta, optimizer_kind, param_optimizers or {}, directory / METADATA)
     world = meta["world_size"]
     reader = ShardReader(directory, world)
-    keys = reader.keys(0)
+    # Every rank's file holds the same tensors unless the state is uneven across ranks
+    # (segmented shards, whole parameters): then every file's keys are read.
+    keys = reader.layer_keys() if uneven else reader.keys(0)
     with_params = {name: lay for name, lay in layouts.items() if lay.numel}
     # Each layer's shard length in the saved world (the saved files' tensor length).
     old_shards = {name: -(-lay.numel // world) for name, lay in with_params.items()}
@@ -158,8 +197,18 @@ def read_shards(
         names=list(with_params),
         frozen=_read_frozen(reader, meta, layouts, directory / METADATA),
     )
+    for name, params in (owned or {}).items():
+        found = {}
+        for param in params:
+            prefix = f"{name}.owned.{param}."
+            for key in keys:
+                field = key.removeprefix(prefix)
+                if key.startswith(prefix) and "." not in field:
+                    found[f"{param}.{field}"] = reader.whole(key)
+        if found:
+            loaded.owned[name] = found
     if streamed:
-        _check_shapes(reader, old_shards, keys, meta)
+        _check_shapes(reader, old_shards, reader.keys(0), meta)
         loaded.read_layer = read_layer
         return loaded
     for name in with_params:

@@ -48,11 +48,29 @@ class ShardReader:
         except Exception as exc:
             raise CheckpointError(f"{self._files[rank]}: cannot read {key} ({exc})") from exc
 
+    def layer_keys(self) -> set[str]:
+        """The tensors of every rank's file (a rank whose shard of a layer had no segment
+        of some optimizer, or owned no whole parameter, lacks their keys)."""
+        return set().union(*(self.keys(rank) for rank in range(self.world)))
+
+    def _holder(self, key: str) -> int:
+        for rank in range(self.world):
+            if key in self.keys(rank):
+                return rank
+        raise CheckpointError(f"{self._files[0].parent}: no shard file holds {key}")
+
     def scalar(self, key: str) -> torch.Tensor:
+        """A scalar state tensor, from the first rank's file that holds it (every rank
+        that holds one holds the same value)."""
+        return self.whole(key)
+
+    def whole(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` of the first rank's file that holds it, whole."""
+        rank = self._holder(key)
         try:
-            return self._open(0).get_tensor(key)
+            return self._open(rank).get_tensor(key)
         except Exception as exc:
-            raise CheckpointError(f"{self._files[0]}: cannot read {key} ({exc})") from exc
+            raise CheckpointError(f"{self._files[rank]}: cannot read {key} ({exc})") from exc
 
     def flat_range(self, key: str, old_shard: int, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flat buffer that ``key``'s shards make up.

@@ -45,12 +45,14 @@ from zero3_offload.memory.accounting import MemoryAccounting
 from zero3_offload.memory.allocator import trim_heap
 from zero3_offload.memory.budget import (
     CpuMemoryNeed,
+    LayerStateNeed,
     check_cpu_budget,
     cpu_memory_need,
-    full_size_state_keys,
 )
 from zero3_offload.memory.pressure import PressurePolicy
 from zero3_offload.optimizer_state.disk_tier import NvmeShardTier
+from zero3_offload.optimizer_state.optimizer_plan import OptimizerPlan, ParamGroup, plan_optimizer
+from zero3_offload.optimizer_state.owned_params import OwnedParams
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.optimizer_state.step_runner import StepRunner
@@ -203,13 +205,15 @@ def build_engine(
     init_fn: InitFn,
     units: Sequence[UnitSpec] | None = None,
     shard_source: ShardSource | None = None,
+    param_groups: Sequence[ParamGroup] | None = None,
 ) -> Engine:
     """Build every component of a manager (a collective: rank 0's values are broadcast).
 
     Module mode (see [Note: module mode] in ``execution.module_runner``) is
     chosen when ``units`` is given or the model names default units (a
     transformers model's ``_no_split_modules``); otherwise the model's children
-    (or the mapping) are a chain of layers.
+    (or the mapping) are a chain of layers. ``param_groups`` are torch's (see
+    [Note: parameter groups] in ``optimizer_state.optimizer_plan``).
 
     Raises:
         ConfigError: when the config cannot run here (e.g. CUDA asked but absent).
@@ -229,6 +233,16 @@ def build_engine(
         block_size=config.compression_block_size,
     )
     split = _split_model(model, units, mapping, frozen_codec.align)
+    plan = plan_optimizer(
+        config.optimizer,
+        param_groups,
+        layers=split.layers,
+        layouts=split.layouts,
+        rank=mapping.rank,
+        world_size=mapping.world_size,
+        device=torch.device("cpu") if config.offload_optimizer_states else device,
+        on_disk=config.offload_optimizer_device is OffloadDevice.NVME,
+    )
     counter, stats = StepCounter(), Zero3PerformanceStats()
     timeline = Timeline(rank=mapping.rank, counter=counter)
     comm = _build_comm(config, process_group, device, stats)
@@ -241,9 +255,9 @@ def build_engine(
             compute_dtype=config.compute_dtype,
             block_size=config.compression_block_size,
         )
-        disk = _open_disk_tiers(config, comm, split.layouts, codec, timeline, device)
+        disk = _open_disk_tiers(config, comm, split.layouts, plan, codec, timeline, device)
         cpu_need, params, gatherer, prefetch = _build_parameters(
-            config, comm, split, (codec, frozen_codec), disk, streams, timeline, device
+            config, comm, split, plan, (codec, frozen_codec), disk, streams, timeline, device
         )
         shard_initial_values(
             layers=split.layers,
@@ -268,7 +282,7 @@ def build_engine(
             streams=streams,
             workers=workers,
         )
-        return _build_training(basics, split, cpu_need, params, gatherer, prefetch, disk)
+        return _build_training(basics, split, plan, cpu_need, params, gatherer, prefetch, disk)
     except BaseException:
         disk.close()
         comm.close()  # the heartbeat and the side group of the check
@@ -331,6 +345,7 @@ def _build_parameters(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
     split: _Model,
+    plan: OptimizerPlan,
     codecs: tuple[ShardCodec, ShardCodec],
     disk: _DiskTiers,
     streams: CopyStreams,
@@ -341,15 +356,23 @@ def _build_parameters(
     (``codecs``: the compute copies' and the frozen shards'), the gatherer and the
     prefetch scheduler."""
     codec, frozen_codec = codecs
+    with_params = [name for name, lay in split.layouts.items() if lay.numel]
     cpu_need = cpu_memory_need(
         config,
-        [lay.shard_numel for lay in split.layouts.values() if lay.numel],
+        [split.layouts[name].shard_numel for name in with_params],
         device,
         disk_tier_buffers=_DISK_TIER_BUFFERS,
         disk_copy_buffers=_param_read_buffers(config),
         frozen_numels=[
             lay.frozen.shard_numel for lay in split.layouts.values() if lay.frozen is not None
         ],
+        layer_state=[
+            LayerStateNeed(
+                full_keys=plan.layers[name].full_keys, scalar_bytes=plan.layers[name].scalar_bytes
+            )
+            for name in with_params
+        ],
+        owned_state_bytes=plan.owned_state_bytes(),
     )
     check_cpu_budget(cpu_need, config.cpu_memory_budget)
     cpu = torch.device("cpu")
@@ -407,6 +430,7 @@ def _after_initial_values(disk: _DiskTiers) -> None:
 def _build_training(
     basics: _Basics,
     split: _Model,
+    plan: OptimizerPlan,
     cpu_need: CpuMemoryNeed,
     params: ParameterStore,
     gatherer: ParameterGatherer,
@@ -420,7 +444,9 @@ def _build_training(
     reducer, gradient_buffers, grads = _build_gradients(
         config, comm, layouts, gatherer, basics.streams, workers, timeline, device
     )
-    optimizer, backup, steps = _build_optimizer(config, layouts, params, grads, workers, comm, disk)
+    optimizer, backup, steps = _build_optimizer(
+        config, layouts, plan, params, grads, workers, comm, disk
+    )
     accounting = MemoryAccounting(
         params=params,
         gatherer=gatherer,
@@ -488,18 +514,27 @@ def _build_training(
 def _build_optimizer(
     config: Zero3CpuOffloadConfig,
     layouts: dict[str, LayerLayout],
+    plan: OptimizerPlan,
     params: ParameterStore,
     grads: GradientStore,
     workers: WorkerThreads,
     comm: Collectives,
     disk: _DiskTiers,
 ) -> tuple[ShardOptimizers, SpeculationBackup, StepRunner]:
-    """The per-shard optimizers, the speculative updates' backup and the step runner."""
+    """The per-shard optimizers (with the owners' whole-parameter updates), the
+    speculative updates' backup and the step runner."""
+    owned = None
+    if plan.has_owned():
+        owned = OwnedParams(
+            plan=plan, layouts=layouts, comm=comm, workers=workers, device=params.master_device
+        )
     optimizer = ShardOptimizers(
         cfg=config.optimizer,
         masters=[(name, params.master(name)) for name, lay in layouts.items() if lay.numel],
         device=params.master_device,
         tier=disk.tier,
+        plan=plan,
+        owned=owned,
     )
     backup = SpeculationBackup(optimizer=optimizer)
     steps = StepRunner(
@@ -648,6 +683,7 @@ def _open_disk_tiers(
     config: Zero3CpuOffloadConfig,
     comm: Collectives,
     layouts: dict[str, LayerLayout],
+    plan: OptimizerPlan,
     codec: ShardCodec,
     timeline: Timeline,
     device: torch.device,
@@ -670,7 +706,7 @@ def _open_disk_tiers(
             tier = NvmeShardTier(
                 directory=directory.path,
                 layers=shards,
-                state_keys=full_size_state_keys(config),
+                state_keys=plan.disk_state_keys(),
                 buffers=_DISK_TIER_BUFFERS,
                 io=WorkerThreads(threads=_DISK_TIER_IO_THREADS, timeline=timeline),
                 give_back=trim_heap,

@@ -185,6 +185,9 @@ class StepRunner:
         shard = await partitioner.finish(pending)
         await self._grads.commit_layer(pending.layer, shard)
         partitioner.forget_pending(pending.layer)
+        owned = self._optimizer.owned
+        if owned is not None and owned.has(pending.layer):
+            return  # whole-parameter updates run in optimizer_step (see [Note: owned parameters])
         if self._needs_validation():
             await self.update_layer(pending.layer, lr, self._grad_scale(), save=True)
             return
@@ -287,6 +290,9 @@ class StepRunner:
             if clipped and speculated:
                 await self._roll_back(speculated)
                 remaining += speculated
+        owned = self._optimizer.owned
+        if owned is not None:  # collectives: before any update task (see [Note: owned parameters])
+            await owned.update(remaining, self._optimizer.master, self._grads.get, lr)
         # The next forward's first layers go first; their gathers can then start
         # while the other layers update.
         remaining.sort(key=lambda name: name not in first)

@@ -57,7 +57,7 @@ _GROUPS = {
     "zero3": "ZeRO-3 configuration (the fields of Zero3CpuOffloadConfig)",
     "optimizer": "optimizer (the fields of OptimizerConfig; the learning rate is --lr)",
 }
-_METAVARS = {"int": "N", "size": "BYTES", "float": "X", "str": "VALUE"}
+_METAVARS = {"int": "N", "size": "BYTES", "float": "X", "str": "VALUE", "json": "JSON"}
 _PATH_METAVARS = {
     "out": "DIR",
     "data": "PATH",
@@ -74,6 +74,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"alpha\": 0.9}'")
+    return value
+
+
 def _add_flag(group: Any, option: Option) -> None:
     names = [option.flag, *option.aliases]
     common: dict[str, Any] = {
@@ -88,7 +98,9 @@ def _add_flag(group: Any, option: Option) -> None:
     elif option.kind == "betas":
         group.add_argument(*names, type=float, nargs=2, metavar=("B1", "B2"), **common)
     else:
-        convert = {"int": int, "size": _size, "float": float}.get(option.kind, str)
+        convert = {"int": int, "size": _size, "float": float, "json": _json_object}.get(
+            option.kind, str
+        )
         metavar = _PATH_METAVARS.get(option.name, _METAVARS.get(option.kind, "VALUE"))
         group.add_argument(*names, type=convert, metavar=metavar, **common)
 

@@ -37,6 +37,7 @@ from zero3_offload.integrations.meta_model import build_model_from_directory
 from zero3_offload.integrations.require import require_transformers
 from zero3_offload.manager import Zero3CpuOffloadManager
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
+from zero3_offload.train.decay_split import trainer_param_groups
 from zero3_offload.train.sources import OptionError
 
 __all__ = [
@@ -140,7 +141,9 @@ def build_manager(
 
     With weights: ``from_pretrained`` (each rank reads its slices). Without: the model
     is built eagerly from ``config.json`` after ``torch.manual_seed(seed)``, so every
-    rank draws the same values, and the manager keeps rank 0's.
+    rank draws the same values, and the manager keeps rank 0's. Either way the
+    parameters are in HF Trainer's default groups: no weight decay for biases and norm
+    weights (``train.decay_split``).
 
     Raises:
         ConfigError: when transformers is missing or cannot build the model.
@@ -148,10 +151,14 @@ def build_manager(
         MemoryBudgetError: when the shards do not fit their budget.
     """
     if has_weights(directory):
-        return Zero3CpuOffloadManager.from_pretrained(config, group, directory)
+        # The names of the groups, from the model built on meta (no weights read).
+        names = build_model_from_directory(directory, on_meta=True)
+        groups = trainer_param_groups(names, config.optimizer)
+        return Zero3CpuOffloadManager.from_pretrained(config, group, directory, param_groups=groups)
     torch.manual_seed(seed)
     model = build_model_from_directory(directory, on_meta=False)
-    return Zero3CpuOffloadManager(config, group, model)
+    groups = trainer_param_groups(model, config.optimizer)
+    return Zero3CpuOffloadManager(config, group, model, param_groups=groups)
 
 
 def load_tokenizer(directory: str | os.PathLike[str]) -> Any | None:

@@ -55,6 +55,7 @@ from zero3_offload.parameter.flat_layout import total_numel
 from zero3_offload.testing import RankContext
 from zero3_offload.train import hf
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
+from zero3_offload.train.decay_split import trainer_param_groups
 from zero3_offload.train.model import GPT, GPTShape
 from zero3_offload.train.options import TrainOptions
 from zero3_offload.train.progress import Reporter
@@ -381,7 +382,14 @@ async def train_rank(ctx: RankContext, run: RunSettings) -> RankResult:
         with torch.device("meta"):
             model = GPT(shape)
         try:
-            manager = Zero3CpuOffloadManager.from_meta(run.zero3, ctx.group, model, seed=opts.seed)
+            manager = Zero3CpuOffloadManager.from_meta(
+                run.zero3,
+                ctx.group,
+                model,
+                seed=opts.seed,
+                # HF Trainer's default: no weight decay for biases and norm weights.
+                param_groups=trainer_param_groups(model, run.zero3.optimizer),
+            )
         except (ConfigError, MemoryBudgetError) as exc:
             raise TrainError(flagify(str(exc))) from exc
         async with manager:

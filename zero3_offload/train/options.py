@@ -114,7 +114,7 @@ class Option:
     name: str  # key in --config files; flag is --name-with-dashes
     section: str  # "train", "zero3" or "optimizer"
     field: str  # the attrs field in its section
-    kind: str  # "bool", "optional_bool", "int", "size", "float", "str", "choice", "betas"
+    kind: str  # "bool", "optional_bool", "int", "size", "float", "str", "choice", "betas", "json"
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -167,8 +167,8 @@ def _kind(field: attrs.Attribute[Any], default: Any) -> tuple[str, tuple[str, ..
         return "choice", tuple(member.value for member in type(default))
     if isinstance(default, torch.dtype):
         return "choice", _DTYPE_CHOICES
-    if field.name == "kind":
-        return "choice", ("adamw", "adam", "sgd")
+    if field.name == "options":
+        return "json", ()
     if field.name == "log_level":
         return "choice", _LOG_LEVELS
     if isinstance(default, tuple):
