@@ -58,14 +58,15 @@ class Torch:
         if self.spec["kind"] == "fsdp2":
             from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-            pin = self.device.type == "cuda"  # pinned host memory for the copies
-            offload = self.options.get("cpu_offload")
-            kw = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
+            policy = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")  # pinned for CUDA
+            kw = {"offload_policy": policy} if self.options.get("cpu_offload") else {}
             by_layer = self.options.get("wrap") == "decoder_layers"
-            for module in [*(model.model.layers if by_layer else model.children()), model]:
+            hf = getattr(model, "get_base_model", lambda: model)()  # inside a peft wrapper
+            layers = hf.model.layers if by_layer else model.children()
+            for module in [*layers, model]:
                 fully_shard(module, **kw)
         self.model = model if self.spec["kind"] == "fsdp2" else model.to(self.device)
-        self.opt = self.adamw(model.parameters())
+        self.opt = self.adamw(p for p in model.parameters() if p.requires_grad)
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
         """``call``'s forward (awaited if async), then the loss (an HF model's own, from labels)."""
@@ -118,7 +119,7 @@ class DeepSpeed(Torch):
         config["optimizer"] = {"type": "AdamW", "params": adamw}
         config["zero_optimization"] = {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}
         config.update(gradient_accumulation_steps=1, gradient_clipping=0.0, steps_per_print=10**9)
-        self.model, params = model, model.parameters()
+        self.model, params = model, [p for p in model.parameters() if p.requires_grad]
         self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:

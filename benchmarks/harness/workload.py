@@ -20,6 +20,11 @@ DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_hea
 
 def build(dims: dict[str, Any]) -> torch.nn.Module:
     """The GPT (a vocabulary above 256 leaves rows unused) or the Llama of ``dims``."""
+    if r := dims.get("lora"):  # the Llama with LoRA of rank r on every projection, peft's way
+        from peft import LoraConfig, get_peft_model
+
+        proj = [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")]
+        return get_peft_model(build({**dims, "lora": 0}), LoraConfig(r=r, target_modules=proj))
     if dims.get("model") == "llama":
         from transformers import LlamaForCausalLM
 
@@ -43,7 +48,8 @@ def layer_params(dims: dict[str, Any]) -> dict[str, int]:
     with torch.device("meta"):
         model = build(dims)
     llama = dims.get("model") == "llama"
-    units = model.model.layers.named_children() if llama else model.named_children()
+    hf = getattr(model, "get_base_model", lambda: model)()  # inside a peft wrapper
+    units = hf.model.layers.named_children() if llama else model.named_children()
     out = {n: sum(p.numel() for p in m.parameters()) for n, m in units}
     root = sum(p.numel() for p in model.parameters()) - sum(out.values())
     return {**out, "root": root} if llama else out

@@ -17,19 +17,24 @@ LLAMA = dict(model="llama", d=1024, ffn=2816, n_layers=20, heads=16, kv_heads=8,
 TINY = {"d": 64, "ffn": 176, "n_layers": 2, "heads": 4, "kv_heads": 2, "seq": 64}
 MODELS = {  # name: (full dims, quick dims), indexed by args.quick
     "llama": ({**LLAMA, "seq": 128}, {**LLAMA, **TINY}),
+    "lora": ({**LLAMA, "seq": 128, "lora": 16}, {**LLAMA, **TINY, "lora": 4}),  # r=16, all proj
     "gpt": (dict(d=1024, heads=16, n_layers=24, seq=128), dict(d=128, heads=4, n_layers=2, seq=64)),
 }
 MODULE = System("zero3_offload module mode", "ours-module", WORLD, {})
 BY_LAYER = {"fused": True, "wrap": "decoder_layers"}  # torchtitan's: each decoder layer, the root
-LLAMA_PEERS = {"fsdp2": System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER)}
-LLAMA_PEERS["deepspeed"] = peers.SYSTEMS["deepspeed"]
+FSDP2 = System("FSDP2 (decoder layers + root)", "fsdp2", WORLD, BY_LAYER)
+LLAMA_PEERS = {"fsdp2": FSDP2, "deepspeed": peers.SYSTEMS["deepspeed"]}
 CHAIN = System("zero3_offload chain mode", "zero3_offload", WORLD, {})
-PARTS = {"llama": LLAMA_PEERS, "gpt": {"fsdp2": peers.SYSTEMS["fsdp2"], "ours_chain": CHAIN}}
+GPT_PEERS = {"fsdp2": peers.SYSTEMS["fsdp2"], "ours_chain": CHAIN, "ours_module": MODULE}
+PARTS = {"llama": {**LLAMA_PEERS, "ours_module": MODULE}, "gpt": GPT_PEERS}
+LORA = {f"ours_{f}": System(f"zero3_offload, {f} frozen", "ours-module", WORLD, {
+    "frozen_compression": f}) for f in ("bf16", "nf4")}  # fmt: skip
+PARTS["lora"] = {**LLAMA_PEERS, **LORA}
 TORCH = peers.SYSTEMS["torch"]
-SYSTEMS = {m: {"torch": TORCH, **t, "ours_module": MODULE} for m, t in PARTS.items()}
+SYSTEMS = {m: {"torch": TORCH, **t} for m, t in PARTS.items()}
 KEYS = sorted({k for table in SYSTEMS.values() for k in table})
 OPTIONS = {
-    "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, gpt (both)"},
+    "--models": {"default": "llama,gpt", "help": "comma-separated subset of llama, lora, gpt"},
     "--systems": {"help": f"comma-separated subset of {', '.join(KEYS)} (each model's own)"},
 }
 TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
@@ -37,7 +42,8 @@ DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 360
 DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
 QUICK = {"timeout": 300.0}
 TITLE = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
-GPT_TITLE = "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"
+TITLES = {"gpt": "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"}
+TITLES["lora"] = "LoRA (peft, r=16 on every attention and MLP projection) of the same Llama:"
 
 
 def check(args: Any) -> str | None:
@@ -45,7 +51,7 @@ def check(args: Any) -> str | None:
     args.system_keys = args.systems.split(",") if args.systems else KEYS
     if unknown := (set(args.model_keys) - set(MODELS)) | (set(args.system_keys) - set(KEYS)):
         return f"unknown models or systems {sorted(unknown)}; known: {', '.join([*MODELS, *KEYS])}"
-    if "llama" in args.model_keys and importlib.util.find_spec("transformers") is None:
+    if set(args.model_keys) - {"gpt"} and importlib.util.find_spec("transformers") is None:
         return "the llama needs transformers (pip install transformers), or --models gpt"
     return train.check_loss_steps(args)
 
@@ -58,7 +64,7 @@ def run(args: Any) -> dict[str, Any] | None:
         threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
         config = dict(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
         part, runs = train.compare(args, systems, dims, threads, **config)
-        ok = [r for r in runs if r["ok"] and r["key"] == "ours_module"]
+        ok = [r for r in runs if r["ok"] and r["key"] in ("ours_module", *LORA)]
         ticks = [rk["loop_worst_tick_ms"] for r in ok for rk in r["ranks"]]  # the worse rank's
         loop = {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
         parts[model] = {"size": model, **part, "loop_ms": loop}
@@ -66,12 +72,13 @@ def run(args: Any) -> dict[str, Any] | None:
         return None
     failed = [f"{m}/{r['key']}" for m, p in parts.items() for r in p["runs"] if not r["ok"]]
     agree = all(p["agreement"]["agree"] for p in parts.values() if p["systems"])
-    return {"parts": parts, "failed": failed, "losses_agree": agree}
+    name = "hf-peers" + ("" if args.models == "llama,gpt" else "-" + args.models.replace(",", "-"))
+    return {"benchmark": name, "parts": parts, "failed": failed, "losses_agree": agree}
 
 
 def layout(p: dict[str, Any]) -> list:
     parts = p["parts"].items()
-    return [b for m, part in parts for b in [GPT_TITLE] * (m != "llama") + peers.layout(part)]
+    return [b for m, part in parts for b in [TITLES[m]] * (m in TITLES) + peers.layout(part)]
 
 
 def notes(p: dict[str, Any]) -> list[str]:
@@ -79,20 +86,20 @@ def notes(p: dict[str, Any]) -> list[str]:
     for i, (model, part) in enumerate(p["parts"].items()):
         cfg, dims = part["config"], part["config"]["dims"]
         shape = f"blocks, byte vocabulary, seq {dims['seq']}"
-        if model == "llama":
+        if model != "gpt":
+            lora = f", LoRA r={dims['lora']}" if dims.get("lora") else ""
             shape = (
                 f"decoder layers, {dims['kv_heads']} KV heads, MLP {dims['ffn']}, vocabulary "
                 f"{dims['vocab']} (the bytes as token ids), seq {dims['seq']}, loss the model's "
-                "own from labels = input ids"
+                f"own from labels = input ids{lora}"
             )
         size = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']}"
         lines = peers.notes(part, f"Model: {size} {shape}: {cfg['params']:,} fp32 params")
         out += [f"{model}: {n}" if i else n for n in lines if n not in out]
         if ms := part["loop_ms"]:
             ticker = "(a 10 ms ticker's worst lateness per step, first step out, worse rank)"
-            median, worst = f"{ms['median_step']:.1f} ms", f"{ms['max']:.1f} ms"
-            out.append(f"{model}: the event loop in a module-mode step {ticker}: median {median}, "
-                       f"worst {worst}.")  # fmt: skip
+            out.append(f"{model}: the event loop in a module-mode step {ticker}: median "
+                       f"{ms['median_step']:.1f} ms, worst {ms['max']:.1f} ms.")  # fmt: skip
     return out
 
 
