@@ -253,6 +253,10 @@ def test_muon_is_as_sensitive_in_plain_torch() -> None:
 
 def test_decay_split_is_hf_trainers() -> None:
     transformers = pytest.importorskip("transformers")
+    try:
+        transformers.Trainer  # noqa: B018 - its import needs accelerate to match deepspeed
+    except ImportError as exc:  # an installed deepspeed newer than accelerate supports
+        pytest.skip(f"transformers.Trainer cannot be imported here: {exc}")
     for kind in ("llama", "qwen2", "gpt2"):
         model = build(kind)
         named = dict(model.named_parameters())

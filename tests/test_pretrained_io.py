@@ -477,5 +477,5 @@ def test_the_integrations_import_transformers_only_inside_functions():
     for path in paths:
         eager = _eager_imports(ast.parse(path.read_text()))
         if path.name != "__init__.py":
-            assert "zero3_offload.errors" in eager, path  # the walk sees module-level imports
+            assert "__future__" in eager, path  # the walk sees module-level imports
         assert not [m for m in eager if m.split(".")[0] == "transformers"], path

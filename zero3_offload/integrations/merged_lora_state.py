@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zero3_offload.checkpoint.full_state import FullState
+from zero3_offload.errors import InputError
 from zero3_offload.integrations.lora_merge import LoraMerge
 from zero3_offload.integrations.peft_metadata import peft_metadata
 
@@ -38,7 +39,8 @@ class MergedLoraState:
     def __init__(self, *, model: nn.Module, full_state: FullState) -> None:
         self._full = full_state
         meta = peft_metadata(model)
-        assert meta is not None
+        if meta is None:
+            raise InputError(f"{type(model).__name__} is not a peft model: it has no adapters")
         self._merge = LoraMerge(prefix=meta["prefix"], modules=meta["modules"])
 
     def layers(self) -> list[str]:
