@@ -103,10 +103,6 @@ class RankPool:
         self._closed = False
 
     @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
-
-    @property
     def usable(self) -> bool:
         return not self._closed and all(p.exitcode is None for p in self._procs)
 

@@ -1,9 +1,10 @@
 """A rank process of a :class:`~zero3_offload.testing.rank_pool.RankPool`: joins the
 group once, then runs one test after another as the pytest process sends them.
 
-Each test runs in a new event loop, with the process's torch seed, default
-dtype, thread count, environment and working directory put back as they were
-(or as the pytest process has them) first. The rank's stdout and stderr go to
+Each test runs in a new event loop, after the process's torch seed, default
+dtype, thread count, grad mode and environment are put back as they were when
+it joined, structlog is unconfigured again, and the working directory and
+``sys.path`` are the pytest process's. The rank's stdout and stderr go to
 files of the pool that the pytest process reads after each test; on SIGUSR1
 ``faulthandler`` writes every thread's stack to the rank's stack file, and on
 SIGUSR2 the rank adds its asyncio tasks' stacks there (see
