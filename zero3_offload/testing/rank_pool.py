@@ -95,7 +95,7 @@ class RankPool:
         self.threads = threads
         self.group_timeout_s = group_timeout_s
         self.tests_run = 0
-        self._dir = tempfile.mkdtemp(prefix="zero3-ranks-")
+        self._dir = ""  # the pool's files, from start() until kill()
         self._store: dist.TCPStore | None = None
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
@@ -109,6 +109,7 @@ class RankPool:
     def start(self) -> None:
         """Start the rank processes; they join the group while the first test is sent."""
         ctx = process_context()
+        self._dir = tempfile.mkdtemp(prefix="zero3-ranks-")
         timeout = _dt.timedelta(seconds=self.group_timeout_s)
         self._store = dist.TCPStore(
             "127.0.0.1",
@@ -243,7 +244,8 @@ class RankPool:
         for conn in self._tasks + self._lifelines:
             conn.close()
         self._store = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _exit_reason(code: int) -> str:
