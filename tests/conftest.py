@@ -1,10 +1,20 @@
+import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
 # Rank processes unpickle test functions by module name: keep tests/ importable.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The plugin (@pytest.mark.ranks) comes with the installed package as its pytest11 entry
+# point; an install made before the entry point existed, or disabled plugin autoloading,
+# gets it from here.
+if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") or "zero3_offload" not in {
+    ep.name for ep in entry_points(group="pytest11")
+}:
+    pytest_plugins = ["zero3_offload.testing.pytest_plugin"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

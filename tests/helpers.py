@@ -22,6 +22,7 @@ from torch import nn
 from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.errors import StateError
 from zero3_offload.testing import RankContext, run_ranks
+from zero3_offload.testing.rank_runner import session_runner
 
 VOCAB = 37
 SEQ = 12
@@ -240,22 +241,33 @@ async def in_turn(ctx: RankContext, calls: list[tuple[Any, ...]]) -> list[Any]:
 
 
 async def run_in_turn(
-    world_size: int, *calls: tuple[Callable[..., Awaitable[Any]], Any], **kwargs: Any
+    world_size: int,
+    *calls: tuple[Callable[..., Awaitable[Any]], Any],
+    fresh: bool = False,
+    **kwargs: Any,
 ) -> list[list[Any]]:
-    """``run_ranks`` of several rank functions one after another on the same ranks.
+    """Several rank functions one after another on the same ranks.
 
+    They run on the pytest session's reused rank processes (the plugin's, see
+    docs/testing.md), or on processes of their own with ``fresh`` (``run_ranks``).
     Returns, for each call, the ranks' results in rank order.
     """
-    per_rank = await run_ranks(in_turn, world_size, list(calls), **kwargs)
+    runner = None if fresh else session_runner()
+    if runner is not None:
+        per_rank = runner.run(in_turn, world_size, list(calls), **kwargs)
+    else:
+        per_rank = await run_ranks(in_turn, world_size, list(calls), **kwargs)
     return [list(results) for results in zip(*per_rank, strict=True)]
 
 
-def run_named(world_size: int, calls: dict[str, tuple[Any, ...]]) -> dict[str, list[Any]]:
+def run_named(
+    world_size: int, calls: dict[str, tuple[Any, ...]], *, fresh: bool = False
+) -> dict[str, list[Any]]:
     """``run_in_turn`` of named calls from outside an event loop (module fixtures).
 
     Returns, by name, the ranks' results in rank order.
     """
-    results = asyncio.run(run_in_turn(world_size, *calls.values()))
+    results = asyncio.run(run_in_turn(world_size, *calls.values(), fresh=fresh))
     return dict(zip(calls, results, strict=True))
 
 

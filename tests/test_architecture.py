@@ -18,7 +18,6 @@ TOP_LEVEL = {
     "errors",
     "logging",
     "manager",
-    "testing",
     "version",
 }
 
@@ -99,7 +98,7 @@ def test_the_top_level_is_the_public_face() -> None:
     packages = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()}
     for role in ("comm", "parameter", "gradient", "optimizer_state", "memory", "prefetch"):
         assert role in packages
-    assert {"stats", "checkpoint", "analyze", "train"} <= packages
+    assert {"stats", "checkpoint", "analyze", "train", "testing"} <= packages
 
 
 def test_the_manager_is_one_class_without_mixins() -> None:

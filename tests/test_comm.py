@@ -35,157 +35,103 @@ def broadcast_input(rank: int) -> torch.Tensor:
     return torch.tensor([7.0, -8.0, 9.5]) if rank == 1 else torch.full((3,), -float(rank + 1))
 
 
-async def collectives_body(ctx: RankContext) -> dict:
+# Three ranks: an odd group, with a broadcast from a rank other than 0 and 1 (the
+# collectives' code does not depend on the world size; two ranks add nothing).
+@pytest.mark.ranks(3)
+async def test_collectives_give_the_values_computed_locally(rank: RankContext) -> None:
     seen: list[tuple[str, int]] = []
     comm = Collectives(
-        ctx.group,
+        rank.group,
         device=CPU,
         timeout_s=60.0,
         observer=lambda op, seconds, nbytes: seen.append((op, nbytes)),
     )
-    rank, world = ctx.rank, ctx.world_size
-    out: dict = {}
+    me, world = rank.rank, rank.world_size
+    mine = slice(me * SLICE, (me + 1) * SLICE)
+    mean = torch.stack([scatter_input(r, world) for r in range(world)]).mean(0)
+    f32 = 4
 
     gathered = torch.full((SHARD * world,), float("nan"))
-    await comm.all_gather(gathered, gather_shard(rank))
-    out["all_gather"] = gathered
-
+    await comm.all_gather(gathered, gather_shard(me))
+    assert torch.equal(gathered, torch.cat([gather_shard(r) for r in range(world)]))
     mean_slice = torch.full((SLICE,), float("nan"))
-    await comm.reduce_scatter_mean(mean_slice, scatter_input(rank, world))
-    out["reduce_scatter"] = mean_slice
-
-    summed = reduce_input(rank)
+    await comm.reduce_scatter_mean(mean_slice, scatter_input(me, world))
+    torch.testing.assert_close(mean_slice, mean[mine], rtol=0, atol=1e-6)
+    summed = reduce_input(me)
     await comm.all_reduce_sum(summed)
-    out["all_reduce"] = summed
-
-    bcast = broadcast_input(rank)
+    assert torch.equal(summed, torch.stack([reduce_input(r) for r in range(world)]).sum(0))
+    bcast = broadcast_input(me)
     await comm.broadcast(bcast, src=1)
-    out["broadcast"] = bcast
-
-    blocking = torch.full((2,), float(rank))
+    assert torch.equal(bcast, broadcast_input(1))
+    blocking = torch.full((2,), float(me))
     # Waited on this thread, as constructors do: not reported to the observer.
     comm.start_broadcast(blocking, src=world - 1).wait_blocking()
-    out["broadcast_blocking"] = blocking
-    out["observed_single"] = list(seen)
+    assert torch.equal(blocking, torch.full((2,), float(world - 1)))
+    assert seen == [
+        ("all_gather", SHARD * world * f32),
+        ("reduce_scatter", SLICE * world * f32),
+        ("all_reduce", 4 * f32),
+        ("broadcast", 3 * f32),
+    ]
 
     # Several collectives launched before any wait; waited in reverse order.
     seen.clear()
-    small = torch.full((2,), float(rank + 1))
-    large = torch.full((6,), 10.0 * (rank + 1))
+    small = torch.full((2,), float(me + 1))
+    large = torch.full((6,), 10.0 * (me + 1))
     gathered2 = torch.full((2 * world,), float("nan"))
     mean2 = torch.full((SLICE,), float("nan"))
-    bcast2 = broadcast_input(rank)
+    bcast2 = broadcast_input(me)
     pendings = [
         comm.start_all_reduce_sum(small),
-        comm.start_all_gather(gathered2, torch.tensor([float(rank), -float(rank)])),
-        comm.start_reduce_scatter_mean(mean2, scatter_input(rank, world) * 2.0),
+        comm.start_all_gather(gathered2, torch.tensor([float(me), -float(me)])),
+        comm.start_reduce_scatter_mean(mean2, scatter_input(me, world) * 2.0),
         comm.start_broadcast(bcast2, src=1),
         comm.start_all_reduce_sum(large),
     ]
     for pending in reversed(pendings):
         await pending.wait()
-    out["batch"] = {
-        "small": small,
-        "large": large,
-        "gathered": gathered2,
-        "mean": mean2,
-        "bcast": bcast2,
-    }
-    out["batch_ops"] = [p.op for p in pendings]
-    out["batch_observed"] = list(seen)
-    out["batch_seconds_set"] = all(p.seconds is not None and p.seconds >= 0 for p in pendings)
+    ranks_plus_one = float(sum(r + 1 for r in range(world)))
+    assert torch.equal(small, torch.full((2,), ranks_plus_one))
+    assert torch.equal(large, torch.full((6,), 10.0 * ranks_plus_one))
+    assert torch.equal(gathered2, torch.tensor([v for r in range(world) for v in (r, -r)]).float())
+    torch.testing.assert_close(mean2, 2.0 * mean[mine], rtol=0, atol=1e-6)
+    assert torch.equal(bcast2, broadcast_input(1))
+    ops = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce"]
+    assert [p.op for p in pendings] == ops
+    # Waited in reverse: each completion is reported once, when waited.
+    assert seen == [
+        ("all_reduce", 6 * f32),
+        ("broadcast", 3 * f32),
+        ("reduce_scatter", SLICE * world * f32),
+        ("all_gather", 2 * world * f32),
+        ("all_reduce", 2 * f32),
+    ]
+    assert all(p.seconds is not None and p.seconds >= 0 for p in pendings)
 
     # wait() awaited twice in sequence, then by two tasks at once: completion
     # work (observer) runs exactly once and the value is not touched again.
     seen.clear()
-    twice = torch.full((3,), float(rank + 1))
+    twice = torch.full((3,), float(me + 1))
     pending = comm.start_all_reduce_sum(twice)
     await pending.wait()
     first = twice.clone()
     await pending.wait()
-    out["twice"] = (first, twice.clone(), list(seen))
+    assert torch.equal(first, torch.full((3,), ranks_plus_one))
+    assert torch.equal(twice, first)
+    assert seen == [("all_reduce", 3 * f32)]
 
     seen.clear()
     concurrent = torch.full((2 * world,), float("nan"))
-    pending = comm.start_all_gather(concurrent, torch.full((2,), float(rank)))
+    pending = comm.start_all_gather(concurrent, torch.full((2,), float(me)))
     await asyncio.gather(pending.wait(), pending.wait())
     await pending.wait()
-    out["concurrent"] = (concurrent, list(seen))
+    assert torch.equal(concurrent, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
+    assert seen == [("all_gather", 2 * world * f32)]
 
     # A second default group in the same process is refused.
-    try:
-        await init_process_group("gloo", rank=rank, world_size=world, port=free_port())
-    except CommunicationError as exc:
-        out["second_init"] = str(exc)
-    else:
-        out["second_init"] = None
-    return out
-
-
-async def test_collectives_give_the_values_computed_locally():
-    # Three ranks: an odd group, with a broadcast from a rank other than 0 and 1 (the
-    # collectives' code does not depend on the world size; two ranks add nothing).
-    world = 3
-    results = await run_ranks(collectives_body, world, timeout_s=120)
-
-    gathered = torch.cat([gather_shard(r) for r in range(world)])
-    mean = torch.stack([scatter_input(r, world) for r in range(world)]).mean(0)
-    summed = torch.stack([reduce_input(r) for r in range(world)]).sum(0)
-    small = torch.full((2,), float(sum(r + 1 for r in range(world))))
-    large = torch.full((6,), 10.0 * sum(r + 1 for r in range(world)))
-    gathered2 = torch.tensor([v for r in range(world) for v in (float(r), -float(r))])
-    f32 = 4
-    for rank, out in enumerate(results):
-        mine = slice(rank * SLICE, (rank + 1) * SLICE)
-        assert torch.equal(out["all_gather"], gathered)
-        torch.testing.assert_close(out["reduce_scatter"], mean[mine], rtol=0, atol=1e-6)
-        assert torch.equal(out["all_reduce"], summed)
-        assert torch.equal(out["broadcast"], broadcast_input(1))
-        assert torch.equal(out["broadcast_blocking"], torch.full((2,), float(world - 1)))
-        assert out["observed_single"] == [
-            ("all_gather", SHARD * world * f32),
-            ("reduce_scatter", SLICE * world * f32),
-            ("all_reduce", 4 * f32),
-            ("broadcast", 3 * f32),
-        ]
-
-        batch = out["batch"]
-        assert torch.equal(batch["small"], small)
-        assert torch.equal(batch["large"], large)
-        assert torch.equal(batch["gathered"], gathered2)
-        torch.testing.assert_close(batch["mean"], 2.0 * mean[mine], rtol=0, atol=1e-6)
-        assert torch.equal(batch["bcast"], broadcast_input(1))
-        assert out["batch_ops"] == [
-            "all_reduce",
-            "all_gather",
-            "reduce_scatter",
-            "broadcast",
-            "all_reduce",
-        ]
-        # Waited in reverse: each completion is reported once, when waited.
-        assert out["batch_observed"] == [
-            ("all_reduce", 6 * f32),
-            ("broadcast", 3 * f32),
-            ("reduce_scatter", SLICE * world * f32),
-            ("all_gather", 2 * world * f32),
-            ("all_reduce", 2 * f32),
-        ]
-        assert out["batch_seconds_set"]
-
-        first, again, observed = out["twice"]
-        expected_twice = torch.full((3,), float(sum(r + 1 for r in range(world))))
-        assert torch.equal(first, expected_twice)
-        assert torch.equal(again, expected_twice)
-        assert observed == [("all_reduce", 3 * f32)]
-
-        concurrent, observed = out["concurrent"]
-        assert torch.equal(
-            concurrent, torch.arange(world, dtype=torch.float32).repeat_interleave(2)
-        )
-        assert observed == [("all_gather", 2 * world * f32)]
-
-        assert out["second_init"] is not None
-        assert "already exists" in out["second_init"]
+    with pytest.raises(CommunicationError) as refused:
+        await init_process_group("gloo", rank=me, world_size=world, port=free_port())
+    assert "already exists" in str(refused.value)
 
 
 TICKS_BEFORE_JOIN = 1000

@@ -37,11 +37,11 @@ async def step(manager: Zero3CpuOffloadManager, ctx: RankContext, i: int) -> Non
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list]:
-    """The rank functions below on 2 ranks, in one rank run. ``pressure`` goes first: the
-    pressure it provokes counts this process's RSS, which the others would raise."""
-    return run_named(
-        2, {"pressure": (pressure,), "budgets": (budgets,), "failing_forward": (failing_forward,)}
-    )
+    """The rank functions below on 2 ranks, in one rank run of new processes. ``pressure``
+    goes first: the pressure it provokes counts this process's RSS, which the others (or
+    earlier tests) would raise."""
+    calls = {"pressure": (pressure,), "budgets": (budgets,), "failing_forward": (failing_forward,)}
+    return run_named(2, calls, fresh=True)
 
 
 async def budgets(ctx: RankContext) -> dict[str, Any]:

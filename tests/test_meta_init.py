@@ -18,37 +18,34 @@ from zero3_offload import (
 from zero3_offload.testing import RankContext, RankFailedError, run_ranks
 
 
-async def eager_and_meta(ctx: RankContext) -> dict[str, Any]:
+@pytest.mark.ranks(2)
+async def test_meta_init_equals_eager_init(rank: RankContext) -> None:
     config = Zero3CpuOffloadConfig()
-    eager = Zero3CpuOffloadManager(config, ctx.group, make_model(seed=7))
+    async with Zero3CpuOffloadManager(config, rank.group, make_model(seed=7)) as manager:
+        eager = await manager.full_state_dict()
     with torch.device("meta"):
         meta_model = make_model(seed=0)  # the seed is irrelevant on meta: no values drawn
-    meta = Zero3CpuOffloadManager.from_meta(config, ctx.group, meta_model, seed=7)
-    out = {"eager": await eager.full_state_dict(), "meta": await meta.full_state_dict()}
+    async with Zero3CpuOffloadManager.from_meta(config, rank.group, meta_model, seed=7) as m:
+        meta = await m.full_state_dict()
+    assert eager.keys() == meta.keys()
+    for name, value in eager.items():
+        assert torch.equal(value, meta[name]), name
+
     with torch.device("meta"):
         custom = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.MultiheadAttention(4, 2)})
-    try:
-        Zero3CpuOffloadManager.from_meta(config, ctx.group, custom, seed=1)
-    except Zero3Error as exc:
-        out["error"] = str(exc)
+    with pytest.raises(Zero3Error) as error:
+        Zero3CpuOffloadManager.from_meta(config, rank.group, custom, seed=1)
+    assert "b" in str(error.value) and "MultiheadAttention" in str(error.value)
+    assert "init_fn" in str(error.value)
 
     def init_fn(name: str, module: nn.Module) -> None:
         for p in module.parameters():
             p.fill_(0.5 if name == "a" else -0.5)
 
-    filled = Zero3CpuOffloadManager.from_meta(config, ctx.group, custom, init_fn=init_fn)
-    out["custom"] = await filled.full_state_dict()
-    return out
-
-
-async def test_meta_init_equals_eager_init() -> None:
-    for r in await run_ranks(eager_and_meta, 2):
-        assert r["eager"].keys() == r["meta"].keys()
-        for name, value in r["eager"].items():
-            assert torch.equal(value, r["meta"][name]), name
-        assert "b" in r["error"] and "MultiheadAttention" in r["error"] and "init_fn" in r["error"]
-        assert all((v == 0.5).all() for k, v in r["custom"].items() if k.startswith("a."))
-        assert all((v == -0.5).all() for k, v in r["custom"].items() if k.startswith("b."))
+    async with Zero3CpuOffloadManager.from_meta(config, rank.group, custom, init_fn=init_fn) as m:
+        filled = await m.full_state_dict()
+    assert all((v == 0.5).all() for k, v in filled.items() if k.startswith("a."))
+    assert all((v == -0.5).all() for k, v in filled.items() if k.startswith("b."))
 
 
 WIDTH, DEPTH = 2048, 12  # 12 x (2048^2 + 2048) = 50.4M parameters, 201 MB in fp32

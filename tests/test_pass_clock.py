@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import structlog
 import torch
 from helpers import Block, lm_loss, make_batches, make_model
@@ -13,7 +14,7 @@ from helpers import Block, lm_loss, make_batches, make_model
 from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.stats import PassClock, Phase, Timeline, Zero3PerformanceStats
 from zero3_offload.stats.timeline import wall_time
-from zero3_offload.testing import RankContext, run_ranks
+from zero3_offload.testing import RankContext
 
 
 def test_only_a_training_forward_opens_the_window() -> None:
@@ -45,12 +46,15 @@ def test_passes_and_compute_add_up_per_phase() -> None:
     assert [e.phase for e in timeline.events()] == ["forward", "forward", "backward"]
 
 
-async def evaluate_between_steps(ctx: RankContext, module_mode: bool) -> dict[str, float]:
-    """Two training steps with an evaluation between them; the second step's event."""
+@pytest.mark.ranks(1)
+@pytest.mark.parametrize("module_mode", [False, True])
+async def test_an_evaluation_between_steps_is_not_in_the_next_steps_seconds(
+    rank: RankContext, module_mode: bool
+) -> None:
     model = make_model()
     config = Zero3CpuOffloadConfig(device="cpu")
     units = (Block,) if module_mode else None
-    manager = Zero3CpuOffloadManager(config, ctx.group, model, units=units)
+    manager = Zero3CpuOffloadManager(config, rank.group, model, units=units)
     names = list(model.layer_names)
     (x, y), (ex, _), (x2, y2) = make_batches(3, 4)
 
@@ -75,18 +79,7 @@ async def evaluate_between_steps(ctx: RankContext, module_mode: bool) -> dict[st
             await step(x2, y2)
         stats = manager.get_performance_stats()
     (event,) = [e for e in logs if e["event"] == "step"]
-    return {
-        "evaluated": evaluated,
-        "start": event["start"],
-        "step": event["step"],
-        "forward_passes": stats.forward_passes,
-    }
-
-
-async def test_an_evaluation_between_steps_is_not_in_the_next_steps_seconds() -> None:
-    for module_mode in (False, True):
-        (r,) = await run_ranks(evaluate_between_steps, 1, module_mode)
-        assert r["step"] == 1
-        # The window opened at the second step's training forward, after the evaluation.
-        assert r["start"] >= r["evaluated"], (module_mode, r)
-        assert r["forward_passes"] == 3  # the evaluation counts as a forward pass
+    assert event["step"] == 1
+    # The window opened at the second step's training forward, after the evaluation.
+    assert event["start"] >= evaluated
+    assert stats.forward_passes == 3  # the evaluation counts as a forward pass

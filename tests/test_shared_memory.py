@@ -8,15 +8,14 @@ under test, on the same inputs.
 
 from __future__ import annotations
 
-from typing import Any
-
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import TrainSpec, assert_bitwise, run_named, train
 
 from zero3_offload.comm import Collectives
 from zero3_offload.comm.shared_memory import HostSharedMemory
-from zero3_offload.testing import RankContext, run_ranks
+from zero3_offload.testing import RankContext
 
 CPU = torch.device("cpu")
 BLOCK = 4096  # bytes per rank and slot: most tensors below take several rounds
@@ -48,56 +47,52 @@ def exchange_mean(full: torch.Tensor, world: int) -> torch.Tensor:
     return out.div_(world)
 
 
-async def equal_body(ctx: RankContext) -> dict[str, Any]:
-    comm = Collectives(ctx.group, device=CPU, timeout_s=60.0, shared_memory_block_bytes=BLOCK)
-    world, rank = ctx.world_size, ctx.rank
+# Three ranks: the reduce-scatter's rank-order sum of three terms is not commutative.
+@pytest.mark.ranks([3, 2])
+async def test_shared_memory_collectives_equal_the_backend_bitwise(rank: RankContext) -> None:
+    comm = Collectives(rank.group, device=CPU, timeout_s=60.0, shared_memory_block_bytes=BLOCK)
+    world, me = rank.world_size, rank.rank
     assert comm.shared_memory is not None
     # Everything started before anything is awaited: the rounds run one after another.
     pending, outputs, inputs = [], [], []
     for salt, (dtype, n) in enumerate(GATHERS):
-        shard, out = data(rank, dtype, n, salt), torch.empty(world * n, dtype=dtype)
+        shard, out = data(me, dtype, n, salt), torch.empty(world * n, dtype=dtype)
         pending.append(comm.start_all_gather(out, shard, what=f"gather {salt}"))
         outputs.append(out)
         inputs.append(shard)
     for salt, (dtype, n) in enumerate(SCATTERS, start=len(GATHERS)):
-        full, out = data(rank, dtype, world * n, salt), torch.empty(n, dtype=dtype)
+        full, out = data(me, dtype, world * n, salt), torch.empty(n, dtype=dtype)
         pending.append(comm.start_reduce_scatter_mean(out, full, what=f"scatter {salt}"))
         outputs.append(out)
         inputs.append(full)
     for p in reversed(pending):
         await p.wait()
     await comm.flush()
-    equal = []
     for i, (out, x) in enumerate(zip(outputs, inputs, strict=True)):
         if i < len(GATHERS):
             expected = torch.empty_like(out)
             dist.all_gather_into_tensor(expected, x)
         else:
             expected = exchange_mean(x, world)
-        equal.append(torch.equal(out.view(torch.uint8), expected.view(torch.uint8)))
-    rounds = comm.shared_memory.rounds
-    region = comm.shared_memory.nbytes
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), i
+    assert comm.shared_memory.rounds == rounds_expected(world)
+    assert comm.shared_memory.nbytes == 4096 + 2 * world * BLOCK
     comm.close()
-    return {"equal": equal, "rounds": rounds, "region": region}
 
 
-async def test_shared_memory_collectives_equal_the_backend_bitwise() -> None:
-    # Three ranks: the reduce-scatter's rank-order sum of three terms is not commutative.
-    for world in (3, 2):
-        results = await run_ranks(equal_body, world, timeout_s=120)
-        for r in results:
-            assert all(r["equal"]), r["equal"]
-            assert r["rounds"] == rounds_expected(world)
-            assert r["region"] == 4096 + 2 * world * BLOCK
-
-
-async def fallback_body(ctx: RankContext, hostile: str) -> dict[str, Any]:
-    comm = Collectives(ctx.group, device=CPU, timeout_s=60.0)
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize(
+    ("hostile", "opened"), [("token", False), ("pid", False), ("size", False), ("none", True)]
+)
+async def test_a_rank_that_cannot_open_the_region_makes_every_rank_fall_back(
+    rank: RankContext, hostile: str, opened: bool
+) -> None:
+    comm = Collectives(rank.group, device=CPU, timeout_s=60.0)
     assert comm.shared_memory is None  # no block size: the backend only
 
     def broadcast(t: torch.Tensor) -> None:
         comm.start_broadcast(t).wait_blocking()
-        if ctx.rank == 1:  # what rank 1 would read on another host
+        if rank.rank == 1:  # what rank 1 would read on another host
             _, _, token, size = t.tolist()
             if hostile == "token":
                 t[2] = token ^ 1  # another region with the same pid and descriptor
@@ -107,25 +102,17 @@ async def fallback_body(ctx: RankContext, hostile: str) -> dict[str, Any]:
                 t[3] = size + 4096
 
     region = HostSharedMemory.open(
-        ctx.group,
+        rank.group,
         block_bytes=BLOCK,
         broadcast=broadcast,
         agree=lambda ok: comm.start_agree(ok).wait_blocking(),
     )
+    assert (region is not None) == opened
     # The group still works through the backend afterwards.
-    total = torch.tensor([float(ctx.rank + 1)])
+    total = torch.tensor([float(rank.rank + 1)])
     await comm.all_reduce_sum(total)
+    assert total.item() == 3.0
     comm.close()
-    return {"opened": region is not None, "total": total.item()}
-
-
-async def test_a_rank_that_cannot_open_the_region_makes_every_rank_fall_back() -> None:
-    for hostile in ("token", "pid", "size"):
-        results = await run_ranks(fallback_body, 2, hostile, timeout_s=120)
-        assert [r["opened"] for r in results] == [False, False], hostile
-        assert [r["total"] for r in results] == [3.0, 3.0]
-    results = await run_ranks(fallback_body, 2, "none", timeout_s=120)
-    assert [r["opened"] for r in results] == [True, True]
 
 
 def test_training_through_shared_memory_is_bitwise_training_through_the_backend() -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import pytest
 import torch
 
 from zero3_offload import Zero3CpuOffloadConfig, Zero3CpuOffloadManager
-from zero3_offload.testing import RankContext, run_ranks
+from zero3_offload.testing import RankContext
 from zero3_offload.train.corpus import ByteCorpus, stdlib_files
 from zero3_offload.train.loop import learning_rate
 from zero3_offload.train.model import GPT, GPTShape
@@ -18,21 +17,20 @@ from zero3_offload.train.options import TrainOptions, parse_size
 SHAPE = GPTShape(seq_len=16, d_model=24, layers=2, heads=3)
 
 
-async def eager_and_meta(ctx: RankContext) -> dict[str, Any]:
+@pytest.mark.ranks(2)
+async def test_gpt_built_on_meta_equals_eager_construction(rank: RankContext) -> None:
     torch.manual_seed(5)
-    eager = Zero3CpuOffloadManager(Zero3CpuOffloadConfig(), ctx.group, GPT(SHAPE))
+    config = Zero3CpuOffloadConfig()
+    async with Zero3CpuOffloadManager(config, rank.group, GPT(SHAPE)) as manager:
+        eager = await manager.full_state_dict()
     with torch.device("meta"):
         model = GPT(SHAPE)
-    meta = Zero3CpuOffloadManager.from_meta(Zero3CpuOffloadConfig(), ctx.group, model, seed=5)
-    return {"eager": await eager.full_state_dict(), "meta": await meta.full_state_dict()}
-
-
-async def test_gpt_built_on_meta_equals_eager_construction() -> None:
-    for r in await run_ranks(eager_and_meta, 2):
-        assert r["eager"].keys() == r["meta"].keys()
-        for name, value in r["eager"].items():
-            assert torch.equal(value, r["meta"][name]), name
-        assert sum(v.numel() for v in r["eager"].values()) == SHAPE.parameter_count()
+    async with Zero3CpuOffloadManager.from_meta(config, rank.group, model, seed=5) as manager:
+        meta = await manager.full_state_dict()
+    assert eager.keys() == meta.keys()
+    for name, value in eager.items():
+        assert torch.equal(value, meta[name]), name
+    assert sum(v.numel() for v in eager.values()) == SHAPE.parameter_count()
 
 
 def test_gpt_layers_and_shapes() -> None:

@@ -41,7 +41,14 @@ from zero3_offload.comm.heartbeat import process_state
 from zero3_offload.errors import Zero3Error
 from zero3_offload.memory.allocator import set_mmap_threshold
 
-__all__ = ["RankContext", "RankFailedError", "free_port", "rank_pids_alive", "run_ranks"]
+__all__ = [
+    "RankContext",
+    "RankFailedError",
+    "free_port",
+    "process_context",
+    "rank_pids_alive",
+    "run_ranks",
+]
 
 
 class RankFailedError(Zero3Error, RuntimeError):
@@ -97,7 +104,8 @@ def _rank_main(
         results.put((rank, True, payload))
 
 
-def _context() -> mp.context.BaseContext:
+def process_context() -> mp.context.BaseContext:
+    """The multiprocessing context rank processes start from (a preloaded forkserver)."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # torch._dynamo too: a rank's first torch.optim optimizer imports it (about 2 s of
@@ -215,7 +223,7 @@ async def _run_once(
     mmap_threshold: int | None,
     may_die: frozenset[int],
 ) -> list[Any]:
-    ctx = _context()
+    ctx = process_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
