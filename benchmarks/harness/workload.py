@@ -16,6 +16,7 @@ from zero3_offload.train.model import GPT, GPTShape
 MODEL = "`zero3_offload.train.model.GPT`"
 LLAMA = "transformers' `LlamaForCausalLM`"
 DIMS = ("d", "heads", "n_layers", "seq", "global_batch", "model", "ffn", "kv_heads", "vocab")
+DIMS += ("lora",)  # LoRA rank of the Llama (peft), 0 or absent: a full fine-tune
 
 
 def build(dims: dict[str, Any]) -> torch.nn.Module:

@@ -195,12 +195,18 @@ class RankPool:
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """Where each of ``ranks`` is (see [Note: rank stacks])."""
         paths = {r: rank_files(self._dir, r)[2] for r in ranks}
-        for r in ranks:
-            for sig in (signal.SIGUSR1, signal.SIGUSR2):
-                try:
-                    os.kill(self._procs[r].pid, sig)
-                except ProcessLookupError:
-                    break
+        alive = self._signal(ranks, signal.SIGUSR1)
+        # The threads' stacks (written by faulthandler in its signal handler) are complete
+        # before the tasks' are asked for: two writers of one file would interleave.
+        settle = time.monotonic() + _STACKS_WAIT_S / 2
+        sizes: dict[int, int] = {}
+        while time.monotonic() < settle:
+            now = {r: paths[r].stat().st_size if paths[r].exists() else 0 for r in alive}
+            if all(now.values()) and now == sizes:
+                break
+            sizes = now
+            time.sleep(0.02)  # polls the files faulthandler is writing
+        self._signal(alive, signal.SIGUSR2)
         deadline = time.monotonic() + _STACKS_WAIT_S
         texts: dict[int, str] = {}
         while True:
@@ -210,6 +216,17 @@ class RankPool:
                 break
             time.sleep(0.02)  # polls a file the rank is writing, for a second at most
         return {r: format_stacks(t) for r, t in texts.items()}
+
+    def _signal(self, ranks: list[int], sig: signal.Signals) -> list[int]:
+        """Send ``sig`` to ``ranks``' processes; returns the ranks still alive."""
+        alive = []
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, sig)
+            except ProcessLookupError:
+                continue
+            alive.append(r)
+        return alive
 
     def _outputs(self) -> dict[int, tuple[str, str]]:
         out = {}
