@@ -247,8 +247,11 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # -------------------------------------------------------------------------- rank runs
 
 
-def make_config(config: dict[str, Any]) -> Zero3CpuOffloadConfig:
-    """The manager config of the module-mode tests, with ``config``'s fields on top."""
+def make_config(
+    config: dict[str, Any], optimizer: OptimizerConfig | None = None
+) -> Zero3CpuOffloadConfig:
+    """The manager config of the module-mode tests, with ``config``'s fields on top (and
+    ``optimizer``, else AdamW without weight decay)."""
     fields = {
         "gradient_accumulation_steps": ACC,
         "gradient_clipping": CLIP,
@@ -257,9 +260,8 @@ def make_config(config: dict[str, Any]) -> Zero3CpuOffloadConfig:
         "collective_timeout_s": 120.0,
         **config,
     }
-    return Zero3CpuOffloadConfig(
-        optimizer=OptimizerConfig(kind="adamw", weight_decay=0.0), **fields
-    )
+    optimizer = optimizer or OptimizerConfig(kind="adamw", weight_decay=0.0)
+    return Zero3CpuOffloadConfig(optimizer=optimizer, **fields)
 
 
 async def global_mean(ctx: RankContext, value: torch.Tensor) -> float:

@@ -14,7 +14,18 @@ from typing import Any
 
 import attrs
 import torch
-from hf_models import ACC, CLIP, LR, batch, build, call_kwargs, global_mean, local, loss_of
+from hf_models import (
+    ACC,
+    CLIP,
+    LR,
+    batch,
+    build,
+    call_kwargs,
+    global_mean,
+    local,
+    loss_of,
+    make_config,
+)
 from torch import nn
 
 from zero3_offload import (
@@ -85,15 +96,7 @@ class OptimCase:
 
 
 def manager_config(case: OptimCase) -> Zero3CpuOffloadConfig:
-    fields = {
-        "gradient_accumulation_steps": ACC,
-        "gradient_clipping": CLIP,
-        "cpu_memory_budget": 2**30,
-        "gpu_param_memory_budget": 2**28,
-        "collective_timeout_s": 120.0,
-        **case.config,
-    }
-    return Zero3CpuOffloadConfig(optimizer=case.optimizer(), **fields)
+    return make_config(case.config, case.optimizer())
 
 
 # ---------------------------------------------------------------------- plain reference

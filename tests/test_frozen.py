@@ -164,11 +164,18 @@ def plain(variant: str) -> dict[str, Any]:
         for p in model.parameters():
             if not p.requires_grad:
                 p.copy_(stored(variant, p))
+    losses = plain_loop(model, plain_optimizer(variant, model), kind_of(variant), MICRO_STEPS)
+    return {"losses": losses, "state": params(model), "model": model}
+
+
+def plain_loop(
+    model: nn.Module, opt: torch.optim.Optimizer, kind: str, micro_steps: int
+) -> list[float]:
+    """Plain training on whole batches (accumulation ``ACC``, clipping ``CLIP``): the
+    loss of every micro-step."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = plain_optimizer(variant, model)
-    kind = kind_of(variant)
     losses = []
-    for i in range(MICRO_STEPS):
+    for i in range(micro_steps):
         loss = loss_of(model(**call_kwargs(kind, batch(i, kind))))
         (loss / ACC).backward()
         losses.append(loss.item())
@@ -176,7 +183,7 @@ def plain(variant: str) -> dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(trainable, CLIP)
             opt.step()
             opt.zero_grad()
-    return {"losses": losses, "state": params(model), "model": model}
+    return losses
 
 
 async def train_frozen(
@@ -312,7 +319,7 @@ def runs3(runs2: dict[str, list[Any]], root: Path) -> dict[str, list[Any]]:
 
 @pytest.fixture(scope="module")
 def runs1() -> dict[str, list[Any]]:
-    return _run({v: (train_frozen, v) for v in ("lora-llama", "lora-gpt2")}, 1)
+    return _run({v: (train_frozen, v) for v in ("lora-llama", "lora-qwen2", "lora-gpt2")}, 1)
 
 
 def _results(runs: dict[str, list[Any]], name: str) -> list[dict[str, Any]]:
@@ -348,7 +355,7 @@ def test_lora_trains_like_plain_peft_at_three_ranks(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["lora-llama", "lora-gpt2"])
+@pytest.mark.parametrize("variant", ["lora-llama", "lora-qwen2", "lora-gpt2"])
 def test_lora_trains_like_plain_peft_at_one_rank(runs1: dict[str, list[Any]], variant: str) -> None:
     _assert_trains_like_plain(_results(runs1, variant), variant)
 
@@ -417,14 +424,7 @@ def plain_at(micro_steps: int) -> dict[str, torch.Tensor]:
 def plain_model_at(micro_steps: int) -> nn.Module:
     """The lora-llama plain run's model after ``micro_steps``."""
     model = model_of("lora-llama")
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
-    for i in range(micro_steps):
-        (loss_of(model(**call_kwargs("llama", batch(i, "llama")))) / ACC).backward()
-        if (i + 1) % ACC == 0:
-            torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-            opt.step()
-            opt.zero_grad()
+    plain_loop(model, plain_optimizer("lora-llama", model), "llama", micro_steps)
     return model
 
 
@@ -477,17 +477,7 @@ def test_from_pretrained_with_lora_trains_like_plain_peft(
     )
     reset_adapters(model, ADAPTER_SEED)
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
-    losses = []
-    for i in range(6):
-        loss = model(**call_kwargs("llama", batch(i, "llama"))).loss
-        (loss / ACC).backward()
-        losses.append(loss.item())
-        if (i + 1) % ACC == 0:
-            torch.nn.utils.clip_grad_norm_(trainable, CLIP)
-            opt.step()
-            opt.zero_grad()
+    losses = plain_loop(model, plain_optimizer("pretrained-lora", model), "llama", 6)
     for r in _results(runs2, "pretrained-lora"):
         assert max(abs(a - b) for a, b in zip(r["losses"], losses, strict=True)) < 1e-5
         assert max_diff(r["state"], params(model)) < 1e-4
