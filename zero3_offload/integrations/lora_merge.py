@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from zero3_offload.errors import InputError
-from zero3_offload.integrations.peft_metadata import ADAPTER
+from zero3_offload.integrations.peft_metadata import ADAPTER, base_name
 
 __all__ = ["LoraMerge"]
 
@@ -37,7 +37,7 @@ class LoraMerge:
 
     def base_name(self, name: str) -> str:
         """``name`` in the base model: the prefix and ``.base_layer`` removed."""
-        return name.removeprefix(self._prefix).replace(".base_layer.", ".")
+        return base_name(name, self._prefix)
 
     def adapter_of(self, name: str) -> str | None:
         """The LoRA module whose base weight ``name`` is (None: not an adapted weight)."""

@@ -8,9 +8,21 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ADAPTER", "lora_modules", "peft_metadata"]
+__all__ = ["ADAPTER", "base_name", "base_prefix", "lora_modules", "peft_metadata"]
 
 ADAPTER = "default"
+
+
+def base_prefix(model: nn.Module) -> str:
+    """The prefix a peft wrapper puts before its base model's parameter names."""
+    base = model.get_base_model()  # type: ignore[operator]
+    return next((p + "." for p, m in model.named_modules() if m is base and p), "")
+
+
+def base_name(name: str, prefix: str) -> str:
+    """A peft model's parameter ``name`` in its base model: ``prefix`` and the adapted
+    layers' ``.base_layer`` removed."""
+    return name.removeprefix(prefix).replace(".base_layer.", ".")
 
 
 def lora_modules(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -46,11 +58,9 @@ def peft_metadata(model: object) -> dict[str, Any] | None:
     base_of = getattr(model, "get_base_model", None)
     if not isinstance(model, nn.Module) or not isinstance(configs, dict) or not callable(base_of):
         return None
-    base = base_of()
-    prefix = next((p + "." for p, m in model.named_modules() if m is base and p), "")
     config = configs.get(ADAPTER)
     return {
-        "prefix": prefix,
+        "prefix": base_prefix(model),
         "adapter_config": None if config is None else json.loads(json.dumps(
             config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)
         )),

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zero3_offload.errors import CheckpointError, ConfigError
+from zero3_offload.integrations.peft_metadata import base_name, base_prefix
 from zero3_offload.integrations.pretrained_load import PretrainedShards
 from zero3_offload.parameter.flat_layout import LayerLayout, param_key
 
@@ -50,8 +51,7 @@ class PeftPretrainedShards:
             raise ConfigError("peft_config needs peft: pip install 'zero3_offload[hf]'") from exc
         self._base = PretrainedShards(directory)
         self.model: nn.Module = get_peft_model(self._base.model, peft_config)
-        base = self.model.get_base_model()
-        self._prefix = next((p + "." for p, m in self.model.named_modules() if m is base), "")
+        self._prefix = base_prefix(self.model)
         self._adapters: dict[str, torch.Tensor] = {}  # peft name -> materialised value
         self._init_adapters(seed)
 
@@ -70,23 +70,19 @@ class PeftPretrainedShards:
                     )
                 self._adapters[name] = param.detach()
 
-    def _file_name(self, name: str) -> str:
-        return name.removeprefix(self._prefix).replace(".base_layer.", ".")
-
     def shard(self, layer: str, layout: LayerLayout) -> torch.Tensor:
         """This rank's fp32 shard of ``layer``'s trainable or frozen part: adapters from
         their materialised values, base weights read from the files."""
         out = torch.zeros(layout.shard_numel, dtype=torch.float32)
         files = [s for s in layout.slots if param_key(layer, s.name) not in self._adapters]
         if files:
-            renamed = {s.name: self._file_name(param_key(layer, s.name)) for s in files}
+            renamed = {s.name: base_name(param_key(layer, s.name), self._prefix) for s in files}
             out += self._base.shard_of(layer, layout, names=renamed)
         for slot in layout.slots:
             value = self._adapters.get(param_key(layer, slot.name))
             if value is None:
                 continue
-            lo = max(slot.offset, layout.shard_start)
-            hi = min(slot.offset + slot.numel, layout.shard_end)
+            lo, hi = layout.owned_span(slot)
             if lo < hi:
                 piece = value.reshape(-1)[lo - slot.offset : hi - slot.offset]
                 out[lo - layout.shard_start : hi - layout.shard_start] = piece

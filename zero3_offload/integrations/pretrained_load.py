@@ -65,8 +65,7 @@ class PretrainedShards:
         for slot in layout.slots:
             if names is not None and slot.name not in names:
                 continue
-            lo = max(slot.offset, layout.shard_start)
-            hi = min(slot.offset + slot.numel, layout.shard_end)
+            lo, hi = layout.owned_span(slot)
             name = names[slot.name] if names is not None else param_key(layer, slot.name)
             if name not in self.weights:
                 raise CheckpointError(

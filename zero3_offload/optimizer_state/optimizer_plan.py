@@ -375,7 +375,7 @@ def _layer_plan(
         return LayerPlan(fast, (), (), tuple(full_keys), scalar_bytes, 0)
     segments: list[Segment] = []
     for s, g in elementwise:
-        lo, hi = max(s.offset, lay.shard_start), min(s.offset + s.numel, lay.shard_end)
+        lo, hi = lay.owned_span(s)
         if lo >= hi:
             continue
         start, end = lo - lay.shard_start, hi - lay.shard_start

@@ -228,8 +228,7 @@ class OwnedParams:
         shard = master(name)
         values = recv.to(shard.device)
         for o in self._owned[name]:
-            lo = max(o.slot.offset, lay.shard_start)
-            hi = min(o.slot.offset + o.slot.numel, lay.shard_end)
+            lo, hi = lay.owned_span(o.slot)
             if lo >= hi:
                 continue
             src = o.owner * block + o.position + (lo - o.slot.offset)

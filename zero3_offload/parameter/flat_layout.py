@@ -84,6 +84,11 @@ class LayerLayout:
     def shard_end(self) -> int:
         return self.shard_start + self.shard_numel
 
+    def owned_span(self, slot: ParamSlot) -> tuple[int, int]:
+        """``[lo, hi)``: the elements of ``slot`` (offsets in the flat buffer) that lie in
+        this rank's shard; ``lo >= hi`` when none do."""
+        return max(slot.offset, self.shard_start), min(slot.offset + slot.numel, self.shard_end)
+
     @property
     def gather_numel(self) -> int:
         """Elements of the gathered buffer: the trainable part, then the frozen part."""
