@@ -48,6 +48,7 @@ from zero3_offload.testing import RankContext
 
 MICRO_STEPS = 20  # 10 AdamW steps (accumulation 2, clipping 1.0)
 SAVE_AT = 10  # micro-steps of the run the checkpoint is saved after
+LORAS = ["lora-llama", "lora-qwen2", "lora-gpt2"]  # LoRA on each architecture
 
 # variant -> (architecture, how it is frozen, manager config fields, model checkpointing)
 VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
@@ -310,16 +311,14 @@ def runs2(root: Path) -> dict[str, list[Any]]:
 
 @pytest.fixture(scope="module")
 def runs3(runs2: dict[str, list[Any]], root: Path) -> dict[str, list[Any]]:
-    calls: dict[str, tuple[Any, ...]] = {
-        v: (train_frozen, v) for v in ("lora-llama", "lora-qwen2", "lora-gpt2")
-    }
+    calls: dict[str, tuple[Any, ...]] = {v: (train_frozen, v) for v in LORAS}
     calls["load"] = (load_frozen, "lora-llama", str(root / "ckpt"))
     return _run(calls, 3)
 
 
 @pytest.fixture(scope="module")
 def runs1() -> dict[str, list[Any]]:
-    return _run({v: (train_frozen, v) for v in ("lora-llama", "lora-qwen2", "lora-gpt2")}, 1)
+    return _run({v: (train_frozen, v) for v in LORAS}, 1)
 
 
 def _results(runs: dict[str, list[Any]], name: str) -> list[dict[str, Any]]:
@@ -338,26 +337,17 @@ def _assert_trains_like_plain(results: list[dict[str, Any]], variant: str) -> No
         assert all(torch.equal(r["state"][n], ref["state"][n].float()) for n in r["frozen"])
 
 
+# Every variant at 2 ranks; LoRA on each architecture at 3 and 1 ranks too.
+WORLD_CASES = [(2, v) for v in VARIANTS] + [(w, v) for w in (3, 1) for v in LORAS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_frozen_and_lora_train_like_plain_at_two_ranks(
-    runs2: dict[str, list[Any]], variant: str
+@pytest.mark.parametrize(("world", "variant"), WORLD_CASES)
+def test_frozen_and_lora_train_like_plain(
+    request: pytest.FixtureRequest, world: int, variant: str
 ) -> None:
-    _assert_trains_like_plain(_results(runs2, variant), variant)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["lora-llama", "lora-qwen2", "lora-gpt2"])
-def test_lora_trains_like_plain_peft_at_three_ranks(
-    runs3: dict[str, list[Any]], variant: str
-) -> None:
-    _assert_trains_like_plain(_results(runs3, variant), variant)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["lora-llama", "lora-qwen2", "lora-gpt2"])
-def test_lora_trains_like_plain_peft_at_one_rank(runs1: dict[str, list[Any]], variant: str) -> None:
-    _assert_trains_like_plain(_results(runs1, variant), variant)
+    runs = request.getfixturevalue(f"runs{world}")
+    _assert_trains_like_plain(_results(runs, variant), variant)
 
 
 @pytest.mark.slow
