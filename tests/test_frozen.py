@@ -381,16 +381,18 @@ def test_no_collective_runs_for_what_no_gradient_needs(runs2: dict[str, list[Any
     full = _results(runs2, "trainable-llama4")[0]["counts"]
     frozen = _results(runs2, "last-two-layers")[0]["counts"]
     embedding = _results(runs2, "frozen-embedding")[0]["counts"]
-    # Per step (2 backward passes; the last layer of a forward stays gathered for the
-    # backward that starts there). All trainable: layers 0-2 are gathered again and the
-    # 4 layers and the root reduce. Frozen but the last two layers: no gradient goes
-    # through layers 0 and 1, so only layer 2 is gathered again and layers 2 and 3
-    # reduce; the frozen root reduces nothing.
-    assert full == {"gathers": 6, "reduce_scatters": 10}
-    assert frozen == {"gathers": 2, "reduce_scatters": 4}
-    # A frozen input embedding (2 layers): in the root, with the trainable norm and head,
-    # so the root still reduces; the embedding is never gathered again for backward.
-    assert embedding == {"gathers": 2, "reduce_scatters": 6}
+    # Per step (2 backward passes). The units: the embedding, 4 (or 2) decoder layers,
+    # the LM head, and the final norm in the root; the head, the last unit of a forward,
+    # stays gathered for the backward that starts there. All trainable: the layers and
+    # the embedding are gathered again, and every unit reduces. Frozen but the last two
+    # layers: no gradient goes through layers 0 and 1 (nor the embedding), so only
+    # layers 2 and 3 are gathered again and reduce; the frozen head, norm and embedding
+    # reduce nothing.
+    assert full == {"gathers": 10, "reduce_scatters": 14}
+    assert frozen == {"gathers": 4, "reduce_scatters": 4}
+    # A frozen input embedding (2 layers): never gathered again for backward and never
+    # reduced; the trainable layers, head and norm reduce.
+    assert embedding == {"gathers": 4, "reduce_scatters": 8}
 
 
 @pytest.mark.slow

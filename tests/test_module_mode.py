@@ -188,8 +188,13 @@ def test_transformers_model_trains_like_plain_transformers(
     results = get(runs, kind)
     assert_trains_like(results, plain(kind))
     layers = "transformer.h" if kind == "gpt2" else "model.layers"
-    # Units from _no_split_modules: the decoder layers, everything else in the root unit.
-    assert results[0]["layer_names"] == (ROOT_UNIT, f"{layers}.0", f"{layers}.1")
+    blocks = (f"{layers}.0", f"{layers}.1")
+    # Units from _no_split_modules: the decoder layers, and the embeddings where they
+    # are untied (GPT-2 ties its head to the token embedding: both stay in the root).
+    tied = build(kind).config.tie_word_embeddings
+    ends = ((), ()) if tied else (("model.embed_tokens",), ("lm_head",))
+    expected = (ROOT_UNIT, *ends[0], *blocks, *ends[1])
+    assert results[0]["layer_names"] == expected
 
 
 CHECKPOINTING = {

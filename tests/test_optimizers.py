@@ -228,7 +228,7 @@ def test_early_and_speculative_updates_with_whole_parameters(
 
 def test_muon_is_as_sensitive_in_plain_torch() -> None:
     """The Muon tolerance: plain torch Muon moves by about as much when its gradients
-    change in the last bits (the orthogonalisation runs in bf16)."""
+    change in their last bits (the orthogonalisation runs in bf16)."""
     import torch
     from hf_models import ACC, CLIP, batch, call_kwargs, loss_of
     from optim_cases import torch_optimizers
@@ -248,7 +248,8 @@ def test_muon_is_as_sensitive_in_plain_torch() -> None:
         return {n: p.detach() for n, p in model.named_parameters() if n in hidden}
 
     hidden = set(hidden_matrices(build(KIND)))
-    assert max_diff(run(0.0), run(1e-7)) > 1e-5
+    # A few ulps of fp32 (1e-7 alone rounds to no change on some CPUs' kernels).
+    assert max_diff(run(0.0), run(1e-6)) > 1e-5
 
 
 def test_decay_split_is_hf_trainers() -> None:

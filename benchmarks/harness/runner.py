@@ -139,6 +139,11 @@ class Rank:
         st = proc_status()
         self.marks[name] = {"hwm_bytes": st["VmHWM"], "rss_bytes": st["VmRSS"]}
 
+    def reset_peak(self) -> None:
+        """Start ``VmHWM`` again from ``VmRSS`` (Linux: ``clear_refs`` 5): the next marks'
+        high-water marks are those of what ran since."""
+        Path("/proc/self/clear_refs").write_text("5", encoding="ascii")
+
 
 def rank_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
@@ -158,7 +163,9 @@ def rank_main(spec_path: str) -> None:
     ctx.mark("end")
     result.update(rank=ctx.rank, world_size=ctx.world, pid=os.getpid(), marks=ctx.marks)
     result.update(torch_threads=torch.get_num_threads(), run_s=time.perf_counter() - t0)
-    result["peak_rss_bytes"] = ctx.marks["end"]["hwm_bytes"]
+    result["peak_rss_bytes"] = max(m["hwm_bytes"] for m in ctx.marks.values())  # resets too
+    if "set_up" in ctx.marks:  # the high-water mark was reset there: the steps' own peak
+        result["step_peak_rss_bytes"] = ctx.marks["end"]["hwm_bytes"]
     out = Path(spec["out_dir"]) / f"result-rank{ctx.rank}.json"
     out.write_text(json.dumps(result, default=str), encoding="utf-8")
     sys.stderr.flush()

@@ -130,6 +130,7 @@ def system_columns(refs: dict[str, str]) -> list[Col]:
         Col("optimizer s", "median_optimizer_s", ".3f"),
         Col("peak GPU allocated MiB", "peak_gpu_bytes", "mib"), *vs("peak_gpu_bytes", first),
         Col("peak RSS / rank MiB", "peak_rss_bytes", "mib"), *vs("peak_rss_bytes"),
+        Col("steps' peak RSS MiB", "step_peak_rss_bytes", "mib"), *vs("step_peak_rss_bytes"),
         Col("RSS after import MiB", "import_rss_bytes", "mib"),
         Col("model state / rank MiB", "model_state_bytes", "mib1"),
     ]

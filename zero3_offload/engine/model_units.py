@@ -2,8 +2,12 @@
 
 A unit is a submodule whose parameters are sharded, gathered and released
 together (a decoder layer, typically); the *root unit* holds every other
-parameter (embeddings, final norm, LM head) and every parameter that more than
-one unit uses, such as an embedding tied to the LM head. A tied parameter is
+parameter (a final norm, say) and every parameter that more than one unit
+uses, such as an embedding tied to the LM head. By default a transformers
+model's units are its ``_no_split_modules`` and, when they are not tied to
+each other, its input and output embeddings: the largest tensors of most
+language models, which the forward needs only at its two ends, so neither is
+held gathered through the whole pass. A tied parameter is
 one tensor and one slot in one unit, so both uses add into one gradient, once.
 """
 
@@ -17,7 +21,7 @@ from zero3_offload.errors import InputError
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.unit_params import UnitParams
 
-__all__ = ["ROOT_UNIT", "default_unit_classes", "split_units"]
+__all__ = ["ROOT_UNIT", "default_unit_classes", "embedding_modules", "split_units"]
 
 UnitSpec = str | type[nn.Module]
 
@@ -37,7 +41,32 @@ def default_unit_classes(model: nn.Module) -> tuple[str, ...]:
     return tuple(str(n) for n in names or ())
 
 
+def embedding_modules(model: nn.Module) -> list[nn.Module]:
+    """A transformers model's input and output embeddings (through a peft wrapper).
+
+    Empty when they share a parameter (tied weights belong to the root unit)
+    or the model has neither.
+    """
+    base = getattr(model, "get_base_model", None)
+    inner = base() if callable(base) else model
+    found: list[nn.Module] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(inner, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except NotImplementedError:  # transformers' default for models without one
+            module = None
+        if isinstance(module, nn.Module) and next(module.parameters(), None) is not None:
+            found.append(module)
+    if len(found) == 2:
+        first = {id(p) for p in found[0].parameters()}
+        if found[0] is found[1] or any(id(p) in first for p in found[1].parameters()):
+            return []
+    return found
+
+
 def _choose(model: nn.Module, units: Sequence[UnitSpec] | None) -> dict[str, nn.Module]:
+    extra: set[int] = set()
     if units is None:
         classes = default_unit_classes(model)
         if not classes:
@@ -47,6 +76,7 @@ def _choose(model: nn.Module, units: Sequence[UnitSpec] | None) -> dict[str, nn.
             )
         specs: list[UnitSpec] = list(classes)
         by_class_name = True
+        extra = {id(m) for m in embedding_modules(model)}
     else:
         if isinstance(units, (str, type)) or not isinstance(units, Sequence) or not units:
             raise InputError(
@@ -74,6 +104,7 @@ def _choose(model: nn.Module, units: Sequence[UnitSpec] | None) -> dict[str, nn.
             path in names
             or (classes and isinstance(module, classes))
             or type(module).__name__ in class_names
+            or id(module) in extra
         )
         if not wanted:
             continue

@@ -359,7 +359,7 @@ class ModuleRunner:
         scaled = loss * scaler.scale if scaler is not None else loss
         forward_units = forward.units()
         predicted = self._prefetch.predicted(Phase.BACKWARD) or self._predict_backward(forward)
-        result = PassResult(phase=Phase.BACKWARD)
+        result = PassResult(phase=Phase.BACKWARD, root_views=forward.root_views)
         unit_pass = UnitPass(phase=Phase.BACKWARD, predicted=predicted, result=result)
         unit_pass.expected = self._count_gradients(scaled)
         unit_pass.skipped = forward.no_backward
@@ -516,15 +516,18 @@ class ModuleRunner:
             self._reducer.end_pass()
 
     def _release_root_values(self, p: UnitPass) -> None:
-        """Free the root unit's gathered values once the backward reached the other units.
+        """Free the root unit's gathered values once the backward reached another unit
+        after unpacking every view of them autograd saved.
 
-        The root's backward at the top (LM head, final norm) is done by then,
-        and its gradients keep accumulating in their own buffer: the values
-        are rarely needed again (an embedding's backward needs only the ids),
-        and if they are, unpacking a saved weight gathers the root again.
+        The root's backward at the top (final norm; an LM head in the root) is
+        done by then, and its gradients keep accumulating in their own buffer:
+        the values are rarely needed again (an embedding's backward needs only
+        the ids), and if they are, unpacking a saved weight gathers the root again.
         """
         root = self._root
         if root is None or not self._prefetch.is_in_use(root) or root in p.done:
+            return
+        if p.result.root_views > 0:  # the root's own backward has not run yet
             return
         # Autograd can accumulate into a released parameter only through a
         # defined .grad: the in-place views of the root's gradient buffer
@@ -627,6 +630,9 @@ class ModuleRunner:
             found = self._storages.get(t.untyped_storage().data_ptr())
             if found is not None:
                 unit, base = found
+                p = self._current
+                if unit == self._root and p is not None and p.phase is Phase.FORWARD:
+                    p.result.root_views += 1
                 return BufferSlot.of(unit, t, base)
             p = self._current
             if p is not None:
@@ -637,6 +643,9 @@ class ModuleRunner:
         if not isinstance(saved, BufferSlot):
             assert isinstance(saved, torch.Tensor)
             return saved
+        p = self._current
+        if saved.layer == self._root and p is not None and p.phase is Phase.BACKWARD:
+            p.result.root_views -= 1
         if not self._gatherer.is_gathered(saved.layer):
             self._call(self._enter(saved.layer))
         return saved.view(self._gatherer.gathered_flat(saved.layer))

@@ -36,6 +36,9 @@ class PassResult:
     saved: dict[int, int] = attrs.Factory(dict)
     """Module mode, training forward: storage pointer -> bytes autograd saved for backward
     (gathered parameters excluded)."""
+    root_views: int = 0
+    """Module mode: views of the root unit's gathered values that autograd saved (training
+    forward), or that its backward has still to unpack (backward)."""
     pending: list[PendingGradient] = attrs.Factory(list)
     """Backward: the reduce-scatters launched, in launch order."""
     landings: list[asyncio.Future[torch.Tensor | None]] = attrs.Factory(list)
