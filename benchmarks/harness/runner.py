@@ -95,6 +95,8 @@ def launch(target: str, spec: dict[str, Any], run_dir: Path, world: int = 1, **k
     env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS"), str(spec["threads"])))
     extensions = Path(tempfile.gettempdir()) / "zero3_offload_peers_torch_extensions"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions))  # DeepSpeed's compiled ops
+    for lock in Path(env["TORCH_EXTENSIONS_DIR"]).glob("*/lock"):  # runs never overlap:
+        lock.unlink()  # left by a rank killed while compiling, it would hold every later run
     if spec.get("mmap_threshold") is not None:  # glibc mmaps blocks this large, returns them
         env["MALLOC_MMAP_THRESHOLD_"] = str(spec["mmap_threshold"])
     ranks: list[dict[str, str]] = [{} for _ in range(world)]
