@@ -27,8 +27,16 @@ LLAMA_PEERS = {"fsdp2": FSDP2, "deepspeed": peers.SYSTEMS["deepspeed"]}
 CHAIN = System("zero3_offload chain mode", "zero3_offload", WORLD, {})
 GPT_PEERS = {"fsdp2": peers.SYSTEMS["fsdp2"], "ours_chain": CHAIN, "ours_module": MODULE}
 PARTS = {"llama": {**LLAMA_PEERS, "ours_module": MODULE}, "gpt": GPT_PEERS}
-LORA = {f"ours_{f}": System(f"zero3_offload, {f} frozen", "ours-module", WORLD, {
-    "frozen_compression": f}) for f in ("bf16", "nf4")}  # fmt: skip
+LORA = {
+    f"ours_{f}{k}": System(
+        f"zero3_offload, {f} frozen{k and ', none kept'}",
+        "ours-module",
+        WORLD,
+        {"frozen_compression": f, "keep_gathered_for_backward": not k},
+    )
+    for f in ("bf16", "nf4")
+    for k in ("", "_lean")
+}  # fmt: skip  (lean: nothing kept for backward)
 PARTS["lora"] = {**LLAMA_PEERS, **LORA}
 TORCH = peers.SYSTEMS["torch"]
 SYSTEMS = {m: {"torch": TORCH, **t} for m, t in PARTS.items()}
@@ -78,7 +86,7 @@ def run(args: Any) -> dict[str, Any] | None:
 
 def layout(p: dict[str, Any]) -> list:
     parts = p["parts"].items()
-    return [b for m, part in parts for b in [TITLES[m]] * (m in TITLES) + peers.layout(part)]
+    return [b for m, part in parts for b in [TITLES.get(m, ""), *peers.layout(part)] if b]
 
 
 def notes(p: dict[str, Any]) -> list[str]:
