@@ -37,8 +37,16 @@ class Batch:
         return self.input_ids.numel() - self.real_tokens
 
     def model_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of a transformers causal LM's forward (with labels)."""
-        kw: dict[str, Any] = {"input_ids": self.input_ids, "labels": self.labels}
+        """The keyword arguments of a transformers causal LM's forward (with labels).
+
+        ``use_cache=False`` always: transformers detects packed rows from
+        ``position_ids`` only without a cache (see [Note: packed rows]).
+        """
+        kw: dict[str, Any] = {
+            "input_ids": self.input_ids,
+            "labels": self.labels,
+            "use_cache": False,
+        }
         if self.attention_mask is not None:
             kw["attention_mask"] = self.attention_mask
         if self.position_ids is not None:

@@ -6,12 +6,15 @@ batch (never to ``--max-seq-len``), with a 2-D ``attention_mask``. Packed
 (``--pack``), the examples go into rows of at most ``max_len`` tokens, each into
 the first row with room (in batch order; a row is opened when none has room), and
 the rows are padded to the longest row. ``position_ids`` restart at 0 at every
-example and at the padding, and no ``attention_mask`` is passed: that is
-transformers' padding-free path, where the causal mask is built per segment of
-``position_ids`` (``masking_utils.find_packed_sequence_indices``), for the sdpa,
-eager and flash-attention kernels alike, so no token attends to another example
-(checked by comparing each example's logits in a packed row with the example run
-alone). The first label of every example is ignored (see [Note: truncation rule]),
+example and at the padding, and neither an ``attention_mask`` nor a cache
+(``use_cache=False``) is passed: that is transformers' padding-free path, where
+the causal mask is built per segment of ``position_ids``
+(``masking_utils.find_packed_sequence_indices``), so no token attends to another
+example. The tests check it for the sdpa and eager kernels of Llama by comparing
+each example's logits in a packed row with the example run alone; a model whose
+attention does not build its mask with ``masking_utils`` would attend across
+examples, so ``--pack`` is for such models only after that check. The first label
+of every example is ignored (see [Note: truncation rule]),
 so no example's last token learns to predict the next example's first one.
 """
 

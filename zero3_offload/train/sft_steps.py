@@ -3,7 +3,7 @@
 :class:`SftSteps` holds the run's :class:`~zero3_offload.data.sft_data.SftData`
 and its data position (global examples consumed): each step takes the next
 global batch of ``batch_size * accumulation * world_size`` examples (see [Note:
-example order]), runs ``forward(**batch, use_cache=False)`` and
+example order]), runs ``forward(**batch.model_kwargs())`` and
 ``backward(out.loss, tokens=n)`` per micro-step (``out.loss`` is transformers'
 mean over the micro-batch's ``n`` learned tokens, so the update follows the global
 token mean: [Note: token-weighted gradients]) and advances the position. The
@@ -71,7 +71,7 @@ class SftSteps:
                 world_size=self.world_size,
                 batch_size=self.batch_size,
             )
-            out = await self.manager.forward(**batch.model_kwargs(), use_cache=False)
+            out = await self.manager.forward(**batch.model_kwargs())
             tokens = batch.valid_tokens
             await self.manager.backward(out.loss, tokens=tokens)
             if tokens:  # an all-masked micro-batch's loss is NaN: it weighs nothing
@@ -97,7 +97,7 @@ class SftSteps:
             batch = self.data.eval_batch(
                 i, rank=self.rank, world_size=self.world_size, batch_size=self.batch_size
             )
-            out = await self.manager.forward(**batch.model_kwargs(), use_cache=False)
+            out = await self.manager.forward(**batch.model_kwargs())
             tokens = batch.valid_tokens
             if tokens:
                 total += float(out.loss.item()) * tokens
