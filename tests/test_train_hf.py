@@ -173,7 +173,10 @@ def test_pretrained_with_tokenizer_trains_exports_and_resumes(
     assert initial == pytest.approx(reference_eval(pretrained, dirs["data"], tokenizer), abs=2e-4)
 
     # The export is the final checkpoint, loadable as is, with the tokenizer.
-    assert f"exported the model and tokenizer to {export}" in out
+    assert f"exported the model, tokenizer and generation_config.json to {export}" in out
+    assert (export / "generation_config.json").read_bytes() == (
+        dirs["pretrained"] / "generation_config.json"
+    ).read_bytes()
     straight = exported_params(export)
     saved = checkpoint_params(run)
     assert straight.keys() == saved.keys()
