@@ -368,22 +368,45 @@ def test_resume_refuses_other_adapters_or_other_frozen_weights(
     assert run_cli(capsys, *args, *lora_run, "--lora", "r=4,target=q_proj")[0] == 0
     assert run_cli(capsys, *args, *frozen_run, "--freeze", "lm_head.*")[0] == 0
     resume = [*args, "--steps", "2", "--resume"]
-    cases = [
-        ([*lora_run, "--lora", "r=4,target=q_proj,dropout=0.1"],
-         "was trained with other LoRA adapters (lora_dropout: 0.0 there, 0.1 here)"),
-        ([*lora_run, "--lora", "r=8,target=q_proj"], "(r: 4 there, 8 here)"),
-        ([*lora_run, "--lora", "r=4,target=q_proj,v_proj"], "target_modules: ['q_proj'] there"),
-        (lora_run, "was trained with LoRA adapters and this run has no adapters"),
-        ([*frozen_run, "--lora", "r=4"], "was trained with no adapters and this run has LoRA"),
-        (frozen_run, "1 frozen there are trained here: lm_head.weight"),
-        ([*frozen_run, "--freeze", "lm_head.*,model.norm.*"],
-         "1 trained there are frozen here: model.norm.weight"),
-    ]  # fmt: skip
-    for flags, expected in cases:
+
+    def refused(flags: list[str], expected: str) -> None:
         code, _, err = run_cli(capsys, *resume, *flags)
         assert code == 2, err
         assert "--resume: " in err and expected in err, err
-        assert "give the --" in err and len(err.strip().splitlines()) == 1
+        assert "another --out" in err and len(err.strip().splitlines()) == 1
+
+    # The options the checkpoint recorded (training_state.adapters).
+    lora = "--lora r=4,alpha=8,dropout=0,target=q_proj"
+    refused(
+        [*lora_run, "--lora", "r=4,target=q_proj,dropout=0.1"],
+        f"was trained with {lora}, this run has {lora.replace('0,', '0.1,')}",
+    )
+    refused(lora_run, f"was trained with {lora}, this run has no --lora")
+    refused(
+        [*frozen_run, "--freeze", "lm_head.*,model.norm.*"],
+        "was trained with --freeze lm_head.*, this run has --freeze lm_head.*,model.norm.*",
+    )
+    refused([*frozen_run, "--lora", "r=4"], "was trained with no --lora, --freeze lm_head.*, "
+            "this run has --lora r=4,alpha=8,dropout=0, no --freeze")  # fmt: skip
+    # Without them (a checkpoint of the library's own save_checkpoint): what the options
+    # made of the model, its adapter config and its trainable parameters.
+    for run in ("lora", "frozen"):
+        root = tmp_path / run / "checkpoints"
+        meta_file = root / (root / "latest").read_text().strip() / "metadata.json"
+        meta = json.loads(meta_file.read_text())
+        assert meta["training_state"]["adapters"]["lora" if run == "lora" else "freeze"]
+        meta_file.write_text(json.dumps({**meta, "training_state": None}))
+    refused(
+        [*lora_run, "--lora", "r=4,target=q_proj,dropout=0.1"],
+        "was trained with other LoRA adapters (lora_dropout: 0.0 there, 0.1 here)",
+    )
+    refused([*lora_run, "--lora", "r=8,target=q_proj"], "(r: 4 there, 8 here)")
+    refused([*lora_run, "--lora", "r=4,target=q_proj,v_proj"], "target_modules: ['q_proj'] there")
+    refused(lora_run, "was trained with LoRA adapters and this run has no adapters")
+    refused([*frozen_run, "--lora", "r=4"], "was trained with no adapters and this run has LoRA")
+    refused(frozen_run, "1 frozen there are trained here: lm_head.weight")
+    refused([*frozen_run, "--freeze", "lm_head.*,model.norm.*"],
+            "1 trained there are frozen here: model.norm.weight")  # fmt: skip
     # The same options resume.
     code, out, err = run_cli(capsys, *resume, *frozen_run, "--freeze", "lm_head.*")
     assert code == 0, err

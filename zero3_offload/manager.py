@@ -772,7 +772,11 @@ class Zero3CpuOffloadManager:
 
     @_flushed
     async def save_checkpoint(
-        self, path: str | os.PathLike[str], *, include_frozen: bool = True
+        self,
+        path: str | os.PathLike[str],
+        *,
+        include_frozen: bool = True,
+        training_state: Mapping[str, Any] | None = None,
     ) -> Path:
         """Save this rank's shards and the run's counters under ``path`` (a collective).
 
@@ -786,6 +790,9 @@ class Zero3CpuOffloadManager:
             include_frozen: also save the frozen parameters' shards (``requires_grad=False``
                 at construction); without them (a fine-tune of a base model kept
                 elsewhere) a load keeps the frozen values the manager has.
+            training_state: the caller's own state, a JSON object (e.g. the training
+                loop's data position), stored as ``training_state`` in the checkpoint's
+                ``metadata.json`` (rank 0's); ``checkpoint.format.read_metadata`` reads it.
 
         Returns:
             The committed checkpoint directory.
@@ -799,7 +806,9 @@ class Zero3CpuOffloadManager:
         self._check_open()
         if self._state.early_lr is not None:
             raise StateError("updates of this step already started: call optimizer_step first")
-        return await self._engine.checkpointer.save(path, include_frozen=include_frozen)
+        return await self._engine.checkpointer.save(
+            path, include_frozen=include_frozen, training_state=training_state
+        )
 
     @_flushed
     async def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:

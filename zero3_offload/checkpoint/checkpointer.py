@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +139,12 @@ class ShardCheckpointer:
             yield self._layer_tensors(layer)
 
     def _metadata(
-        self, scalar_state: list[str], window_tokens: int | None, *, frozen_saved: bool
+        self,
+        scalar_state: list[str],
+        window_tokens: int | None,
+        *,
+        frozen_saved: bool,
+        training_state: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         scaler = self.steps.loss_scaler
         return {
@@ -161,15 +166,24 @@ class ShardCheckpointer:
             "config": self.config.to_dict(),
             "model_config": self.model_config,
             "peft": self.peft,
+            "training_state": None if training_state is None else dict(training_state),
         }
 
-    async def save(self, root: str | os.PathLike[str], *, include_frozen: bool = True) -> Path:
+    async def save(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        include_frozen: bool = True,
+        training_state: Mapping[str, Any] | None = None,
+    ) -> Path:
         """Write this rank's shards and the run's counters; commit when every rank wrote.
 
         Args:
             root: the checkpoint root directory (created if missing).
             include_frozen: also write the frozen parameters' shards (see [Note: frozen
                 parameters]); without them a load keeps the frozen values it has.
+            training_state: the caller's JSON object, stored as ``training_state`` in
+                ``metadata.json``.
 
         Returns:
             The committed checkpoint directory.
@@ -197,7 +211,12 @@ class ShardCheckpointer:
         # window's total goes with them, so a load at any world size goes on exactly.
         grads = self.grads
         window_tokens = await grads.token_total(self.comm) if grads.weighted else None
-        meta = self._metadata(self._scalar_state(), window_tokens, frozen_saved=include_frozen)
+        meta = self._metadata(
+            self._scalar_state(),
+            window_tokens,
+            frozen_saved=include_frozen,
+            training_state=training_state,
+        )
         # Through the module: tests and benchmarks wrap its steps (atomic_save.SAVE_STEPS).
         tmp = await atomic_save.prepare_save(root, name, self.comm)
         rank, world = self.comm.rank, self.comm.world_size

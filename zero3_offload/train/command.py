@@ -62,6 +62,8 @@ _METAVARS = {"int": "N", "size": "BYTES", "float": "X", "str": "VALUE", "json": 
 _PATH_METAVARS = {
     "out": "DIR",
     "data": "PATH",
+    "eval_data": "PATH",
+    "data_field": "NAME=COLUMN,...",
     "device": "DEVICE",
     "model": "DIR",
     "export": "DIR",

@@ -20,6 +20,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from zero3_offload.data.text_check import check_text
 from zero3_offload.errors import InputError
 
 __all__ = ["VOCAB_SIZE", "ByteCorpus", "stdlib_files"]
@@ -78,7 +79,8 @@ class ByteCorpus:
             The corpus.
 
         Raises:
-            ValueError: when there is too little text to split.
+            InputError: when there is too little text to split, or a file of ``data`` is
+                not UTF-8 text (a binary file, e.g. Parquet, named as text).
         """
         if data is None:
             files, source = stdlib_files(), f"Python {sysconfig.get_python_version()} stdlib"
@@ -90,7 +92,10 @@ class ByteCorpus:
         for path in files:
             if size >= max_bytes:
                 break
-            chunk = path.read_bytes()[: max_bytes - size]
+            whole = path.read_bytes()
+            chunk = whole[: max_bytes - size]
+            if data is not None:  # a user's file must be text (a binary one is refused)
+                check_text(path, chunk, complete=len(chunk) == len(whole))
             chunks.append(chunk)
             size += len(chunk)
         blob = b"".join(chunks)

@@ -10,9 +10,11 @@ DIR`` the model is a transformers causal LM (see ``train.hf``) run in module
 mode: each micro-step is ``forward(input_ids=x, labels=x)`` (transformers
 computes the shifted loss), ``backward(out.loss, tokens=n)`` (``n``: the
 labels it predicts) and ``optimizer_step``; ``--export`` ends
-the run with ``save_pretrained``. Batches depend only on
+the run with ``save_pretrained``. Batches of text depend only on
 ``(seed, step, micro-step, rank)``, so a resumed run sees the data the
-uninterrupted run would have seen.
+uninterrupted run would have seen. With examples (``--data`` of records or a
+dataset) the steps are those of ``train.sft_steps``: the order depends on (seed,
+epoch, global position), and the position is saved in the checkpoint.
 
 A stop request (SIGINT/Ctrl-C or SIGTERM on any rank, or the launcher's stop
 file) is agreed by all ranks at the end of a step, in the same all-reduce as
@@ -41,7 +43,10 @@ import torch
 import torch.nn.functional as F
 
 from zero3_offload import logging as zlogging
+from zero3_offload.checkpoint.format import read_metadata
 from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.data.sft_data import SftData
+from zero3_offload.data.source import find_source
 from zero3_offload.errors import (
     CheckpointError,
     ConfigError,
@@ -61,8 +66,10 @@ from zero3_offload.train.export import export_model
 from zero3_offload.train.model import GPT, GPTShape
 from zero3_offload.train.options import TrainOptions
 from zero3_offload.train.progress import Reporter
-from zero3_offload.train.resume_check import adapter_mismatch
+from zero3_offload.train.resume_check import adapter_mismatch, adapter_options
+from zero3_offload.train.sft_steps import SftSteps
 from zero3_offload.train.sources import flagify
+from zero3_offload.train.step_counts import StepCounts
 
 __all__ = ["RankResult", "RunSettings", "TrainError", "learning_rate", "train_rank"]
 
@@ -163,14 +170,20 @@ class _Trainer:
         self.names = list(manager.layer_names)
         self.comm = manager.engine.comm  # its heartbeat and divergence check cover the loss too
         opts = self.opts
+        self.sft: SftSteps | None = None  # examples rather than a text stream
+        self._corpus: ByteCorpus | None = None
         try:
-            self.corpus = ByteCorpus.load(
-                data=Path(opts.data) if opts.data else None, max_bytes=int(opts.corpus_mb * 1e6)
-            )
-            if self.hf:
-                assert manager.model is not None  # module mode
-                vocab = hf.vocab_size(manager.model)
-                self.corpus = hf.tokenize(self.corpus, tokenizer, vocab)
+            if opts.data and find_source(opts.data).structured:
+                self.sft = self._sft_steps()
+            else:
+                corpus = ByteCorpus.load(
+                    data=Path(opts.data) if opts.data else None,
+                    max_bytes=int(opts.corpus_mb * 1e6),
+                )
+                if self.hf:
+                    assert manager.model is not None  # module mode
+                    corpus = hf.tokenize(corpus, tokenizer, hf.vocab_size(manager.model))
+                self._corpus = corpus
         except (ConfigError, InputError) as exc:
             raise TrainError(str(exc)) from exc
         self.checkpoints = Path(opts.out) / "checkpoints" if opts.out else None
@@ -181,6 +194,43 @@ class _Trainer:
             total=opts.steps,
             log_every=opts.log_every,
             tokens_per_step=accum * opts.batch_size * opts.seq_len * ctx.world_size,
+        )
+
+    @property
+    def corpus(self) -> ByteCorpus:
+        """The text stream (not with examples)."""
+        assert self._corpus is not None, "a run on examples has no text stream"
+        return self._corpus
+
+    def _sft_steps(self) -> SftSteps:
+        """The steps over ``--data``'s examples (the tokenizer renders them)."""
+        opts, manager = self.opts, self.manager
+        if not self.hf or manager.model is None:
+            raise ConfigError(
+                f"--data {opts.data}: examples (records or a dataset) need --model DIR, a "
+                "transformers causal LM with its tokenizer; the built-in GPT trains on text"
+            )
+        data = SftData.load(
+            opts.data,  # type: ignore[arg-type]  # checked by the caller
+            tokenizer=self.tokenizer,
+            vocab=hf.vocab_size(manager.model),
+            max_len=opts.seq_len,
+            seed=opts.seed,
+            eval_data=opts.eval_data,
+            data_format=opts.data_format,
+            data_field=opts.data_field,
+            loss_on=opts.loss_on,
+            bad_records=opts.bad_records,
+            pack=opts.pack,
+        )
+        return SftSteps(
+            data,
+            manager,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            batch_size=opts.batch_size,
+            accumulation=self.run.zero3.gradient_accumulation_steps,
+            eval_batches=opts.eval_batches,
         )
 
     def _batch(self, split: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,6 +274,15 @@ class _Trainer:
         model = self.manager.model if self.hf else None
         if model is not None:
             model.eval()  # no dropout while evaluating
+        if self.sft is not None:
+            try:
+                with torch.no_grad():
+                    local = await self.sft.eval_sums()
+            finally:
+                if model is not None:
+                    model.train()
+            total, count = await self.sums(*local)  # the eval set's token mean
+            return total / count if count else float("nan")
         try:
             total = 0.0
             for i in range(self.opts.eval_batches):
@@ -254,14 +313,18 @@ class _Trainer:
         await self.manager.backward_pass(logits.grad, self.names, learning_rate=lr, tokens=tokens)
         return loss.item(), tokens
 
-    async def train_step(self, step: int, lr: float) -> tuple[float, int]:
-        """One step; this rank's sum of per-token losses and its valid tokens."""
+    async def train_step(self, step: int, lr: float) -> StepCounts:
+        """One step; this rank's sum of per-token losses, its tokens and examples."""
+        if self.sft is not None:
+            return await self.sft.train_step(lr)
         total, count = 0.0, 0
-        for micro in range(self.run.zero3.gradient_accumulation_steps):
+        accum = self.run.zero3.gradient_accumulation_steps
+        for micro in range(accum):
             loss, tokens = await self._micro_step(*self._batch("train", step, micro), lr)
             total, count = total + loss * tokens, count + tokens
             await self.manager.optimizer_step(lr)
-        return total, count
+        windows = accum * self.opts.batch_size
+        return StepCounts(total, count, windows * self.opts.seq_len, 0, windows)
 
     async def export(self) -> str | None:
         """Write ``--export`` (a collective): the model or its adapters, and its tokenizer
@@ -284,20 +347,27 @@ class _Trainer:
     async def save(self) -> str | None:
         if self.checkpoints is None:
             return None
-        path = str(await self.manager.save_checkpoint(self.checkpoints))
+        state = self.sft.training_state() if self.sft is not None else {}
+        state["adapters"] = adapter_options(self.opts)  # what --resume must be given again
+        path = str(await self.manager.save_checkpoint(self.checkpoints, training_state=state))
         self.reporter.line(f"saved checkpoint {path}")
         return path
 
     async def resume(self) -> int:
         assert self.checkpoints is not None
         try:
-            mismatch = adapter_mismatch(self.checkpoints, self.manager)
+            mismatch = adapter_mismatch(self.checkpoints, self.manager, self.opts)
             if mismatch is not None:
                 raise TrainError(f"--resume: {mismatch}")
             path = await self.manager.load_checkpoint(self.checkpoints)
         except CheckpointError as exc:
             raise TrainError(f"--resume: {exc}") from exc
         step = self.manager.steps_completed  # skipped fp16 steps included
+        if self.sft is not None:
+            try:
+                self.sft.restore(read_metadata(path).get("training_state"), str(path))
+            except Zero3Error as exc:
+                raise TrainError(f"--resume: {exc}") from exc
         self.reporter.line(f"resumed from {path} at step {step}")
         return step
 
@@ -316,14 +386,32 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
         for step in range(first, opts.steps):
             lr = learning_rate(step, opts)
             t0 = time.perf_counter()
-            loss_sum, tokens = await trainer.train_step(step, lr)
-            # The step's global token mean: what the update followed.
-            loss_sum, tokens, stops = await trainer.sums(loss_sum, tokens, float(stop.requested))
-            loss = loss_sum / tokens if tokens else float("nan")
+            local = await trainer.train_step(step, lr)
+            # The step's global token mean (what the update followed) and its counts.
+            *summed, stops = await trainer.sums(*local.values(), float(stop.requested))
+            counts = StepCounts(*summed)
+            loss, seen = counts.loss, trainer.sft.position if trainer.sft else None
             done, seconds = step + 1, time.perf_counter() - t0
-            log.info("train_step", rank=rank, step=done, loss=loss, lr=lr, seconds=seconds)
+            log.info(
+                "train_step",
+                rank=rank,
+                step=done,
+                loss=loss,
+                lr=lr,
+                seconds=seconds,
+                tokens_per_s=counts.real / seconds,
+                valid_tokens=int(counts.valid),
+                padding_fraction=counts.padding_fraction,
+                examples_seen=seen,
+            )
             rep.step(
-                done, loss=loss, lr=lr, seconds=seconds, memory=trainer.manager.get_memory_stats()
+                done,
+                loss=loss,
+                lr=lr,
+                seconds=seconds,
+                memory=trainer.manager.get_memory_stats(),
+                counts=counts,
+                examples_seen=seen,
             )
             if opts.eval_every and done % opts.eval_every == 0 and done < opts.steps:
                 rep.line(f"step {done}: eval loss {await trainer.evaluate():.4f}")
@@ -430,7 +518,7 @@ async def _train_hf(ctx: RankContext, run: RunSettings, stop: _StopFlag, model: 
 
 
 def _hf_banner(trainer: _Trainer, directory: str) -> None:
-    ctx, opts, corpus, rep = trainer.ctx, trainer.opts, trainer.corpus, trainer.reporter
+    ctx, opts, rep = trainer.ctx, trainer.opts, trainer.reporter
     model = trainer.manager.model
     assert model is not None  # module mode
     backend = "nccl" if trainer.manager.device.type == "cuda" else "gloo"
@@ -451,6 +539,14 @@ def _hf_banner(trainer: _Trainer, directory: str) -> None:
         else "bytes as tokens: no tokenizer in the model directory"
     )
     accumulation = " x accumulation" if trainer.run.zero3.gradient_accumulation_steps > 1 else ""
+    if trainer.sft is not None:
+        rep.line(
+            f"data: {trainer.sft.data.describe()}; {trainer.sft.global_batch} examples per "
+            f"step ({opts.batch_size} per rank{accumulation}), loss on {opts.loss_on} tokens "
+            f"({tokens})"
+        )
+        return
+    corpus = trainer.corpus
     rep.line(
         f"data: {corpus.source}: {corpus.train.numel() / 1e6:.3f}M train tokens, "
         f"{corpus.eval.numel() / 1e6:.3f}M eval tokens ({tokens}); {rep.tokens_per_step} tokens "

@@ -27,6 +27,9 @@ from zero3_offload.config import (
     int_field,
     rule,
 )
+from zero3_offload.data.bad_records import BAD_RECORD_POLICIES
+from zero3_offload.data.chat_render import LOSS_ON
+from zero3_offload.data.record_format import DATA_FORMATS
 from zero3_offload.errors import ConfigError
 from zero3_offload.train.freeze import freeze_patterns
 from zero3_offload.train.lora_spec import LoraSpec
@@ -34,7 +37,23 @@ from zero3_offload.train.lora_spec import LoraSpec
 __all__ = ["OPTIONS", "Option", "TrainOptions", "format_size", "parse_size"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-_check_level = rule(f"must be one of {', '.join(_LOG_LEVELS)}", lambda v: v in _LOG_LEVELS)
+# Options with a fixed set of string values.
+_CHOICES = {
+    "log_level": _LOG_LEVELS,
+    "data_format": DATA_FORMATS,
+    "loss_on": LOSS_ON,
+    "bad_records": BAD_RECORD_POLICIES,
+}
+
+
+def _choice(name: str) -> Any:
+    values = _CHOICES[name]
+    return attrs.field(
+        default=values[0] if name != "log_level" else "info",
+        validator=rule(f"must be one of {', '.join(values)}", lambda v: v in values),
+    )
+
+
 _optional_str = attrs.validators.optional(rule("must be a string", lambda v: isinstance(v, str)))
 _optional_bool = attrs.validators.optional(
     rule("must be true or false", lambda v: isinstance(v, bool))
@@ -52,7 +71,9 @@ class TrainOptions:
     batch_size: int = int_field(8, 1, "sequences")
     """Sequences per rank per micro-step."""
     seq_len: int = int_field(128, 2, "tokens")
-    """Tokens per training sequence, bytes for the built-in GPT (the model's context length)."""
+    """Tokens per training sequence, bytes for the built-in GPT (the model's context length).
+    With examples (records or a dataset in data) the longest example, and the length of a
+    packed row; longer examples are cut to it (see docs/sft.md)."""
     model: str | None = attrs.field(default=None, validator=_optional_str)
     """Fine-tune the transformers causal LM of this local directory (config.json; weights
     from model.safetensors or its index, else random init; its tokenizer, else bytes as
@@ -110,10 +131,32 @@ class TrainOptions:
     corpus_mb: float = float_field(16.0, "> 0", lambda v: v > 0)
     """Megabytes of text to read (from --data or the Python standard library)."""
     data: str | None = attrs.field(default=None, validator=_optional_str)
-    """Train on this file or directory of text instead of the standard library's source."""
+    """Train on this instead of the standard library's source: a text file or directory of
+    text, or examples (needs model): .jsonl, .json, .parquet or .csv files, a directory of
+    them, or a datasets.save_to_disk directory (see docs/sft.md)."""
+    eval_data: str | None = attrs.field(default=None, validator=_optional_str)
+    """Evaluate on the examples of this file or directory (records or a dataset, shaped as
+    data): the token-mean loss over its learned tokens. Default: the last 5% of data's
+    examples, or of its text."""
+    data_format: str = _choice("data_format")
+    """The shape of data's records: text ({"text"}), prompt ({"prompt", "completion"}),
+    messages ({"messages": [{"role", "content"}, ...]}), or auto (from the first record)."""
+    data_field: str | None = attrs.field(default=None, validator=_optional_str)
+    """Other column names, as NAME=COLUMN,...: e.g. prompt=question,completion=answer or
+    messages=conversations,role=from,content=value."""
+    loss_on: str = _choice("loss_on")
+    """Which tokens of an example are learned: assistant (every assistant turn, or the
+    completion), completion (the last assistant turn, or the completion) or all."""
+    pack: bool = bool_field(False)
+    """Pack several examples into each row of seq_len tokens (position ids restart per
+    example, no attention across examples); without it rows are padded to the longest
+    example of the micro-batch."""
+    bad_records: str = _choice("bad_records")
+    """A record that cannot be an example (missing field, wrong type, empty conversation):
+    fail (stop, naming its file and line or row) or skip (leave it out and count it)."""
     progress: bool | None = attrs.field(default=None, validator=_optional_bool)
     """Progress bar on rank 0 (default: only when stdout is a terminal)."""
-    log_level: str = attrs.field(default="info", validator=_check_level)
+    log_level: str = _choice("log_level")
     """Lowest level written to the JSON logs: debug, info, warning or error."""
 
     def __attrs_post_init__(self) -> None:
@@ -189,6 +232,7 @@ _ALIASES = {
     "optimizer_betas": ("--betas",),
     "optimizer_eps": ("--eps",),
     "optimizer_momentum": ("--momentum",),
+    "seq_len": ("--max-seq-len",),
 }
 # Defaults the command resolves itself (see ``sources.resolve_device``).
 _DEFAULT_TEXT = {"device": "cuda when available, else cpu", "threads": "0"}
@@ -225,8 +269,8 @@ def _kind(field: attrs.Attribute[Any], default: Any) -> tuple[str, tuple[str, ..
         return "choice", _DTYPE_CHOICES
     if field.name == "options":
         return "json", ()
-    if field.name == "log_level":
-        return "choice", _LOG_LEVELS
+    if field.name in _CHOICES:
+        return "choice", _CHOICES[field.name]
     if isinstance(default, tuple):
         return "betas", ()
     if default is None:

@@ -23,6 +23,7 @@ from rich.progress import (
 )
 
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
+from zero3_offload.train.step_counts import StepCounts
 
 __all__ = ["Reporter"]
 
@@ -87,19 +88,37 @@ class Reporter:
             )
 
     def step(
-        self, step: int, *, loss: float, lr: float, seconds: float, memory: Zero3MemoryStats
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        seconds: float,
+        memory: Zero3MemoryStats,
+        counts: StepCounts | None = None,
+        examples_seen: int | None = None,
     ) -> None:
         """Report finished step ``step`` (1-based) and its mean loss over the ranks.
 
         The loss shown is the mean of the last ``log_every`` steps: one step's
-        loss on a small batch is noisy.
+        loss on a small batch is noisy. With ``counts`` (the step's, summed over the
+        ranks) tokens/s counts the tokens of examples (not padding); with
+        ``examples_seen`` (a run on examples) the line also shows the learned (valid)
+        tokens, the padding fraction and the examples seen so far.
         """
         if not self.enabled:
             return
         self._losses.append(loss)
         mean = sum(self._losses) / len(self._losses)
+        tokens = counts.real if counts is not None else self.tokens_per_step
+        data = ""
+        if counts is not None and examples_seen is not None:
+            data = (
+                f"valid {counts.valid:,.0f}  pad {counts.padding_fraction:.1%}  "
+                f"seen {examples_seen:,}  "
+            )
         stats = (
-            f"loss {mean:.4f}  lr {lr:.2e}  {self.tokens_per_step / seconds:,.0f} tok/s  "
+            f"loss {mean:.4f}  lr {lr:.2e}  {tokens / seconds:,.0f} tok/s  {data}"
             f"{seconds * 1000:.0f} ms/step  rss {memory.process_rss_bytes / _MIB:,.0f} MiB  "
             f"device {memory.device_allocated_bytes / _MIB:,.0f} MiB"
         )

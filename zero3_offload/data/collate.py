@@ -1,0 +1,94 @@
+"""Examples to a :class:`~zero3_offload.data.batch.Batch`: padded, or packed in rows.
+
+[Note: packed rows]
+Unpacked, each example is a row, padded on the right to the longest example of the
+batch (never to ``--max-seq-len``), with a 2-D ``attention_mask``. Packed
+(``--pack``), the examples go into rows of at most ``max_len`` tokens, each into
+the first row with room (in batch order; a row is opened when none has room), and
+the rows are padded to the longest row. ``position_ids`` restart at 0 at every
+example and at the padding, and neither an ``attention_mask`` nor a cache
+(``use_cache=False``) is passed: that is transformers' padding-free path, where
+the causal mask is built per segment of ``position_ids``
+(``masking_utils.find_packed_sequence_indices``), so no token attends to another
+example. The tests check it for the sdpa and eager kernels of Llama by comparing
+each example's logits in a packed row with the example run alone; a model whose
+attention does not build its mask with ``masking_utils`` would attend across
+examples, so ``--pack`` is for such models only after that check. The first label
+of every example is ignored (see [Note: truncation rule]),
+so no example's last token learns to predict the next example's first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zero3_offload.data.batch import Batch
+from zero3_offload.data.token_dataset import IGNORED
+
+__all__ = ["collate"]
+
+
+def _rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """First-fit: the indices of the examples of each row."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(max_len - n)
+    return rows
+
+
+def collate(
+    ids: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
+    *,
+    pack: bool,
+    max_len: int,
+    pad_id: int,
+    counted: int | None = None,
+) -> Batch:
+    """The batch of the examples ``ids``/``labels`` (see [Note: packed rows]).
+
+    Args:
+        ids: each example's token ids (at most ``max_len`` each).
+        labels: each example's labels.
+        pack: several examples per row.
+        max_len: the longest row when packed.
+        pad_id: the token id of padding (its labels are ignored).
+        counted: how many of the examples count in ``Batch.examples`` (default all).
+
+    Returns:
+        The batch.
+    """
+    if pack:
+        groups = _rows([x.numel() for x in ids], max_len)
+        row_ids = [torch.cat([ids[i] for i in g]) for g in groups]
+        row_labels = [torch.cat([labels[i] for i in g]) for g in groups]
+        row_pos = [torch.cat([torch.arange(ids[i].numel()) for i in g]) for g in groups]
+    else:
+        row_ids, row_labels = list(ids), list(labels)
+        row_pos = [torch.arange(x.numel()) for x in ids]
+    length = max(x.numel() for x in row_ids)
+    n = len(row_ids)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.int64)
+    out_labels = torch.full((n, length), IGNORED, dtype=torch.int64)
+    position_ids = torch.zeros((n, length), dtype=torch.int64)
+    mask = torch.zeros((n, length), dtype=torch.int64)
+    for r, (x, y, p) in enumerate(zip(row_ids, row_labels, row_pos, strict=True)):
+        k = x.numel()
+        input_ids[r, :k], out_labels[r, :k], mask[r, :k] = x, y, 1
+        position_ids[r, :k] = p
+        position_ids[r, k:] = torch.arange(length - k)  # padding: a segment of its own
+    real = int(mask.sum())
+    examples = len(ids) if counted is None else counted
+    if pack:
+        return Batch(input_ids, out_labels, None, position_ids, examples, real)
+    return Batch(input_ids, out_labels, mask, None, examples, real)
