@@ -2,7 +2,9 @@
 
 The library logs a ``work`` event per interval and a ``step`` event per
 optimizer update (see :mod:`zero3_offload.stats.timeline` and
-:mod:`zero3_offload.stats.step_log`); every other event is only counted. A line that is not a JSON
+:mod:`zero3_offload.stats.step_log`), and ``zero3-offload train`` a ``train_step``
+event per step (its loss, tokens/s, valid tokens, padding fraction and examples
+seen); every other event is only counted. A line that is not a JSON
 object, or lacks a key its event type needs, is skipped and reported as
 :class:`SkippedLine` (file, line number, reason) rather than stopping the
 analysis, since the last line of a log whose process died is often cut short.
@@ -19,7 +21,15 @@ from typing import Any
 
 import attrs
 
-__all__ = ["RunLog", "SkippedLine", "StepRecord", "WorkRecord", "parse_record", "read_logs"]
+__all__ = [
+    "RunLog",
+    "SkippedLine",
+    "StepRecord",
+    "TrainStepRecord",
+    "WorkRecord",
+    "parse_record",
+    "read_logs",
+]
 
 
 @attrs.frozen
@@ -59,6 +69,24 @@ class StepRecord:
 
 
 @attrs.frozen
+class TrainStepRecord:
+    """One step of ``zero3-offload train`` as one rank logged it (a ``train_step`` event).
+
+    The figures are the whole step's, summed over the ranks; the fields after
+    ``seconds`` are absent (None) in logs of older versions.
+    """
+
+    rank: int
+    step: int
+    loss: float  # the step's global token mean (NaN without a learned token)
+    seconds: float
+    tokens_per_s: float | None = None  # tokens of examples or text windows, not padding
+    valid_tokens: int | None = None  # learned (unmasked) label tokens
+    padding_fraction: float | None = None
+    examples_seen: int | None = None  # a run on examples: global examples consumed so far
+
+
+@attrs.frozen
 class SkippedLine:
     """A line that could not be used."""
 
@@ -77,6 +105,7 @@ class RunLog:
     files: list[str] = attrs.Factory(list)
     work: list[WorkRecord] = attrs.Factory(list)
     steps: list[StepRecord] = attrs.Factory(list)
+    train_steps: list[TrainStepRecord] = attrs.Factory(list)
     other_events: Counter[str] = attrs.Factory(Counter)
     skipped: list[SkippedLine] = attrs.Factory(list)
 
@@ -147,18 +176,43 @@ def _optional_int(obj: Mapping[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def parse_record(text: str) -> WorkRecord | StepRecord | str:
+def _optional_float(obj: Mapping[str, Any], key: str) -> float | None:
+    value = obj.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def _train_step(obj: Mapping[str, Any]) -> TrainStepRecord:
+    for key in ("rank", "step"):
+        if not isinstance(obj.get(key), int) or isinstance(obj.get(key), bool):
+            raise _BadRecord(f"train_step event has {key}={obj.get(key)!r}, expected int")
+    loss, seconds = _optional_float(obj, "loss"), _optional_float(obj, "seconds")
+    if loss is None or seconds is None:
+        raise _BadRecord("train_step event lacks a numeric 'loss' or 'seconds'")
+    return TrainStepRecord(
+        rank=obj["rank"],
+        step=obj["step"],
+        loss=loss,
+        seconds=seconds,
+        tokens_per_s=_optional_float(obj, "tokens_per_s"),
+        valid_tokens=_optional_int(obj, "valid_tokens"),
+        padding_fraction=_optional_float(obj, "padding_fraction"),
+        examples_seen=_optional_int(obj, "examples_seen"),
+    )
+
+
+def parse_record(text: str) -> WorkRecord | StepRecord | TrainStepRecord | str:
     """Parse one line.
 
     Returns:
-        A :class:`WorkRecord` or :class:`StepRecord`, or the event name of any
-        other event.
+        A :class:`WorkRecord`, :class:`StepRecord` or :class:`TrainStepRecord`, or
+        the event name of any other event.
 
     Raises:
         ValueError: with the reason when the line is not usable.
     """
     try:
-        obj = json.loads(text)
+        obj = json.loads(text)  # NaN (a loss without learned tokens) is accepted
     except json.JSONDecodeError as exc:
         raise _BadRecord(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
@@ -195,6 +249,8 @@ def parse_record(text: str) -> WorkRecord | StepRecord | str:
             gathered_high_water_bytes=v["gathered_high_water_bytes"],
             **{k: _optional_int(obj, k) for k in _STEP_OPTIONAL},
         )
+    if event == "train_step":
+        return _train_step(obj)
     return event
 
 
@@ -212,6 +268,8 @@ def _read_lines(log: RunLog, name: str, lines: Iterable[str]) -> None:
             log.work.append(record)
         elif isinstance(record, StepRecord):
             log.steps.append(record)
+        elif isinstance(record, TrainStepRecord):
+            log.train_steps.append(record)
         else:
             log.other_events[record] += 1
 
@@ -237,4 +295,5 @@ def read_logs(paths: Iterable[str | Path]) -> RunLog:
         log.files.append(name)
     log.work.sort(key=lambda w: (w.rank, w.start, -w.end))
     log.steps.sort(key=lambda s: (s.rank, s.end))
+    log.train_steps.sort(key=lambda s: (s.rank, s.step))
     return log

@@ -31,6 +31,12 @@ Per rank:
 - *prefetch hit rate*, *gathered high-water bytes*: from the last step event
   (cumulative over the run); *peak RSS / device memory*: maxima over step events.
 
+Training (``train_step`` events of ``zero3-offload train``, the lowest rank's: each
+rank logs the same whole-step figures): steps, the first and last loss, the median
+tokens/s (tokens of examples or text windows, not padding), the learned (valid)
+tokens summed over the steps, the mean padding fraction and the examples seen by
+the last step (a run on examples).
+
 Overall: per-layer totals and counts summed over ranks, means over every
 rank's intervals; a step's time is the slowest rank's time for that step
 index; efficiency and fraction are ratios of sums over ranks; hit rate is the
@@ -49,7 +55,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from zero3_offload.analyze.logs import RunLog, StepRecord, WorkRecord
+from zero3_offload.analyze.logs import RunLog, StepRecord, TrainStepRecord, WorkRecord
 
 __all__ = [
     "KindTotal",
@@ -57,6 +63,7 @@ __all__ = [
     "RankReport",
     "Report",
     "StepSummary",
+    "TrainingSummary",
     "build_report",
     "report_tables",
     "report_to_json",
@@ -103,6 +110,20 @@ class StepSummary:
 
 
 @attrs.frozen
+class TrainingSummary:
+    """The ``train_step`` figures of a ``zero3-offload train`` run (see the module
+    docstring); None where the logs do not hold them."""
+
+    steps: int
+    first_loss: float
+    last_loss: float
+    median_tokens_per_s: float | None
+    valid_tokens: int | None
+    mean_padding_fraction: float | None
+    examples_seen: int | None
+
+
+@attrs.frozen
 class KindTotal:
     """Intervals of one kind: how many, their seconds and bytes."""
 
@@ -130,6 +151,7 @@ class Report:
     overall: RankReport
     skipped_lines: int
     other_events: dict[str, int]
+    training: TrainingSummary | None = None
 
 
 def _ratio(a: float, b: float) -> float:
@@ -221,6 +243,26 @@ def _summary(
     )
 
 
+def _training(records: Sequence[TrainStepRecord]) -> TrainingSummary | None:
+    if not records:
+        return None
+    first_rank = min(r.rank for r in records)
+    steps = [r for r in records if r.rank == first_rank]
+    rates = [r.tokens_per_s for r in steps if r.tokens_per_s is not None]
+    valid = [r.valid_tokens for r in steps if r.valid_tokens is not None]
+    padding = [r.padding_fraction for r in steps if r.padding_fraction is not None]
+    seen = [r.examples_seen for r in steps if r.examples_seen is not None]
+    return TrainingSummary(
+        steps=len(steps),
+        first_loss=steps[0].loss,
+        last_loss=steps[-1].loss,
+        median_tokens_per_s=statistics.median(rates) if rates else None,
+        valid_tokens=sum(valid) if valid else None,
+        mean_padding_fraction=statistics.fmean(padding) if padding else None,
+        examples_seen=seen[-1] if seen else None,
+    )
+
+
 def build_report(log: RunLog) -> Report:
     """Compute every figure of the module docstring from ``log``."""
     per_rank = []
@@ -251,6 +293,7 @@ def build_report(log: RunLog) -> Report:
         overall=RankReport(None, overall, _layer_rows(log.work), totals),
         skipped_lines=len(log.skipped),
         other_events=dict(sorted(log.other_events.items())),
+        training=_training(log.train_steps),
     )
 
 
@@ -341,15 +384,38 @@ def _summary_table(report: Report) -> Table:
     return table
 
 
+def _training_table(training: TrainingSummary) -> Table:
+    table = Table()
+    table.add_column("metric", no_wrap=True)
+    table.add_column("value", justify="right")
+
+    def count(value: int | float | None, spec: str = ",.0f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    for label, text in (
+        ("steps", str(training.steps)),
+        ("loss first -> last", f"{training.first_loss:.4f} -> {training.last_loss:.4f}"),
+        ("median tokens/s", count(training.median_tokens_per_s)),
+        ("valid tokens", count(training.valid_tokens)),
+        ("mean padding fraction", _pct(training.mean_padding_fraction)),
+        ("examples seen", count(training.examples_seen)),
+    ):
+        table.add_row(label, text)
+    return table
+
+
 def _titled(title: str, table: Table) -> Group:
     # A title of its own line: rich pads a table's title to the table's width.
     return Group(Text(title, style="bold"), table)
 
 
 def report_tables(report: Report) -> list[Group]:
-    """Rich renderables: layers of each rank, of all ranks, then the step summary."""
+    """Rich renderables: layers of each rank, of all ranks, the step summary, then the
+    training figures (``zero3-offload train`` logs)."""
     tables = [_titled(f"Layers, rank {r.rank}", _layer_table(r.layers)) for r in report.ranks]
     if len(report.ranks) > 1:
         tables.append(_titled("Layers, all ranks", _layer_table(report.overall.layers)))
     tables.append(_titled("Steps", _summary_table(report)))
+    if report.training is not None:
+        tables.append(_titled("Training", _training_table(report.training)))
     return tables

@@ -3,18 +3,18 @@
 [Note: packed rows]
 Unpacked, each example is a row, padded on the right to the longest example of the
 batch (never to ``--max-seq-len``), with a 2-D ``attention_mask``. Packed
-(``--pack``), the examples go into rows of at most ``max_len`` tokens, each into
-the first row with room (in batch order; a row is opened when none has room), and
-the rows are padded to the longest row. ``position_ids`` restart at 0 at every
-example and at the padding, and neither an ``attention_mask`` nor a cache
-(``use_cache=False``) is passed: that is transformers' padding-free path, where
-the causal mask is built per segment of ``position_ids``
-(``masking_utils.find_packed_sequence_indices``), so no token attends to another
-example. The tests check it for the sdpa and eager kernels of Llama by comparing
-each example's logits in a packed row with the example run alone; a model whose
-attention does not build its mask with ``masking_utils`` would attend across
-examples, so ``--pack`` is for such models only after that check. The first label
-of every example is ignored (see [Note: truncation rule]),
+(``--pack``), the examples go into rows of at most ``max_len`` tokens: as many rows
+as first-fit decreasing needs, each example (longest first) into the shortest row
+it fits, so the rows are about equally long; they are padded to the longest row.
+``position_ids`` restart at 0 at every example and at the padding, and neither an
+``attention_mask`` nor a cache (``use_cache=False``) is passed: that is
+transformers' padding-free path, where the causal mask is built per segment of
+``position_ids`` (``masking_utils.find_packed_sequence_indices``), so no token
+attends to another example. The tests check it for the sdpa and eager kernels of
+Llama by comparing each example's logits in a packed row with the example run
+alone; a model whose attention does not build its mask with ``masking_utils``
+would attend across examples, so ``--pack`` is for such models only after that
+check. The first label of every example is ignored (see [Note: truncation rule]),
 so no example's last token learns to predict the next example's first one.
 """
 
@@ -30,19 +30,34 @@ from zero3_offload.data.token_dataset import IGNORED
 __all__ = ["collate"]
 
 
-def _rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
-    """First-fit: the indices of the examples of each row."""
-    rows: list[list[int]] = []
+def _first_fit(lengths: Sequence[int], order: Sequence[int], max_len: int) -> int:
+    """Rows that first-fit of ``order`` needs."""
     room: list[int] = []
-    for i, n in enumerate(lengths):
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
-                break
+    for i in order:
+        free = next((r for r, left in enumerate(room) if lengths[i] <= left), None)
+        if free is None:
+            room.append(max_len - lengths[i])
         else:
-            rows.append([i])
-            room.append(max_len - n)
+            room[free] -= lengths[i]
+    return len(room)
+
+
+def _rows(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """The indices of the examples of each row: as many rows as first-fit decreasing
+    needs, filled longest example first into the shortest row it fits (so the rows, which
+    are padded to the longest, come out about equally long); ties in batch order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = [[] for _ in range(_first_fit(lengths, order, max_len))]
+    used = [0] * len(rows)
+    for i in order:
+        fits = [r for r in range(len(rows)) if used[r] + lengths[i] <= max_len]
+        if not fits:  # balancing can leave no room where first-fit had some
+            rows.append([])
+            used.append(0)
+            fits = [len(rows) - 1]
+        r = min(fits, key=lambda r: (used[r], r))
+        rows[r].append(i)
+        used[r] += lengths[i]
     return rows
 
 

@@ -110,14 +110,16 @@ class SftData:
             n_eval = max(int(len(examples) * eval_fraction), 1)
             examples, held = examples[:-n_eval], examples[-n_eval:]
 
-        def build(items: list[Any], policy: BadRecords) -> TokenDataset:
-            return TokenDataset.build(items, renderer, max_len=max_len, vocab=vocab, bad=policy)
+        def build(items: list[Any], policy: BadRecords, name: str) -> TokenDataset:
+            return TokenDataset.build(
+                items, renderer, max_len=max_len, vocab=vocab, bad=policy, name=name
+            )
 
         pad = tokenizer.pad_token_id
         pad = tokenizer.eos_token_id if pad is None else pad
         return cls(
-            build(examples, bad),
-            build(held, eval_bad),
+            build(examples, bad, f"training example of {data}"),
+            build(held, eval_bad, f"eval example of {eval_data or data}"),
             seed=seed,
             pack=pack,
             max_len=max_len,

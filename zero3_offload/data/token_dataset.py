@@ -58,8 +58,11 @@ class TokenDataset:
         max_len: int,
         vocab: int,
         bad: BadRecords,
+        name: str = "example",
     ) -> TokenDataset:
         """Render ``examples`` and apply the truncation rule (see [Note: truncation rule]).
+
+        ``name`` says which set they are, for the error when none is left.
 
         Raises:
             BadRecord: a bad example under the ``fail`` policy.
@@ -96,7 +99,7 @@ class TokenDataset:
             labels_out.append(y)
         if not ids_out:
             raise InputError(
-                f"no example left to train on ({dropped} dropped by --max-seq-len {max_len}, "
+                f"no {name} left ({dropped} dropped by --max-seq-len {max_len}, "
                 f"{bad.skipped} bad record(s) skipped)"
             )
         return cls(ids_out, labels_out, truncated, dropped, bad.skipped)

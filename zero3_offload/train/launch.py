@@ -37,6 +37,7 @@ from zero3_offload.memory.allocator import set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
 from zero3_offload.train import hf
 from zero3_offload.train.adapters import read_peft_config
+from zero3_offload.train.data_check import check_data
 from zero3_offload.train.loop import RankResult, RunSettings, TrainError, train_rank
 from zero3_offload.train.sources import OptionError, Resolved, in_torchrun
 
@@ -155,8 +156,9 @@ def launch(resolved: Resolved) -> int:
         OptionError: ``--resume`` without a checkpoint to resume from, an
             ``--out`` that holds checkpoints already without ``--resume``, a
             ``--model`` that is not a transformers model directory (or does not
-            fit ``--seq-len``, or transformers is missing), or an ``--export``
-            directory that is not empty.
+            fit ``--seq-len``, or transformers is missing), a ``--data`` that does
+            not exist or holds examples without ``--model`` (or example options
+            for text), or an ``--export`` directory that is not empty.
         TrainError: a user's mistake found by a rank.
         RankFailedError: a rank crashed (its traceback is in the message), or
             found another rank silent, dead or diverged (then the message is
@@ -174,6 +176,7 @@ def launch(resolved: Resolved) -> int:
         )
     if opts.model is not None:
         hf.check_model_dir(opts.model, seq_len=opts.seq_len)
+    check_data(opts)
     if opts.export is not None:
         hf.check_export_dir(opts.export)
     if opts.peft_config is not None:
