@@ -1,10 +1,12 @@
-"""``zero3-offload train --model DIR`` with ``--lora``, ``--freeze`` and ``--export-merged``.
+"""``zero3-offload train --model DIR`` with ``--lora``, ``--peft-config``, ``--freeze`` and
+``--export-merged``.
 
 Three real 2-rank runs of the command on a tiny Llama with a BPE tokenizer and a chat
 template (``hf_models.save_tiny_llama``), accumulation 2 and clipping 1.0, are compared
 with plain single-process peft / transformers training on the same batches (the
-command's own corpus, both ranks' rows): LoRA adapters, the merged LoRA export, and a
-model with its embedding and first decoder layer frozen. The flags' mistakes, and a
+command's own corpus, both ranks' rows): LoRA adapters from ``--lora``, the same
+adapters from ``--peft-config`` exported merged, and a model with its embedding and
+first decoder layer frozen. The flags' mistakes, and a
 ``--resume`` with other adapters or other frozen weights, are refused in one line.
 """
 
@@ -68,7 +70,10 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tokenizer.save_pretrained(model)
     generation = transformers.GenerationConfig(max_new_tokens=7, do_sample=False, eos_token_id=3)
     generation.save_pretrained(model)
-    return {"root": root, "data": root / "data.txt", "model": model}
+    # --lora's adapters as a peft config directory, for --peft-config.
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    lora.save_pretrained(root / "peft")
+    return {"root": root, "data": root / "data.txt", "model": model, "peft": root / "peft"}
 
 
 def run_train(*args: str) -> subprocess.CompletedProcess[str]:
@@ -79,7 +84,7 @@ def run_train(*args: str) -> subprocess.CompletedProcess[str]:
 
 RUNS = {
     "lora": ["--lora", LORA],
-    "merged": ["--lora", LORA, "--export-merged"],
+    "merged": ["--peft-config", "PEFT", "--export-merged"],  # the same adapters as LORA
     "freeze": ["--freeze", FREEZE],
 }
 
@@ -93,10 +98,9 @@ def runs(dirs: dict[str, Path]) -> Iterator[dict[str, Future[subprocess.Complete
     with ThreadPoolExecutor(max_workers=2) as pool:
         where = {name: ["--out", str(root / name), "--export", str(root / f"{name}-export")]
                  for name in RUNS}  # fmt: skip
-        yield {
-            name: pool.submit(run_train, *base, *flags, *where[name])
-            for name, flags in RUNS.items()
-        }
+        given = {name: [str(dirs["peft"]) if f == "PEFT" else f for f in flags]
+                 for name, flags in RUNS.items()}  # fmt: skip
+        yield {name: pool.submit(run_train, *base, *given[name], *where[name]) for name in RUNS}
 
 
 def finished(runs: dict[str, Any], name: str) -> str:
@@ -210,6 +214,7 @@ def test_merged_export_loads_with_transformers_and_equals_the_peft_model(
     out = finished(runs, "merged")
     export = dirs["root"] / "merged-export"
     assert "exported the merged model, tokenizer, chat template and generation" in out
+    # --peft-config with --lora's adapters: the same run.
     assert logged_losses(dirs["root"] / "merged") == logged_losses(dirs["root"] / "lora")
     merged = transformers.AutoModelForCausalLM.from_pretrained(export)
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -411,3 +416,35 @@ def test_resume_refuses_other_adapters_or_other_frozen_weights(
     code, out, err = run_cli(capsys, *resume, *frozen_run, "--freeze", "lm_head.*")
     assert code == 0, err
     assert "resumed from" in out and "finished step 2/2" in out
+
+
+@pytest.mark.parametrize("flags", [["--lora", "r=4,target=q_proj"], ["--freeze", "lm_head.*"]])
+def test_a_config_only_model_takes_adapters_and_frozen_weights(
+    dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    """Without weights the model is the seeded random init (``--seed``): the adapters go
+    on it, or its matching parameters are frozen, and the export loads on that init."""
+    from zero3_offload.integrations.meta_model import build_model_from_directory
+
+    config_only = tmp_path / "config_only"
+    transformers.AutoConfig.from_pretrained(dirs["model"]).save_pretrained(config_only)
+    export = tmp_path / "export"
+    code, out, err = run_cli(
+        capsys, "--model", str(config_only), "--data", str(dirs["data"]), *SHORT, *flags,
+        "--lr", "1e-2", "--export", str(export),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "starting from random init (seed 0)" in out and "the rest frozen" in out
+    torch.manual_seed(0)  # the run's --seed: the init every rank drew
+    fresh = build_model_from_directory(config_only, on_meta=False)
+    if flags[0] == "--lora":
+        loaded = peft.PeftModel.from_pretrained(fresh, export)
+        state = peft.get_peft_model_state_dict(loaded)
+        assert len(state) == 4 and any(v.abs().max() > 0 for k, v in state.items() if "lora_B" in k)
+        base = {n: p for n, p in fresh.named_parameters() if "lora" not in n}
+        assert all(not p.requires_grad for p in base.values())
+    else:
+        trained = dict(transformers.AutoModelForCausalLM.from_pretrained(export).named_parameters())
+        start = dict(fresh.named_parameters())
+        assert torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
+        assert not torch.equal(trained["model.norm.weight"], start["model.norm.weight"])
