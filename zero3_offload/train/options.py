@@ -69,7 +69,7 @@ class TrainOptions:
     steps: int = int_field(300, 1, "optimizer steps")
     """Optimizer steps of the whole run; a resumed run continues up to this step."""
     batch_size: int = int_field(8, 1, "sequences")
-    """Sequences per rank per micro-step."""
+    """Sequences per rank per micro-step (examples, with examples in data)."""
     seq_len: int = int_field(128, 2, "tokens")
     """Tokens per training sequence, bytes for the built-in GPT (the model's context length).
     With examples (records or a dataset in data) the longest example, and the length of a
