@@ -77,6 +77,8 @@ def test_fine_tune_on_chat_examples_packed_resumed(files: dict[str, Path]) -> No
     initial, final = map(float, EVAL.search(out).groups())
     assert final < initial
     events = [json.loads(x) for x in (run / "logs" / "rank0.jsonl").open()]
+    (loaded,) = [e for e in events if e["event"] == "sft_data"]
+    assert (loaded["train_examples"], loaded["eval_examples"], loaded["dropped"]) == (60, 10, 0)
     steps = [e for e in events if e["event"] == "train_step"]
     assert [e["examples_seen"] for e in steps] == [12, 24, 36, 48]
     for e in steps:

@@ -26,8 +26,11 @@ from zero3_offload.data.order import ExampleOrder
 from zero3_offload.data.source import find_source
 from zero3_offload.data.token_dataset import IGNORED, TokenDataset
 from zero3_offload.errors import InputError
+from zero3_offload.logging import get_logger
 
 __all__ = ["SftData"]
+
+log = get_logger(__name__)
 
 
 class SftData:
@@ -117,9 +120,22 @@ class SftData:
 
         pad = tokenizer.pad_token_id
         pad = tokenizer.eos_token_id if pad is None else pad
+        train = build(examples, bad, f"training example of {data}")
+        held_out = build(held, eval_bad, f"eval example of {eval_data or data}")
+        log.info(
+            "sft_data",
+            source=str(data),
+            eval_source=None if eval_data is None else str(eval_data),
+            train_examples=len(train),
+            eval_examples=len(held_out),
+            learned_tokens=train.learned_tokens,
+            truncated=train.truncated + held_out.truncated,
+            dropped=train.dropped + held_out.dropped,
+            skipped=train.skipped + held_out.skipped,
+        )
         return cls(
-            build(examples, bad, f"training example of {data}"),
-            build(held, eval_bad, f"eval example of {eval_data or data}"),
+            train,
+            held_out,
             seed=seed,
             pack=pack,
             max_len=max_len,
