@@ -413,9 +413,13 @@ def test_resume_refuses_other_adapters_or_other_frozen_weights(
     refused([*frozen_run, "--freeze", "lm_head.*,model.norm.*"],
             "1 trained there are frozen here: model.norm.weight")  # fmt: skip
     # The same options resume.
-    code, out, err = run_cli(capsys, *resume, *frozen_run, "--freeze", "lm_head.*")
-    assert code == 0, err
-    assert "resumed from" in out and "finished step 2/2" in out
+    for flags in (
+        [*frozen_run, "--freeze", "lm_head.*"],
+        [*lora_run, "--lora", "r=4,target=q_proj"],
+    ):
+        code, out, err = run_cli(capsys, *resume, *flags)
+        assert code == 0, err
+        assert "resumed from" in out and "finished step 2/2" in out
 
 
 @pytest.mark.parametrize("flags", [["--lora", "r=4,target=q_proj"], ["--freeze", "lm_head.*"]])
