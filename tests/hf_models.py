@@ -490,3 +490,26 @@ async def probe_generate(ctx: RankContext) -> dict[str, Any]:
             await manager.optimizer_step(LR)
         state = await manager.full_state_dict()
     return {"tokens": tokens, "gathered_after": gathered_after, "before": before, "state": state}
+
+
+# ------------------------------------------------------------ directories for the CLI
+
+
+def save_tiny_llama(directory: Any, text: str, *, vocab: int = 300) -> None:
+    """Save a tiny Llama (``TINY_DECODER``, ``vocab`` rows, seed 1) with its weights and a
+    byte-level BPE tokenizer of ``vocab`` ids trained on ``text`` (no download): the
+    model directory ``zero3-offload train --model`` fine-tunes."""
+    import tokenizers
+    import transformers
+
+    config = LlamaConfig(**{**TINY_DECODER, "vocab_size": vocab})
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        [text], tokenizers.trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=alphabet)
+    )
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)

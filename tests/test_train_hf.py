@@ -52,23 +52,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     words = WORDS.split()
     text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000))
     (root / "data.txt").write_text(text)
-    from hf_models import TINY_DECODER
+    from hf_models import TINY_DECODER, save_tiny_llama
 
+    save_tiny_llama(root / "pretrained", text)
     config = transformers.LlamaConfig(**{**TINY_DECODER, "vocab_size": 300})
-    torch.manual_seed(1)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "pretrained")
     config.save_pretrained(root / "config_only")
     transformers.LlamaConfig(**{**config.to_dict(), "vocab_size": 100}).save_pretrained(
         root / "small_vocab"
     )
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(
-        [text], tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet)
-    )
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root / "pretrained")
     names = ("data.txt", "pretrained", "config_only", "small_vocab")
     return {name.split(".")[0]: root / name for name in names}
 
@@ -173,7 +164,10 @@ def test_pretrained_with_tokenizer_trains_exports_and_resumes(
     assert initial == pytest.approx(reference_eval(pretrained, dirs["data"], tokenizer), abs=2e-4)
 
     # The export is the final checkpoint, loadable as is, with the tokenizer.
-    assert f"exported the model and tokenizer to {export}" in out
+    assert f"exported the model, tokenizer and generation_config.json to {export}" in out
+    assert (export / "generation_config.json").read_bytes() == (
+        dirs["pretrained"] / "generation_config.json"
+    ).read_bytes()
     straight = exported_params(export)
     saved = checkpoint_params(run)
     assert straight.keys() == saved.keys()

@@ -49,6 +49,7 @@ examples:
   zero3-offload train --config run.toml --lr 1e-3      # flags override the file
   zero3-offload train --deepspeed-config ds_config.json --print-config
   zero3-offload train --model ./my-llama --data notes.txt --out run2 --export tuned
+  zero3-offload train --model ./my-llama --data notes.txt --lora r=16,alpha=32 --export adapter
   torchrun --nproc-per-node 2 -m zero3_offload train --steps 3
   zero3-offload analyze run1/logs/*.jsonl              # per-layer timings
 """
@@ -66,6 +67,9 @@ _PATH_METAVARS = {
     "device": "DEVICE",
     "model": "DIR",
     "export": "DIR",
+    "lora": "SPEC",
+    "peft_config": "FILE",
+    "freeze": "PATTERN",
 }
 
 

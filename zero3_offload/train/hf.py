@@ -8,6 +8,8 @@ What is read from ``DIR``:
   only the slices of its own shards. Without them the model is built eagerly on
   every rank with ``torch.manual_seed(seed)`` (transformers' own initialisation)
   and handed to the manager, which keeps rank 0's values.
+* with ``--lora``/``--peft-config`` the model trained is the peft model over it (the
+  base weights frozen); with ``--freeze`` the parameters matching its globs are frozen.
 * a tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``,
   ...): ``AutoTokenizer.from_pretrained(DIR, local_files_only=True)``, applied to
   the text without special tokens. Without one the bytes of the text are the
@@ -20,10 +22,11 @@ mistakes are reported before any rank starts; the rest runs on each rank.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +37,13 @@ from torch import nn
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import ConfigError
 from zero3_offload.integrations.meta_model import build_model_from_directory
+from zero3_offload.integrations.peft_pretrained import reset_adapters
+from zero3_offload.integrations.pretrained_load import PretrainedShards
 from zero3_offload.integrations.require import require_transformers
 from zero3_offload.manager import Zero3CpuOffloadManager
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
 from zero3_offload.train.decay_split import trainer_param_groups
+from zero3_offload.train.freeze import freeze_parameters
 from zero3_offload.train.sources import OptionError
 
 __all__ = [
@@ -136,29 +142,79 @@ def build_manager(
     directory: str | os.PathLike[str],
     *,
     seed: int,
+    peft_config: Any = None,
+    freeze: Sequence[str] | None = None,
 ) -> Zero3CpuOffloadManager:
     """The module-mode manager of the causal LM in ``directory`` (every rank calls it).
 
     With weights: ``from_pretrained`` (each rank reads its slices). Without: the model
     is built eagerly from ``config.json`` after ``torch.manual_seed(seed)``, so every
-    rank draws the same values, and the manager keeps rank 0's. Either way the
-    parameters are in HF Trainer's default groups: no weight decay for biases and norm
-    weights (``train.decay_split``).
+    rank draws the same values, and the manager keeps rank 0's. With ``peft_config``
+    the model is that peft model over it, its adapters initialised from ``seed`` (see
+    [Note: peft from pretrained]); with ``freeze`` the parameters matching those globs
+    are frozen first (``train.freeze``). Either way the parameters are in HF Trainer's
+    default groups: no weight decay for biases and norm weights (``train.decay_split``).
 
     Raises:
-        ConfigError: when transformers is missing or cannot build the model.
+        ConfigError: when transformers (or peft) is missing or cannot build the model,
+            a LoRA target that names no module, a ``--freeze`` glob that matches nothing.
         CheckpointError: for unreadable weights or weights that do not match the config.
         MemoryBudgetError: when the shards do not fit their budget.
     """
-    if has_weights(directory):
-        # The names of the groups, from the model built on meta (no weights read).
-        names = build_model_from_directory(directory, on_meta=True)
-        groups = trainer_param_groups(names, config.optimizer)
-        return Zero3CpuOffloadManager.from_pretrained(config, group, directory, param_groups=groups)
-    torch.manual_seed(seed)
-    model = build_model_from_directory(directory, on_meta=False)
+    try:
+        if has_weights(directory):
+            return _from_weights(config, group, directory, seed, peft_config, freeze)
+        torch.manual_seed(seed)
+        model = build_model_from_directory(directory, on_meta=False)
+        if peft_config is not None:
+            model = _peft_model(model, peft_config)
+            reset_adapters(model, seed)  # the values from_pretrained gives them
+        if freeze is not None:
+            freeze_parameters(model, freeze)
+    except ValueError as exc:  # peft: target modules not found, unsupported layers
+        if peft_config is None:
+            raise
+        raise ConfigError(f"the LoRA adapters of --lora/--peft-config: {exc}") from exc
     groups = trainer_param_groups(model, config.optimizer)
     return Zero3CpuOffloadManager(config, group, model, param_groups=groups)
+
+
+def _peft_model(model: nn.Module, peft_config: Any) -> nn.Module:
+    """``get_peft_model`` of a copy of ``peft_config`` (peft fills in fields of the one
+    it is given)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, copy.deepcopy(peft_config))
+
+
+def _from_weights(
+    config: Zero3CpuOffloadConfig,
+    group: dist.ProcessGroup,
+    directory: str | os.PathLike[str],
+    seed: int,
+    peft_config: Any,
+    freeze: Sequence[str] | None,
+) -> Zero3CpuOffloadManager:
+    if freeze is not None:
+        with PretrainedShards(directory) as shards:
+            freeze_parameters(shards.model, freeze)
+            groups = trainer_param_groups(shards.model, config.optimizer)
+            return Zero3CpuOffloadManager(
+                config, group, shards.model, shard_source=shards.shard, param_groups=groups
+            )
+    # The names of the groups, from the model built on meta (no weights read).
+    names = build_model_from_directory(directory, on_meta=True)
+    if peft_config is not None:
+        names = _peft_model(names, peft_config)
+    groups = trainer_param_groups(names, config.optimizer)
+    return Zero3CpuOffloadManager.from_pretrained(
+        config,
+        group,
+        directory,
+        param_groups=groups,
+        peft_config=None if peft_config is None else copy.deepcopy(peft_config),
+        seed=seed,
+    )
 
 
 def load_tokenizer(directory: str | os.PathLike[str]) -> Any | None:

@@ -36,6 +36,7 @@ from zero3_offload.errors import CommunicationError, RankDivergenceError
 from zero3_offload.memory.allocator import set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
 from zero3_offload.train import hf
+from zero3_offload.train.adapters import read_peft_config
 from zero3_offload.train.data_check import check_data
 from zero3_offload.train.loop import RankResult, RunSettings, TrainError, train_rank
 from zero3_offload.train.sources import OptionError, Resolved, in_torchrun
@@ -178,6 +179,8 @@ def launch(resolved: Resolved) -> int:
     check_data(opts)
     if opts.export is not None:
         hf.check_export_dir(opts.export)
+    if opts.peft_config is not None:
+        read_peft_config(opts.peft_config)  # its mistakes before any rank starts
     bar = opts.progress if opts.progress is not None else sys.stdout.isatty()
     settings = RunSettings(train=opts, zero3=resolved.zero3, bar=bar)
     if in_torchrun():

@@ -59,11 +59,14 @@ from zero3_offload.memory.allocator import trim_heap
 from zero3_offload.parameter.flat_layout import total_numel
 from zero3_offload.testing import RankContext
 from zero3_offload.train import hf
+from zero3_offload.train.adapters import peft_config_of
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
 from zero3_offload.train.decay_split import trainer_param_groups
+from zero3_offload.train.export import export_model
 from zero3_offload.train.model import GPT, GPTShape
 from zero3_offload.train.options import TrainOptions
 from zero3_offload.train.progress import Reporter
+from zero3_offload.train.resume_check import adapter_mismatch, adapter_options
 from zero3_offload.train.sft_steps import SftSteps
 from zero3_offload.train.sources import flagify
 from zero3_offload.train.step_counts import StepCounts
@@ -324,24 +327,28 @@ class _Trainer:
         return StepCounts(total, count, windows * self.opts.seq_len, 0, windows)
 
     async def export(self) -> str | None:
-        """Write ``--export`` (a collective): the model, and on rank 0 its tokenizer."""
+        """Write ``--export`` (a collective): the model or its adapters, and its tokenizer
+        and generation config (``train.export``)."""
         target = self.opts.export
         if target is None:
             return None
         try:
-            path = await self.manager.save_pretrained(target)
-            if self.ctx.rank == 0 and self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(path))
+            path, extras = await export_model(self.manager, self.opts, self.tokenizer)
         except (CheckpointError, OSError) as exc:
             raise TrainError(f"--export {target}: {exc}") from exc
-        what = "model and tokenizer" if self.tokenizer is not None else "model (bytes as tokens)"
-        self.reporter.line(f"exported the {what} to {path}")
+        what = "model" if self.tokenizer is not None else "model (bytes as tokens)"
+        if self.opts.lora is not None or self.opts.peft_config is not None:
+            what = "merged model" if self.opts.export_merged else "adapter"
+        parts = [what, *extras]
+        listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else what
+        self.reporter.line(f"exported the {listed} to {path}")
         return str(path)
 
     async def save(self) -> str | None:
         if self.checkpoints is None:
             return None
-        state = self.sft.training_state() if self.sft is not None else None
+        state = self.sft.training_state() if self.sft is not None else {}
+        state["adapters"] = adapter_options(self.opts)  # what --resume must be given again
         path = str(await self.manager.save_checkpoint(self.checkpoints, training_state=state))
         self.reporter.line(f"saved checkpoint {path}")
         return path
@@ -349,6 +356,9 @@ class _Trainer:
     async def resume(self) -> int:
         assert self.checkpoints is not None
         try:
+            mismatch = adapter_mismatch(self.checkpoints, self.manager, self.opts)
+            if mismatch is not None:
+                raise TrainError(f"--resume: {mismatch}")
             path = await self.manager.load_checkpoint(self.checkpoints)
         except CheckpointError as exc:
             raise TrainError(f"--resume: {exc}") from exc
@@ -491,7 +501,14 @@ async def _train_hf(ctx: RankContext, run: RunSettings, stop: _StopFlag, model: 
     """Fine-tune the transformers model of ``--model`` (see ``train.hf``)."""
     try:
         tokenizer = hf.load_tokenizer(model)
-        manager = hf.build_manager(run.zero3, ctx.group, model, seed=run.train.seed)
+        manager = hf.build_manager(
+            run.zero3,
+            ctx.group,
+            model,
+            seed=run.train.seed,
+            peft_config=peft_config_of(run.train),
+            freeze=run.train.freeze,
+        )
     except (ConfigError, CheckpointError, MemoryBudgetError) as exc:
         raise TrainError(flagify(str(exc))) from exc
     async with manager:
@@ -506,12 +523,16 @@ def _hf_banner(trainer: _Trainer, directory: str) -> None:
     assert model is not None  # module mode
     backend = "nccl" if trainer.manager.device.type == "cuda" else "gloo"
     count = total_numel(trainer.manager.engine.layouts)
+    trainable = total_numel(trainer.manager.engine.layouts, frozen=False)
     start = "pretrained weights" if hf.has_weights(directory) else f"random init (seed {opts.seed})"
     rep.line(
         f"{type(model).__name__} from {directory} with {count / 1e6:.2f}M parameters, starting "
         f"from {start}, on {ctx.world_size} rank(s) ({backend}, {trainer.manager.device}); each "
         f"rank holds 1/{ctx.world_size} of the parameters, gradients and optimizer state"
     )
+    if trainable < count:
+        adapters = f"LoRA {opts.lora.describe()}; " if opts.lora is not None else ""
+        rep.line(f"trainable: {trainable / 1e6:.4f}M parameters ({adapters}the rest frozen)")
     tokens = (
         f"{type(trainer.tokenizer).__name__} of {directory}"
         if trainer.tokenizer is not None

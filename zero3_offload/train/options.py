@@ -31,6 +31,8 @@ from zero3_offload.data.bad_records import BAD_RECORD_POLICIES
 from zero3_offload.data.chat_render import LOSS_ON
 from zero3_offload.data.record_format import DATA_FORMATS
 from zero3_offload.errors import ConfigError
+from zero3_offload.train.freeze import freeze_patterns
+from zero3_offload.train.lora_spec import LoraSpec
 
 __all__ = ["OPTIONS", "Option", "TrainOptions", "format_size", "parse_size"]
 
@@ -78,8 +80,27 @@ class TrainOptions:
     tokens) instead of the built-in byte-level GPT."""
     export: str | None = attrs.field(default=None, validator=_optional_str)
     """At the end, write the trained model (and its tokenizer) here as a transformers
-    directory that AutoModelForCausalLM.from_pretrained loads (needs model; must not exist
-    or be empty)."""
+    directory that AutoModelForCausalLM.from_pretrained loads; with lora or peft_config the
+    adapter directory that PeftModel.from_pretrained loads (export_merged: the merged
+    model). The tokenizer's chat template and model's generation_config.json come along
+    (needs model; must not exist or be empty)."""
+    lora: LoraSpec | None = attrs.field(
+        default=None, converter=attrs.converters.optional(LoraSpec.parse)
+    )
+    """Train LoRA adapters on model instead of its weights, e.g.
+    r=16,alpha=32,dropout=0.05,target=q_proj,k_proj,v_proj,o_proj (keys r, alpha, dropout,
+    target; target: module names, or all-linear; without it peft's default for the
+    architecture); export then writes the adapter directory."""
+    peft_config: str | None = attrs.field(default=None, validator=_optional_str)
+    """Train the adapters of this peft config instead of lora's: an adapter_config.json
+    (as peft's save_pretrained writes it) or a directory holding one."""
+    freeze: tuple[str, ...] | None = attrs.field(default=None, converter=freeze_patterns)
+    """Leave the parameters of model whose names match these comma-separated globs
+    unchanged, e.g. 'model.embed_tokens.*,model.layers.[01].*' (fnmatch over the whole
+    names of named_parameters(); each glob must match; not with lora)."""
+    export_merged: bool = bool_field(False)
+    """Export the model with the LoRA adapters merged into its weights (a transformers
+    directory) instead of the adapter directory (needs export and lora or peft_config)."""
     d_model: int = int_field(128, 1)
     """Width of the built-in GPT (not used with model)."""
     layers: int = int_field(4, 1, "blocks")
@@ -148,6 +169,41 @@ class TrainOptions:
                 f"export={self.export} is invalid: only a transformers model (model=DIR) "
                 "is exported; the built-in GPT's checkpoints are in out=DIR"
             )
+        _check_adapters(self)
+
+
+def _check_adapters(opts: TrainOptions) -> None:
+    """The rules between lora, peft_config, freeze, export_merged and model."""
+    adapters = opts.lora is not None or opts.peft_config is not None
+    if opts.lora is not None and opts.peft_config is not None:
+        raise ConfigError(
+            f"peft_config={opts.peft_config} is invalid: give lora=SPEC or peft_config=FILE, "
+            "not both"
+        )
+    for name in ("lora", "peft_config", "freeze"):
+        value = getattr(opts, name)
+        if value is not None and opts.model is None:
+            raise ConfigError(
+                f"{name}={_shown(value)} is invalid: it applies to a transformers model (model=DIR)"
+            )
+    if opts.freeze is not None and adapters:
+        raise ConfigError(
+            f"freeze={_shown(opts.freeze)} is invalid with LoRA adapters, which already "
+            "freeze every weight of the model: give freeze=PATTERN or lora=SPEC, not both"
+        )
+    if opts.export_merged and (opts.export is None or not adapters):
+        raise ConfigError(
+            "export_merged=True is invalid: it merges the adapters of lora=SPEC or "
+            "peft_config=FILE into the model written to export=DIR; give both"
+        )
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, LoraSpec):
+        return value.describe()
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
 
 
 @attrs.frozen
