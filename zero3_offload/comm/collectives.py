@@ -157,6 +157,10 @@ class PendingCollective(Generic[T]):
         self.what = what
         self._launched: concurrent.futures.Future[Any] | None = launched  # -> the backend's Work
         self._comm = comm
+        # The rules of the group's epoch it started in: a collective abandoned with a
+        # failed call no longer breaks the group once the ranks recovered from it.
+        self._wait = comm._wait
+        self._epoch = comm._epoch
         self._value = value
         self._after: list[Callable[[], object]] = []
         self._started = time.perf_counter()
@@ -218,8 +222,10 @@ class PendingCollective(Generic[T]):
                 the heartbeat finds a rank silent (the message names it).
             RankDivergenceError: when the ranks were about to run different collectives.
         """
+        if self._abandoned():
+            self._finish_abandoned()
         if not self._finished:
-            await self._comm._wait.until_done(self._completion(), self._label())
+            await self._wait.until_done(self._completion(), self._label())
             self._finish(observe=True)
         return self._result()
 
@@ -227,10 +233,25 @@ class PendingCollective(Generic[T]):
         """:meth:`wait` on this thread, for code that cannot await (constructors, the
         model's thread): the same rules (see [Note: one wait]). Not reported to the
         observer: the collectives of set-up are not the training's communication."""
+        if self._abandoned():
+            self._finish_abandoned()
         if not self._finished:
-            self._comm._wait.until_done_blocking(self._completion(), self._label())
+            self._wait.until_done_blocking(self._completion(), self._label())
             self._finish(observe=False)
         return self._result()
+
+    def _abandoned(self) -> bool:
+        """Whether the collective was abandoned with a failed call the ranks recovered
+        from: it completed then on every rank, or never started on any."""
+        return not self._finished and self._epoch < self._comm._epoch
+
+    def _finish_abandoned(self) -> None:
+        # Its buffers are free now; what it computed is nobody's any more.
+        self._finished = True
+        self._launched = None
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
 
     def _result(self) -> T:
         return cast(T, None) if self._value is None else self._value()
@@ -302,6 +323,7 @@ class Collectives:
         self._segment = 0
         self._observer = observer
         self._broken: Zero3Error | None = None  # the failure that ended the sequence
+        self._epoch = 0  # failed calls recovered from (see recover())
         # Completions of the collectives started, by start index, until they settle:
         # a recovery completes those every rank launched (see [Note: failure channel]).
         self._inflight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
@@ -318,7 +340,7 @@ class Collectives:
             timeout_s=timeout_s,
             heartbeat=None,
             waiting_for=self._waiting_for,
-            fail=self._fail,
+            fail=functools.partial(self._fail_in, 0),
         )
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
@@ -425,6 +447,8 @@ class Collectives:
         self._inflight.clear()
         self._inflight_first = self._started
         beat.advance_epoch()
+        self._epoch += 1
+        self._wait = attrs.evolve(self._wait, fail=functools.partial(self._fail_in, self._epoch))
         launcher.resume()
         self._broken = None
         return [str(r["state"]) for r in records]
@@ -521,7 +545,12 @@ class Collectives:
         return self._broken
 
     def _fail(self, exc: Zero3Error) -> Zero3Error:
-        if self._broken is None:
+        return self._fail_in(self._epoch, exc)
+
+    def _fail_in(self, epoch: int, exc: Zero3Error) -> Zero3Error:
+        """Mark the sequence broken by ``exc`` of a collective of ``epoch`` (one of an
+        earlier epoch was abandoned with a failed call: see :meth:`recover`)."""
+        if self._broken is None and epoch == self._epoch:
             self._broken = exc
         return exc
 
