@@ -71,8 +71,9 @@ def _flushed(method: _Method) -> _Method:
         comm, recovery = manager.engine.comm, manager._recovery
         call = manager._describe_call(method.__name__, args, kwargs)
         with comm.call_context(call):
+            start = recovery.note(method.__name__)
             try:
-                start = recovery.start(method.__name__)
+                recovery.start()
                 return await method(manager, *args, **kwargs)
             except Exception as exc:
                 if recovery.refused is None:
@@ -151,15 +152,7 @@ class Zero3CpuOffloadManager:
         self._state = StepState()
         self._closed = False
         engine = self._engine
-        self._recovery = CallRecovery(
-            comm=engine.comm,
-            prefetch=engine.prefetch,
-            state=self._state,
-            counter=engine.counter,
-            grads=engine.grads,
-            steps=engine.steps,
-            accumulation=engine.config.gradient_accumulation_steps,
-        )
+        self._recovery = CallRecovery.of(engine, self._state)
         log.info(
             "manager_ready",
             rank=engine.mapping.rank,
@@ -411,7 +404,7 @@ class Zero3CpuOffloadManager:
         runner = self._chain_runner("forward_pass")
         names = runner.check_forward(x, layer_names)
         out, result = await runner.forward(x, names)
-        self._state.forward = result if result.phase.trains else None
+        self._state.pend(result if result.phase.trains else None)
         return out
 
     @_flushed
@@ -505,7 +498,7 @@ class Zero3CpuOffloadManager:
         """
         runner = self._module_runner("forward")
         out, result = await runner.forward(forward_phase(), args, kwargs)
-        self._state.forward = result if result.phase.trains else None
+        self._state.pend(result if result.phase.trains else None)
         return out
 
     @_flushed

@@ -13,10 +13,12 @@ gradients: the runners drop these as for any failed pass), the ranks meet
 (``Collectives.recover``) and compare where their training states stand: the
 closed steps, updates, the window's calls and backwards, its token count, the
 layers updated early, and whether an updating ``optimizer_step`` failed after
-it began. Equal states on every rank: the pending forward is dropped on every
-rank and the next call runs as if the failed one had never been made, which is
-exact because a forward commits nothing and a backward commits its gradients
-only once every collective of it completed on every rank.
+it began. Equal states on every rank: the next call runs as if the failed one had never
+been made, which is exact because a forward commits nothing and a backward
+commits its gradients only once every collective of it completed on every
+rank. The pending forward stays where every rank has the same one (a call
+refused alike on every rank changes nothing) and is dropped on every rank
+where some rank's forward completed and another's did not.
 
 Different states (one rank's backward committed while another's failed after
 its last collective; an optimizer step that failed halfway; early updates of a
@@ -32,6 +34,7 @@ import attrs
 
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.failure_report import FailureReport, first_line
+from zero3_offload.engine.engine import Engine
 from zero3_offload.engine.step_state import StepState
 from zero3_offload.errors import CommunicationError, StateError, Zero3Error
 from zero3_offload.gradient.store import GradientStore
@@ -58,6 +61,7 @@ class CallStart:
     steps: int
     window_calls: int
     updating: bool  # an optimizer_step that closes the window
+    early: int  # layers updated early in the window so far
 
 
 class CallRecovery:
@@ -94,22 +98,39 @@ class CallRecovery:
         self.refused: StateError | None = None  # set when the run cannot go on
         self.recovered = 0  # failed calls abandoned by every rank so far
 
-    def start(self, name: str) -> CallStart:
-        """Check that calls may run, note where the run stands, and raise a failure another
-        rank published meanwhile (this call is abandoned with it)."""
-        if self.refused is not None:
-            raise self.refused
+    @classmethod
+    def of(cls, engine: Engine, state: StepState) -> CallRecovery:
+        """The recovery of ``engine``'s calls, with the manager's ``state``."""
+        return cls(
+            comm=engine.comm,
+            prefetch=engine.prefetch,
+            state=state,
+            counter=engine.counter,
+            grads=engine.grads,
+            steps=engine.steps,
+            accumulation=engine.config.gradient_accumulation_steps,
+        )
+
+    def note(self, name: str) -> CallStart:
+        """Where the run stands as call ``name`` begins."""
         counter = self._counter
-        start = CallStart(
+        return CallStart(
             name=name,
             steps=counter.steps,
             window_calls=counter.window_calls,
-            updating=name == "optimizer_step" and counter.window_calls + 1 >= self._accumulation,
+            updating=name == "optimizer_step"
+            and counter.window_calls + 1 >= self._accumulation,
+            early=len(self._steps.stepped),
         )
+
+    def start(self) -> None:
+        """Check that calls may run, and raise a failure another rank published meanwhile
+        (the call starting is abandoned with it)."""
+        if self.refused is not None:
+            raise self.refused
         report = self._comm.known_failure()
         if report is not None:
-            raise report.peer_error(self._comm.rank, f"{name} as it started")
-        return start
+            raise report.peer_error(self._comm.rank, "its next call as it started")
 
     async def after_failure(self, exc: Exception, call: str, start: CallStart) -> None:
         """Abandon the failed call on every rank; the caller raises ``exc`` after it.
@@ -139,9 +160,12 @@ class CallRecovery:
                 f"({error}); no further call can run: {_RESUME}"
             )
             return
-        self._state.reset()
+        # The pending forward may be one some ranks made and others did not: then none.
+        cores = [s.rsplit("; ", 1)[0] for s in states]
         if len(set(states)) != 1:
-            parts = "; ".join(f"rank {r}: {s}" for r, s in enumerate(states))
+            self._state.forward = None
+        if len(set(cores)) != 1:
+            parts = "; ".join(f"rank {r}: {s}" for r, s in enumerate(cores))
             self.refused = StateError(
                 f"after {report.describe()}, the ranks' training states differ ({parts}): the "
                 f"call had changed some of them and cannot be undone; no further call can "
@@ -149,9 +173,9 @@ class CallRecovery:
             )
             log.error("call_unrecoverable", rank=comm.rank, states=states)
             return
-        if "halfway" in states[0] or "early" in states[0]:
+        if "halfway" in cores[0] or "by the failed call" in cores[0]:
             self.refused = StateError(
-                f"after {report.describe()}, the parameters may be half updated ({states[0]}); "
+                f"after {report.describe()}, the parameters may be half updated ({cores[0]}); "
                 f"no further call can run: {_RESUME}"
             )
             return
@@ -172,7 +196,11 @@ class CallRecovery:
             f"tokens {grads.tokens}",
         ]
         if self._steps.stepped or self._state.early_lr is not None:
-            words.append(f"layers updated early {sorted(self._steps.stepped)}")
+            words.append(f"early learning rate {self._state.early_lr}")
         if began:
             words.append("an optimizer step failed halfway")
-        return ", ".join(words)
+        if len(self._steps.stepped) != start.early:
+            words.append(f"layers updated early by the failed call {sorted(self._steps.stepped)}")
+        state = self._state
+        pending = "none" if state.forward is None else f"forward {state.forwards}"
+        return ", ".join(words) + f"; pending {pending}"
