@@ -163,7 +163,7 @@ class CallRecovery:
         # The pending forward may be one some ranks made and others did not: then none.
         cores = [s.rsplit("; ", 1)[0] for s in states]
         if len(set(states)) != 1:
-            self._state.forward = None
+            self._state.drop_forward()
         if len(set(cores)) != 1:
             parts = "; ".join(f"rank {r}: {s}" for r, s in enumerate(cores))
             self.refused = StateError(

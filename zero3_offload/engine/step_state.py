@@ -33,6 +33,10 @@ class StepState:
         if result is not None:
             self.forwards += 1
 
+    def drop_forward(self) -> None:
+        """Forget the pending forward (no backward may run until the next forward)."""
+        self.forward = None
+
     def reset(self) -> None:
         """Forget the pending forward and any early update."""
         self.forward = None
