@@ -164,6 +164,10 @@ def markdown(payload: dict[str, Any]) -> str:
     s = payload["summary"]
     lines += [
         "",
+        "Rows of one rank's (or both ranks') own error: the seconds from the fault to the "
+        "slowest rank's error, every rank's in brackets; 'data lost' says whether training "
+        "went on and ended bitwise equal to a run without the bad batch.",
+        "",
         f"Faults: {s['faults']}; detected: {s['detected']}; slowest detection: "
         f"{s['slowest_s']:.2f} s; crashed processes: {s['crashed']}; hangs: {s['hangs']}; "
         f"rows with data lost: {s['lost']}.",
@@ -398,7 +402,7 @@ def _call_fault_row(name: str, fault: CallFault) -> dict[str, Any]:
     # The message of a rank whose own call did not fail (when there is one).
     shown = next((e for r, e in enumerate(got.errors) if r not in fault.ranks), got.errors[0])
     times = ", ".join(f"rank {r} {s:.2f} s" for r, s in enumerate(got.seconds))
-    message = f"{shown.get('error')}: {shown.get('message')} [{times}]"
+    message = f"[{times}] {shown.get('error')}: {shown.get('message')}"
     if got.exact:
         lost = "none (trained on; bitwise equal to a run without the bad batch)"
     else:

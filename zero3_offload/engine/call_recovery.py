@@ -118,8 +118,7 @@ class CallRecovery:
             name=name,
             steps=counter.steps,
             window_calls=counter.window_calls,
-            updating=name == "optimizer_step"
-            and counter.window_calls + 1 >= self._accumulation,
+            updating=name == "optimizer_step" and counter.window_calls + 1 >= self._accumulation,
             early=len(self._steps.stepped),
         )
 
