@@ -184,3 +184,32 @@ async def throttled_run(ctx: RankContext, spec: FaultSpec, busy_s: float) -> dic
     full = await manager.full_state_dict()
     await manager.close()
     return {"losses": losses, "state": full if ctx.rank == 0 else None, "waited": waited}
+
+
+async def construction_run(ctx: RankContext, spec: FaultSpec) -> dict[str, Any]:
+    """Build a manager; the faulty rank stops or kills itself as its backend probe starts
+    (the first collectives after the heartbeat's start). The others record when and how
+    they noticed, as :func:`faulty_run` does."""
+    pids = await _pids(ctx)
+    if ctx.rank == spec.rank:
+        from zero3_offload.comm import collectives
+
+        real = collectives._probe
+
+        def probe(*args: Any, **kwargs: Any) -> Any:
+            _record(spec, "fault", {"at": time.time(), "rank": spec.rank, "pid": os.getpid()})
+            os.kill(os.getpid(), signal.SIGSTOP if spec.kind == "stop" else signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        collectives._probe = probe  # type: ignore[assignment]
+    try:
+        manager = Zero3CpuOffloadManager(spec.config(), ctx.group, make_model(**spec.model))
+    except Zero3Error as exc:
+        detected = time.time()
+        if spec.kind == "stop":
+            os.kill(pids[spec.rank], signal.SIGKILL)
+        result = {"error": type(exc).__name__, "message": str(exc), "detected_at": detected}
+        _record(spec, f"rank{ctx.rank}", result)
+        return result
+    await manager.close()
+    return {"built": True}

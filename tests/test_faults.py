@@ -15,7 +15,14 @@ calls, with the default ``heartbeat_timeout_s`` (5 s):
   same-sized layers): RankDivergenceError on every rank, the processes alive;
 * kill -9 of a rank at each step of a checkpoint save, and a full disk (ENOSPC) at each
   write of a save: the previous checkpoint loads and training resumes bitwise;
-* hostile checkpoint directories: refused with CheckpointError before anything is allocated.
+* hostile checkpoint directories: refused with CheckpointError before anything is allocated;
+* one rank's own error (see ``call_faults``) in forward (token ids outside the vocabulary),
+  in backward (a hook raising) and in the loss (``abandon_step``), in chain and module
+  mode, and the bad batch on both ranks: the seconds from the fault to the error on every
+  rank, whether training went on, and whether the steps after it and the final parameters
+  are bitwise those of a run without the bad batch;
+* kill -9 / SIGSTOP of rank 1 while the managers are built (at the backend's probe): the
+  time to the surviving rank's CommunicationError.
 
 A row fails when a fault goes unnoticed, a process crashes, a run hangs (a rank run
 that hits its limit) or data is lost. When every row ran, the table goes to
@@ -34,6 +41,7 @@ from typing import Any
 
 import pytest
 import torch
+from call_faults import MODES, WHERE, CallFault, fault_and_reference, outcome
 from fault_points import (
     CONTINUE,
     DISTINCT,
@@ -49,7 +57,15 @@ from fault_points import (
     step,
 )
 from helpers import run_in_turn
-from rank_faults import KINDS, PHASES, FaultSpec, faulty_run, read_record, resumed_run
+from rank_faults import (
+    KINDS,
+    PHASES,
+    FaultSpec,
+    construction_run,
+    faulty_run,
+    read_record,
+    resumed_run,
+)
 from test_checkpoint_hostile import HOSTILE, _meta, load_one, save_one
 from test_divergence import CASES, diverge
 
@@ -80,6 +96,9 @@ ROWS = [
     *(f"kill -9 rank {rank} at {point} of a save" for rank, point in SAVE_KILLS),
     *(f"ENOSPC on rank {rank} writing the {site} of a save" for rank, site in FULL_DISK),
     *(f"hostile checkpoint: {case}" for case in [*HOSTILE, TRUNCATED]),
+    *(f"one-rank error in {where} ({mode} mode)" for mode in MODES for where in WHERE),
+    "both ranks' error in forward (chain mode)",
+    *(f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank 1 during construction" for kind in KINDS),
 ]
 
 
@@ -144,6 +163,10 @@ def markdown(payload: dict[str, Any]) -> str:
         )
     s = payload["summary"]
     lines += [
+        "",
+        "Rows of one rank's (or both ranks') own error: the seconds from the fault to the "
+        "slowest rank's error, every rank's in brackets; 'data lost' says whether training "
+        "went on and ended bitwise equal to a run without the bad batch.",
         "",
         f"Faults: {s['faults']}; detected: {s['detected']}; slowest detection: "
         f"{s['slowest_s']:.2f} s; crashed processes: {s['crashed']}; hangs: {s['hangs']}; "
@@ -365,3 +388,72 @@ def test_hostile_checkpoint(table: dict, hostile: dict, case: str) -> None:
     lost = "none (refused; the manager unchanged)" if refused else "LOADED"
     row = _row(f"hostile checkpoint: {case}", refused, message, lost)
     record(table, row | {"run_s": hostile["run_s"]})
+
+
+# ------------------------------------------------------------- one rank's call fails
+
+
+def _call_fault_row(name: str, fault: CallFault) -> dict[str, Any]:
+    results, failure = _run_in_turn(fault_and_reference, fault)
+    if results is None:
+        return _row(name, False, failure, "?", failure=failure)
+    got = outcome(results, fault)
+    detected = all("error" in e for e in got.errors) and len({e["error"] for e in got.errors}) == 1
+    # The message of a rank whose own call did not fail (when there is one).
+    shown = next((e for r, e in enumerate(got.errors) if r not in fault.ranks), got.errors[0])
+    times = ", ".join(f"rank {r} {s:.2f} s" for r, s in enumerate(got.seconds))
+    message = f"[{times}] {shown.get('error')}: {shown.get('message')}"
+    if got.exact:
+        lost = "none (trained on; bitwise equal to a run without the bad batch)"
+    else:
+        lost = "training went on, not bitwise" if got.went_on else "training stopped"
+    return _row(name, detected, message, lost, seconds=max(got.seconds)) | {
+        "seconds_per_rank": got.seconds,
+        "went_on": got.went_on,
+    }
+
+
+def _run_in_turn(fn: Callable[..., Any], *args: Any) -> tuple[list[Any] | None, str | None]:
+    """``fn`` on the session's 2 reused rank processes: (results, None) or (None, why)."""
+    try:
+        return asyncio.run(run_in_turn(2, (fn, *args)))[0], None
+    except RankFailedError as exc:
+        text = str(exc)
+        return None, "hang" if "did not finish within" in text else text.splitlines()[0]
+
+
+@pytest.mark.parametrize(("mode", "where"), [(m, w) for m in MODES for w in WHERE])
+def test_one_rank_error(table: dict, mode: str, where: str) -> None:
+    name = f"one-rank error in {where} ({mode} mode)"
+    record(table, _call_fault_row(name, CallFault(mode=mode, where=where)))
+
+
+def test_both_ranks_error(table: dict) -> None:
+    fault = CallFault(mode="chain", where="forward", ranks=(0, 1))
+    record(table, _call_fault_row("both ranks' error in forward (chain mode)", fault))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_fault_during_construction(table: dict, tmp_path: Path, kind: str) -> None:
+    spec = FaultSpec(out=str(tmp_path), kind=kind, rank=1, heartbeat_s=HEARTBEAT_S)
+    results, failure = _run(construction_run, spec, may_die={1})
+    fault = read_record(tmp_path, "fault")
+    survivor = None if results is None else results[0]
+    detected = bool(survivor and survivor.get("error") and fault)
+    seconds = message = None
+    if detected:
+        seconds = survivor["detected_at"] - fault["at"]
+        message = f"{survivor['error']}: {survivor['message']}"
+    name = f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank 1 during construction"
+    lost = "none (nothing was built)"
+    record(
+        table,
+        _row(
+            name,
+            detected,
+            message or failure or "no error raised",
+            lost,
+            failure=failure,
+            seconds=seconds,
+        ),
+    )

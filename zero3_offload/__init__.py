@@ -37,6 +37,7 @@ from zero3_offload.errors import (
     MemoryBudgetError,
     RankDivergenceError,
     StateError,
+    StepAbandonedError,
     Zero3Error,
 )
 from zero3_offload.manager import Zero3CpuOffloadManager
@@ -66,6 +67,7 @@ __all__ = [
     "RankDivergenceError",
     "ReduceDtype",
     "StateError",
+    "StepAbandonedError",
     "Zero3CpuOffloadConfig",
     "Zero3CpuOffloadManager",
     "Zero3Error",

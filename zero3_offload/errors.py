@@ -17,6 +17,7 @@ __all__ = [
     "MemoryBudgetError",
     "RankDivergenceError",
     "StateError",
+    "StepAbandonedError",
     "UsageError",
     "Zero3Error",
 ]
@@ -72,6 +73,12 @@ class InputError(Zero3Error, ValueError):
 
 class LayerExecutionError(Zero3Error, RuntimeError):
     """A layer's own code raised during a pass; the cause is chained."""
+
+
+class StepAbandonedError(Zero3Error):
+    """A rank's own code failed between the manager's calls (the loss, a data loader) and
+    the rank abandoned the step with ``abandon_step``; the cause is chained there, and the
+    other ranks' message names the rank and its error."""
 
 
 class UsageError(Zero3Error):

@@ -22,17 +22,19 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero3_offload.comm.failure_report import first_line
 from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.engine.call_recovery import CallRecovery
 from zero3_offload.engine.engine import Engine, build_engine
 from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.engine.step_state import StepState
-from zero3_offload.errors import StateError, Zero3Error
+from zero3_offload.errors import StateError, StepAbandonedError, Zero3Error
 from zero3_offload.execution.arguments import check_lr, check_step_call, check_tokens
 from zero3_offload.execution.chain_runner import ChainRunner, forward_phase
 from zero3_offload.execution.module_runner import ModuleRunner
@@ -59,15 +61,24 @@ def _flushed(method: _Method) -> _Method:
     The caller may call torch.distributed on the group itself next; see the
     launcher in ``comm.collectives``. While ``method`` runs, the group's
     collectives carry a description of the call, which the ranks compare
-    before each collective (see [Note: divergence check]).
+    before each collective (see [Note: divergence check]). When it fails, on
+    this rank or another, every rank abandons it before the error is raised
+    (see [Note: abandoned calls] in ``engine.call_recovery``).
     """
 
     @functools.wraps(method)
     async def wrapper(manager: Zero3CpuOffloadManager, *args: Any, **kwargs: Any) -> Any:
-        comm = manager.engine.comm
-        with comm.call_context(manager._describe_call(method.__name__, args, kwargs)):
+        comm, recovery = manager.engine.comm, manager._recovery
+        call = manager._describe_call(method.__name__, args, kwargs)
+        with comm.call_context(call):
+            start = recovery.note(method.__name__)
             try:
+                recovery.start()
                 return await method(manager, *args, **kwargs)
+            except Exception as exc:
+                if recovery.refused is None:
+                    await recovery.after_failure(exc, call, start)
+                raise
             finally:
                 await comm.flush()
 
@@ -141,6 +152,7 @@ class Zero3CpuOffloadManager:
         self._state = StepState()
         self._closed = False
         engine = self._engine
+        self._recovery = CallRecovery.of(engine, self._state)
         log.info(
             "manager_ready",
             rank=engine.mapping.rank,
@@ -392,7 +404,7 @@ class Zero3CpuOffloadManager:
         runner = self._chain_runner("forward_pass")
         names = runner.check_forward(x, layer_names)
         out, result = await runner.forward(x, names)
-        self._state.forward = result if result.phase.trains else None
+        self._state.pend(result if result.phase.trains else None)
         return out
 
     @_flushed
@@ -486,7 +498,7 @@ class Zero3CpuOffloadManager:
         """
         runner = self._module_runner("forward")
         out, result = await runner.forward(forward_phase(), args, kwargs)
-        self._state.forward = result if result.phase.trains else None
+        self._state.pend(result if result.phase.trains else None)
         return out
 
     @_flushed
@@ -527,6 +539,28 @@ class Zero3CpuOffloadManager:
         count = self._check_tokens(tokens)
         self._state.forward = None  # one backward per forward, whatever happens
         await runner.backward(loss, forward, tokens=count)
+
+    @_flushed
+    async def abandon_step(self, error: BaseException) -> NoReturn:
+        """Abandon the step on every rank: this rank's own code failed between the manager's
+        calls (the loss, a data loader, a hook of its own).
+
+        Every other rank's pending or next call raises :class:`StepAbandonedError` naming
+        this rank and ``error``'s first line, within a second while it waits for a
+        collective; every rank drops the pending forward and what a half-done call
+        left, and the next call runs as if the step had never been started (see
+        [Note: abandoned calls]).
+
+        Args:
+            error: what this rank's code raised.
+
+        Raises:
+            StepAbandonedError: always, here too, chained to ``error``.
+        """
+        self._check_open()
+        raise StepAbandonedError(
+            f"this rank's own code failed: {type(error).__name__}: {first_line(error)}"
+        ) from error
 
     @_flushed
     async def generate(

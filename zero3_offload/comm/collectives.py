@@ -40,9 +40,11 @@ reduce-scatter runs as one: see [Note: reduce-scatter by exchange] in
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, cast
@@ -53,6 +55,7 @@ import torch.distributed as dist
 
 from zero3_offload.comm.divergence import DivergenceCheck
 from zero3_offload.comm.exchange import BufferLender, ExchangeReduceScatter
+from zero3_offload.comm.failure_report import FailureReport
 from zero3_offload.comm.heartbeat import Heartbeat
 from zero3_offload.comm.launcher import Launcher
 from zero3_offload.comm.shared_memory import HostSharedMemory
@@ -63,6 +66,9 @@ from zero3_offload.errors import CommunicationError, Zero3Error
 __all__ = ["Collectives", "PendingCollective"]
 
 T = TypeVar("T")
+
+_SETTLE_POLL_S = 0.005  # how often a recovery looks whether the launcher settled
+_MEETING = "abandon the failed call"
 
 
 @attrs.frozen
@@ -151,6 +157,10 @@ class PendingCollective(Generic[T]):
         self.what = what
         self._launched: concurrent.futures.Future[Any] | None = launched  # -> the backend's Work
         self._comm = comm
+        # The rules of the group's epoch it started in: a collective abandoned with a
+        # failed call no longer breaks the group once the ranks recovered from it.
+        self._wait = comm._wait
+        self._epoch = comm._epoch
         self._value = value
         self._after: list[Callable[[], object]] = []
         self._started = time.perf_counter()
@@ -212,8 +222,10 @@ class PendingCollective(Generic[T]):
                 the heartbeat finds a rank silent (the message names it).
             RankDivergenceError: when the ranks were about to run different collectives.
         """
+        if self._abandoned():
+            self._finish_abandoned()
         if not self._finished:
-            await self._comm._wait.until_done(self._completion(), self._label())
+            await self._wait.until_done(self._completion(), self._label())
             self._finish(observe=True)
         return self._result()
 
@@ -221,10 +233,25 @@ class PendingCollective(Generic[T]):
         """:meth:`wait` on this thread, for code that cannot await (constructors, the
         model's thread): the same rules (see [Note: one wait]). Not reported to the
         observer: the collectives of set-up are not the training's communication."""
+        if self._abandoned():
+            self._finish_abandoned()
         if not self._finished:
-            self._comm._wait.until_done_blocking(self._completion(), self._label())
+            self._wait.until_done_blocking(self._completion(), self._label())
             self._finish(observe=False)
         return self._result()
+
+    def _abandoned(self) -> bool:
+        """Whether the collective was abandoned with a failed call the ranks recovered
+        from: it completed then on every rank, or never started on any."""
+        return not self._finished and self._epoch < self._comm._epoch
+
+    def _finish_abandoned(self) -> None:
+        # Its buffers are free now; what it computed is nobody's any more.
+        self._finished = True
+        self._launched = None
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
 
     def _result(self) -> T:
         return cast(T, None) if self._value is None else self._value()
@@ -296,20 +323,24 @@ class Collectives:
         self._segment = 0
         self._observer = observer
         self._broken: Zero3Error | None = None  # the failure that ended the sequence
-        self._caps = _probe(group, device)
-        self._exchange = ExchangeReduceScatter(group)
-        check = None
-        if verify and self.world_size > 1:
-            check = DivergenceCheck(group, all_gather=self._caps.all_gather, timeout_s=timeout_s)
-        self._launcher = Launcher(f"zero3-launch-{self.rank}", check)
-        self._waiter = Waiter(f"zero3-wait-{self.rank}")
+        self._epoch = 0  # failed calls recovered from (see recover())
+        # Completions of the collectives started, by start index, until they settle:
+        # a recovery completes those every rank launched (see [Note: failure channel]).
+        self._inflight: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+        self._inflight_first = 0  # start index of self._inflight[0]
+        self._started = 0
+        self.filled = 0  # collectives run to complete other ranks' abandoned ones
+        self._verify = verify
+        self._block_bytes = shared_memory_block_bytes
+        self._launcher, self._waiter = self._transport(group)
+        self.shared_memory: HostSharedMemory | None = None
         # The heartbeat's own start-up is waited for without one.
         self._wait = CollectiveWait(
             rank=self.rank,
             timeout_s=timeout_s,
             heartbeat=None,
             waiting_for=self._waiting_for,
-            fail=self._fail,
+            fail=functools.partial(self._fail_in, 0),
         )
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
@@ -322,15 +353,145 @@ class Collectives:
                 agree=lambda ok: self.start_agree(ok, what=start).wait_blocking(),
             )
             self._wait = attrs.evolve(self._wait, heartbeat=self.heartbeat)
-        self.shared_memory: HostSharedMemory | None = None
-        if shared_memory_block_bytes is not None and device.type == "cpu" and self.world_size > 1:
+        # The probe runs collectives of its own: on the launcher thread, waited for by
+        # the group's rules, so a rank that died meanwhile is named (heartbeat on).
+        probed = self._launcher.submit(functools.partial(_probe, group, device))
+        self._caps: _Capabilities = self._wait.until_done_blocking(probed, "the backend's probe")
+        self._exchange = ExchangeReduceScatter(group)
+        self._open_shared_memory()
+
+    def _transport(self, group: dist.ProcessGroup) -> tuple[Launcher, Waiter]:
+        """The launcher (with its divergence check) and the waiter of ``group``."""
+        check = None
+        if self._verify and self.world_size > 1:
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            check = DivergenceCheck(group, all_gather=all_gather, timeout_s=self.timeout_s)
+        return Launcher(f"zero3-launch-{self.rank}", check), Waiter(f"zero3-wait-{self.rank}")
+
+    def _open_shared_memory(self) -> None:
+        block = self._block_bytes
+        if block is not None and self.device.type == "cpu" and self.world_size > 1:
             what = "the shared-memory region"
             self.shared_memory = HostSharedMemory.open(
-                group,
-                block_bytes=shared_memory_block_bytes,
+                self.group,
+                block_bytes=block,
                 broadcast=lambda t: self.start_broadcast(t, what=what).wait_blocking(),
                 agree=lambda ok: self.start_agree(ok, what=what).wait_blocking(),
             )
+
+    def known_failure(self) -> FailureReport | None:
+        """The failure report of the current epoch (some rank's call failed), if known."""
+        return None if self.heartbeat is None else self.heartbeat.failure()
+
+    def publish_failure(self, report: FailureReport) -> FailureReport:
+        """Publish this rank's failed call (see [Note: failure channel]); returns the
+        epoch's first report (another rank's, when it came first)."""
+        assert self.heartbeat is not None
+        return self.heartbeat.publish_failure(report)
+
+    def recover(self, state: str) -> list[str]:
+        """Abandon the failed call's collectives on every rank and make the group usable
+        again (a meeting of every rank; on a thread other than the event loop's).
+
+        Nothing more is launched; the ranks meet with what each launched and with
+        ``state`` (where its training state stands); a rank that launched fewer
+        collectives than another launches the same ones (same op, size and dtype, on
+        scratch tensors) so that every collective of the call completes on every
+        rank, and the sequence goes on as one (see [Note: failure channel]).
+
+        Returns:
+            Every rank's ``state``, in rank order.
+
+        Raises:
+            CommunicationError: when a rank is silent or does not come, or the
+                abandoned collectives could not be completed (the group stays broken).
+        """
+        beat, launcher = self.heartbeat, self._launcher
+        assert beat is not None
+        launcher.cancel()
+        deadline = time.monotonic() + self.timeout_s
+        mine = {"launched": launcher.launched, "log": list(launcher.log), "state": state}
+        records = [
+            json.loads(r)
+            for r in beat.meet(json.dumps(mine), timeout_s=self.timeout_s, doing=_MEETING)
+        ]
+        ahead = max(records, key=lambda r: int(r["launched"]))
+        behind = int(ahead["launched"]) - launcher.launched
+        if behind > len(ahead["log"]):
+            raise self._fail(
+                CommunicationError(
+                    f"this rank ({self.rank}) is {behind} collectives behind rank "
+                    f"{records.index(ahead)} after the failed call, more than it can complete; "
+                    "the run cannot continue: restart the ranks and resume from the last checkpoint"
+                )
+            )
+        missing = [tuple(r) for r in ahead["log"][len(ahead["log"]) - behind :]] if behind else []
+        filled = launcher.submit(functools.partial(self._fill, missing))
+        try:
+            concurrent.futures.wait([filled], timeout=self.timeout_s)
+            filled.result(timeout=0)
+            for done in list(self._inflight):
+                done.exception(timeout=max(deadline - time.monotonic(), 0.0))
+            while not launcher.idle() and time.monotonic() < deadline:
+                time.sleep(_SETTLE_POLL_S)  # the launcher ends the launch it was in
+            if not launcher.idle():
+                raise TimeoutError("the launcher thread did not settle")
+        except Exception as exc:
+            raise self._fail(
+                CommunicationError(
+                    f"the collectives of the abandoned call did not complete on this rank "
+                    f"({self.rank}): {exc}; the run cannot continue: restart the ranks and "
+                    "resume from the last checkpoint"
+                )
+            ) from exc
+        self._inflight.clear()
+        self._inflight_first = self._started
+        beat.advance_epoch()
+        self._epoch += 1
+        self._wait = attrs.evolve(self._wait, fail=functools.partial(self._fail_in, self._epoch))
+        launcher.resume()
+        self._broken = None
+        return [str(r["state"]) for r in records]
+
+    def _fill(self, recipes: list[tuple[Any, ...]]) -> None:
+        """Run, on the launcher thread, collectives like those of ``recipes`` (another
+        rank's launches this rank lacks) on scratch tensors; their results are dropped."""
+        world, device, group = self.world_size, self.device, self.group
+        for recipe in recipes:
+            kind, numel, dtype_name, src = recipe
+            dtype = getattr(torch, str(dtype_name), torch.float32)
+
+            def scratch(n: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+                return torch.zeros(n, dtype=dtype, device=device)
+
+            if kind == "check":
+                check = self._launcher.check
+                assert check is not None
+                with contextlib.suppress(Zero3Error):  # differs from the other's: it says so
+                    check.verify(_MEETING)
+            elif kind == "shm_all_gather":
+                assert self.shared_memory is not None
+                self.shared_memory.all_gather(scratch(numel), scratch(numel // world))
+            elif kind == "shm_reduce_scatter":
+                assert self.shared_memory is not None
+                self.shared_memory.reduce_scatter_mean(scratch(numel // world), scratch(numel))
+            elif kind == "all_gather":
+                self._caps.all_gather(scratch(numel), scratch(numel // world), group=group)
+            elif kind == "exchange":
+                dist.all_to_all_single(scratch(numel), scratch(numel), group=group)
+            elif kind == "reduce_scatter":
+                op = dist.ReduceOp.AVG if self._caps.reduce_scatter_avg else dist.ReduceOp.SUM
+                self._caps.reduce_scatter(
+                    scratch(numel // world), scratch(numel), op=op, group=group
+                )
+            elif kind == "all_reduce":
+                dist.all_reduce(scratch(numel), group=group)
+            elif kind == "broadcast":
+                dist.broadcast(scratch(numel), src=int(src), group=group)
+            else:
+                raise ValueError(f"unknown collective {kind!r} in another rank's log")
+            self._launcher.record(recipe)
+            self.filled += 1
 
     def close(self) -> None:
         """Stop the heartbeat and the divergence check, and unmap the shared-memory
@@ -384,7 +545,12 @@ class Collectives:
         return self._broken
 
     def _fail(self, exc: Zero3Error) -> Zero3Error:
-        if self._broken is None:
+        return self._fail_in(self._epoch, exc)
+
+    def _fail_in(self, epoch: int, exc: Zero3Error) -> Zero3Error:
+        """Mark the sequence broken by ``exc`` of a collective of ``epoch`` (one of an
+        earlier epoch was abandoned with a failed call: see :meth:`recover`)."""
+        if self._broken is None and epoch == self._epoch:
             self._broken = exc
         return exc
 
@@ -414,7 +580,11 @@ class Collectives:
         nbytes: int,
         what: str,
         value: Callable[[], T] | None = None,
+        *,
+        recipe: tuple[str, int, torch.dtype, int],
     ) -> PendingCollective[T]:
+        """Queue ``launch``; ``recipe`` (kind, elements, dtype, source rank) says how another
+        rank completes it with scratch tensors after a failed call (see :meth:`recover`)."""
         self._usable()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
@@ -425,10 +595,23 @@ class Collectives:
                 return launch()
 
         description = self._description(op, nbytes, what)
-        launched = self._launcher.submit(launch_on_stream, description, self._segment)
-        return PendingCollective(
+        kind, numel, dtype, src = recipe
+        launched = self._launcher.submit(
+            launch_on_stream,
+            description,
+            self._segment,
+            (kind, numel, str(dtype).removeprefix("torch."), src),
+        )
+        pending: PendingCollective[T] = PendingCollective(
             op=op, launched=launched, nbytes=nbytes, comm=self, what=what, value=value
         )
+        # A recovery completes those every rank launched (see recover()).
+        while self._inflight and self._inflight[0].done():
+            self._inflight.popleft()
+            self._inflight_first += 1
+        self._inflight.append(pending._completion())
+        self._started += 1
+        return pending
 
     async def flush(self) -> None:
         """Wait (off the loop) until every collective queued so far has been launched.
@@ -463,14 +646,16 @@ class Collectives:
         get = (lambda: shard) if isinstance(shard, torch.Tensor) else shard
         shm = self.shared_memory
         if shm is not None and output.device.type == "cpu":
+            recipe = ("shm_all_gather", output.numel(), output.dtype, 0)
             return self._start_shared(
-                "all_gather", lambda: shm.all_gather(output, get()), nbytes, what
+                "all_gather", lambda: shm.all_gather(output, get()), nbytes, what, recipe
             )
         return self._start(
             "all_gather",
             lambda: self._caps.all_gather(output, get(), group=self.group, async_op=True),
             nbytes,
             what,
+            recipe=("all_gather", output.numel(), output.dtype, 0),
         )
 
     def start_reduce_scatter_mean(
@@ -491,10 +676,12 @@ class Collectives:
         shm = self.shared_memory
         if shm is not None and full.device.type == "cpu":
             run = functools.partial(shm.reduce_scatter_mean, output, full)
-            return self._start_shared("reduce_scatter", run, nbytes, what)
+            recipe = ("shm_reduce_scatter", full.numel(), full.dtype, 0)
+            return self._start_shared("reduce_scatter", run, nbytes, what, recipe)
         if self._caps.exchange and full.device.type == "cpu":
             launch, recycle = self._exchange.prepare(output, full, lender)
-            pending = self._start("reduce_scatter", launch, nbytes, what)
+            recipe = ("exchange", full.numel(), full.dtype, 0)
+            pending = self._start("reduce_scatter", launch, nbytes, what, recipe=recipe)
             pending.then(recycle)
             return pending
         avg = self._caps.reduce_scatter_avg
@@ -504,13 +691,19 @@ class Collectives:
             lambda: self._caps.reduce_scatter(output, full, op=op, group=self.group, async_op=True),
             nbytes,
             what,
+            recipe=("reduce_scatter", full.numel(), full.dtype, 0),
         )
         if not avg:
             pending.then(lambda: output.div_(self.world_size))
         return pending
 
     def _start_shared(
-        self, op: str, run: Callable[[], None], nbytes: int, what: str
+        self,
+        op: str,
+        run: Callable[[], None],
+        nbytes: int,
+        what: str,
+        recipe: tuple[str, int, torch.dtype, int],
     ) -> PendingCollective[None]:
         """Queue ``op`` through the host's shared memory: ``run`` moves the data on the
         launcher thread and the collective has completed when its launch returns (see
@@ -520,7 +713,7 @@ class Collectives:
             run()
             return _DoneWork()
 
-        return self._start(op, launch, nbytes, what)
+        return self._start(op, launch, nbytes, what, recipe=recipe)
 
     def exchange_buffer_bytes(self) -> int:
         """Bytes of the receive buffers of reduce-scatters by exchange in flight."""
@@ -545,6 +738,7 @@ class Collectives:
             tensor.numel() * tensor.element_size(),
             what,
             value,
+            recipe=("all_reduce", tensor.numel(), tensor.dtype, 0),
         )
 
     def start_agree(self, ok: bool, *, what: str = "") -> PendingCollective[bool]:
@@ -565,6 +759,7 @@ class Collectives:
             lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True),
             tensor.numel() * tensor.element_size(),
             what,
+            recipe=("broadcast", tensor.numel(), tensor.dtype, global_src),
         )
 
     async def all_gather(

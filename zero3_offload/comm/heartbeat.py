@@ -34,6 +34,12 @@ mistaken for silence. After a collective failed, :meth:`Heartbeat.wait_silent`
 waits for the finding over the beat thread's rounds (each completed round is
 signalled). The heartbeat never raises by itself.
 
+The beat thread also carries the failure channel (see [Note: failure channel] in
+``comm.failure_report``): between beats it looks every ``_FAILURE_POLL_S`` for the
+current epoch's failure report, which :meth:`Heartbeat.failure` returns from
+then on; :meth:`Heartbeat.publish_failure` writes one, :meth:`Heartbeat.meet`
+is the ranks' meeting after it and :meth:`Heartbeat.advance_epoch` ends it.
+
 A group's heartbeat starts with :meth:`Heartbeat.open`, a collective: rank 0
 draws the keys' prefix and broadcasts it, every rank publishes its pid, and the
 ranks agree that every one of them reached the store before any starts beating.
@@ -53,6 +59,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from zero3_offload.comm.failure_report import FailureReport
 from zero3_offload.errors import CommunicationError
 from zero3_offload.logging import get_logger
 
@@ -62,6 +69,8 @@ log = get_logger(__name__)
 
 _CLOSED = -(1 << 60)  # added to a counter by close(): a deliberate end, not silence
 _ROUNDS_PER_TIMEOUT = 5
+_FAILURE_POLL_S = 0.1  # how often the beat thread looks for a failure report
+_MEET_POLL_S = 0.01  # how often a meeting looks for the other ranks' records
 
 
 def default_store() -> dist.Store | None:
@@ -186,6 +195,8 @@ class Heartbeat:
         self._last_round = time.monotonic()
         self._store_error: str | None = None
         self._thread: threading.Thread | None = None
+        self.epoch = 0  # failures recovered from so far (see [Note: failure channel])
+        self._failure: FailureReport | None = None  # the current epoch's report, once seen
         try:
             self._store.add(self._counter(rank), 1)
             self._store.set(
@@ -286,11 +297,33 @@ class Heartbeat:
             self._last_round = now
             self._store_error = None
 
+    def _failure_key(self, epoch: int) -> str:
+        return f"{self._key}/failure/{epoch}"
+
+    def _poll_failure(self) -> None:
+        """Read the current epoch's failure report once it exists."""
+        with self._lock:
+            epoch, known = self.epoch, self._failure
+        if known is not None:
+            return
+        key = self._failure_key(epoch)
+        if self._store.check([key]):
+            report = FailureReport.decode(self._store.get(key))
+            with self._lock:
+                if self.epoch == epoch and self._failure is None:
+                    self._failure = report
+
     def _run(self) -> None:
         try:
+            next_beat = time.monotonic()
             while not self._stop.is_set():
                 try:
-                    self._round()
+                    if time.monotonic() >= next_beat:
+                        self._round()
+                        next_beat = time.monotonic() + self.interval_s
+                        with self._rounds:
+                            self._rounds.notify_all()
+                    self._poll_failure()
                 except Exception as exc:
                     # The store's host is gone or stopped: a TCP store client does not
                     # recover its connection, so beating ends here and silent() reports
@@ -299,12 +332,73 @@ class Heartbeat:
                         self._store_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
                     _drop_client(self._address)
                     return
-                with self._rounds:
-                    self._rounds.notify_all()
-                self._stop.wait(self.interval_s)
+                self._stop.wait(min(_FAILURE_POLL_S, max(next_beat - time.monotonic(), 0.0)))
         finally:
             with self._rounds:
                 self._rounds.notify_all()
+
+    def failure(self) -> FailureReport | None:
+        """The current epoch's failure report, once the beat thread (or this rank's own
+        :meth:`publish_failure`) has seen one; None while no rank's call failed."""
+        with self._lock:
+            return self._failure
+
+    def publish_failure(self, report: FailureReport) -> FailureReport:
+        """Publish ``report`` as the current epoch's failure, unless another rank's came
+        first; returns the epoch's report (the first one)."""
+        key = self._failure_key(self.epoch)
+        try:
+            stored = self._store.compare_set(key, "", report.encode())
+        except Exception as exc:  # the store's host is gone: its silence is reported
+            raise CommunicationError(
+                f"cannot publish this rank's failure ({report.describe()}): the rendezvous "
+                f"store did not answer ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            ) from exc
+        first = FailureReport.decode(stored)
+        with self._lock:
+            self._failure = first
+        return first
+
+    def meet(self, record: str, *, timeout_s: float, doing: str) -> list[str]:
+        """Every rank's ``record`` for the current epoch, in rank order, once every rank
+        has given its own (a meeting through the store, watched by the heartbeat).
+
+        Raises:
+            CommunicationError: when a rank is silent (named) or ``timeout_s`` passes.
+        """
+        prefix = f"{self._key}/recover/{self.epoch}"
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._store.set(keys[self.rank], record)
+            while not self._store.check(keys):
+                silent = self.silent()
+                if silent is not None:
+                    raise CommunicationError(
+                        f"{silent}; this rank ({self.rank}) was waiting for every rank to "
+                        f"{doing}. The run cannot continue: restart the ranks and resume "
+                        "from the last checkpoint"
+                    )
+                if time.monotonic() > deadline:
+                    raise CommunicationError(
+                        f"not every rank came to {doing} within {timeout_s:g} s; the run "
+                        "cannot continue: restart the ranks and resume from the last checkpoint"
+                    )
+                time.sleep(_MEET_POLL_S)  # polls the store for the others' records
+            return [v.decode() for v in self._store.multi_get(keys)]
+        except CommunicationError:
+            raise
+        except Exception as exc:  # the store's host is gone
+            raise CommunicationError(
+                f"the rendezvous store stopped answering while this rank ({self.rank}) "
+                f"waited for every rank to {doing}: {str(exc).splitlines()[0]}"
+            ) from exc
+
+    def advance_epoch(self) -> None:
+        """End the current epoch's failure: the next report is a new failure."""
+        with self._lock:
+            self.epoch += 1
+            self._failure = None
 
     def wait_silent(self, until: float) -> str | None:
         """:meth:`silent`'s finding, waited for until ``time.monotonic()`` reaches ``until``;

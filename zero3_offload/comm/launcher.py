@@ -6,6 +6,7 @@ check] for the check made before the first collective of each call.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import queue
@@ -16,9 +17,15 @@ from typing import Any
 from zero3_offload.comm.divergence import DivergenceCheck
 from zero3_offload.errors import CommunicationError, Zero3Error
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "Recipe"]
 
-_Entry = tuple[Callable[[], Any], "str | None", int, concurrent.futures.Future[Any]]
+# A collective's recipe: kind, elements, dtype name, source rank (see Collectives.recover).
+Recipe = tuple[str, int, str, int]
+_Entry = tuple[
+    Callable[[], Any], "str | None", int, "Recipe | None", concurrent.futures.Future[Any]
+]
+_LOG = 256  # the recipes kept: how far behind another rank a recovery can catch up
+_CHECK: Recipe = ("check", 0, "", 0)
 
 
 class Launcher:
@@ -30,7 +37,9 @@ class Launcher:
     caller numbers them) starts only once every rank is about to start the same
     one in the same call, and the record compared also carries the count and a
     digest of every collective launched since the previous check; after a
-    failed check, no later collective starts.
+    failed check, no later collective starts. Once :meth:`cancel` was called
+    (a call failed: see [Note: failure channel]), no collective starts any more
+    (functions without a description still run, in order).
     """
 
     def __init__(self, name: str, check: DivergenceCheck | None) -> None:
@@ -44,19 +53,37 @@ class Launcher:
         self._segment = -1  # the segment of the last check
         self._since = hashlib.blake2b(digest_size=8)  # descriptions since the last check
         self._count = 0  # how many
+        self.launched = 0  # collectives (and checks) started so far, by the launcher thread
+        self.log: collections.deque[Recipe] = collections.deque(maxlen=_LOG)  # their recipes
+        self.cancelled = False
+        self._running = False  # a queued function is being called now
         self._lock = threading.Lock()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def _call(self, fn: Callable[[], Any], description: str | None, segment: int) -> Any:
+    def record(self, recipe: Recipe) -> None:
+        """Count a collective (or check) started, with its recipe."""
+        self.log.append(recipe)
+        self.launched += 1
+
+    def _call(
+        self, fn: Callable[[], Any], description: str | None, segment: int, recipe: Recipe | None
+    ) -> Any:
+        if description is not None and self.cancelled:
+            raise CommunicationError(f"{description} was abandoned with the call that failed")
         if description is not None and self.check is not None:
             if self.diverged is not None:
                 raise self.diverged
             if segment != self._segment:
+                self.record(_CHECK)
                 self._verify(description)
                 self._segment = segment
                 self._since, self._count = hashlib.blake2b(digest_size=8), 0
             self._since.update(description.encode())
             self._count += 1
+        if description is not None and self.cancelled:  # cancelled during the check
+            raise CommunicationError(f"{description} was abandoned with the call that failed")
+        if recipe is not None:
+            self.record(recipe)
         return fn()
 
     def _verify(self, description: str) -> None:
@@ -81,28 +108,50 @@ class Launcher:
 
     def _run(self) -> None:
         while True:
-            fn, description, segment, future = self._queue.get()
+            fn, description, segment, recipe, future = self._queue.get()
             self._current = description
+            self._running = True
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(self._call(fn, description, segment))
+                    future.set_result(self._call(fn, description, segment, recipe))
                 except BaseException as exc:  # handed to whoever waits for the launch
                     future.set_exception(exc)
             # The launch's closure holds its tensors: not until the next launch.
             del fn, future
             self._current = None
+            self._running = False
             self.finished += 1
 
     def submit(
-        self, fn: Callable[[], Any], description: str | None = None, segment: int = 0
+        self,
+        fn: Callable[[], Any],
+        description: str | None = None,
+        segment: int = 0,
+        recipe: Recipe | None = None,
     ) -> concurrent.futures.Future[Any]:
-        """Queue ``fn``; a collective has a ``description`` and the ``segment`` (call) it
-        belongs to."""
+        """Queue ``fn``; a collective has a ``description``, the ``segment`` (call) it
+        belongs to and its ``recipe``."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self.submitted += 1
-            self._queue.put((fn, description, segment, future))
+            self._queue.put((fn, description, segment, recipe, future))
         return future
+
+    def cancel(self) -> None:
+        """Start no further collective (those queued fail with a ``CommunicationError``)."""
+        self.cancelled = True
+
+    def running(self) -> bool:
+        """Whether the launcher thread is inside a queued function now."""
+        return self._running
+
+    def resume(self) -> None:
+        """Start collectives again after :meth:`cancel`, as after a fresh start: the next
+        one is checked, and the digest starts anew (every rank resumes alike)."""
+        self._segment = -1
+        self._since, self._count = hashlib.blake2b(digest_size=8), 0
+        self.diverged = self.failed_at = None
+        self.cancelled = False
 
     def idle(self) -> bool:
         """Whether everything queued so far has been called."""

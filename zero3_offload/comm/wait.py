@@ -14,18 +14,24 @@ written once in :class:`CollectiveWait`:
    raised (naming the rank and what this rank was waiting for) only if the
    collective is still pending and the finding stands: the collective may have
    completed as its last peer closed, or this process was paused itself.
-4. *Blame*: when the collective fails, a ``RankDivergenceError`` is raised as it
-   is; any other error is first explained by the heartbeat, waited for over its
+4. *A failed call elsewhere*: with a heartbeat, a failure report of the current
+   epoch (some rank's call failed: see [Note: failure channel] in
+   ``comm.failure_report``) ends the wait at its next look, without
+   confirmation, with the report's error class naming that rank and its
+   error; a wait that starts once a report is known ends at once.
+5. *Blame*: when the collective fails, a ``RankDivergenceError`` is raised as it
+   is; a known failure report is raised as in rule 4; any other error is first
+   explained by the heartbeat, waited for over its
    rounds until a rank that stopped just now would have been silent for the
    heartbeat's timeout. A silent rank found by then is named; else the error is
    raised as a ``CommunicationError`` naming the collective (a ``Zero3Error`` as
    it is).
-5. Every error raised marks the group's sequence of collectives broken
+6. Every error raised marks the group's sequence of collectives broken
    (``fail``): later collectives are refused at once.
 
-Rules 1-3 are one generator, :meth:`CollectiveWait._timeouts`: it yields how
+Rules 1-4 are one generator, :meth:`CollectiveWait._timeouts`: it yields how
 long to wait next and is resumed each time that wait ended with the collective
-still pending; it raises when the wait must end. Rule 4 is
+still pending; it raises when the wait must end. Rule 5 is
 :meth:`CollectiveWait._failure`, which may block for the heartbeat's timeout.
 Two drivers run them over a ``concurrent.futures.Future``:
 :meth:`CollectiveWait.until_done` waits on the event loop (``asyncio.wait`` on
@@ -136,6 +142,7 @@ class CollectiveWait:
         deadline = time.monotonic() + self.timeout_s
         beat = self.heartbeat
         while True:
+            self._raise_failure(label)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self.fail(
@@ -145,6 +152,7 @@ class CollectiveWait:
                     )
                 )
             yield remaining if beat is None else min(_POLL_S, remaining)
+            self._raise_failure(label)
             if beat is None or beat.silent() is None:
                 continue
             # Confirm once more, a moment later: the collective may have
@@ -156,9 +164,12 @@ class CollectiveWait:
 
     def _failure(self, exc: Exception, label: str) -> tuple[Zero3Error, BaseException | None]:
         """The error to raise for a collective that failed with ``exc``, and its cause
-        (rule 4); blocks while the heartbeat is asked who is to blame."""
+        (rule 5); blocks while the heartbeat is asked who is to blame."""
         if isinstance(exc, RankDivergenceError):
             return self.fail(exc), None
+        report = self.heartbeat.failure() if self.heartbeat is not None else None
+        if report is not None:
+            return self.fail(report.peer_error(self.rank, self.waiting_for(label))), exc
         # A backend error on a peer's death says little about who died: ask the
         # heartbeat, which names an exited peer on this host at once and a remote
         # one once its silence exceeds the heartbeat's timeout.
@@ -171,6 +182,12 @@ class CollectiveWait:
         if isinstance(exc, Zero3Error):
             return self.fail(exc), None
         return self.fail(CommunicationError(f"{label} failed: {exc}")), exc
+
+    def _raise_failure(self, label: str) -> None:
+        """Rule 4: raise the current epoch's failure report, if one is known."""
+        report = self.heartbeat.failure() if self.heartbeat is not None else None
+        if report is not None:
+            raise self.fail(report.peer_error(self.rank, self.waiting_for(label)))
 
     def _silence(self, silent: str, label: str) -> str:
         return (

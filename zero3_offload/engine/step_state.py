@@ -23,6 +23,19 @@ class StepState:
     run). Either mode: the chain's saved steps, or module mode's units and saved bytes."""
     early_lr: float | None = None
     """Learning rate of the updates the last backward started (None: none started)."""
+    forwards: int = 0
+    """Training forwards made pending so far (which one is pending, in the words every
+    rank compares after a failed call: see [Note: abandoned calls])."""
+
+    def pend(self, result: PassResult | None) -> None:
+        """Make ``result`` the pending forward (None: an evaluation forward, none pends)."""
+        self.forward = result
+        if result is not None:
+            self.forwards += 1
+
+    def drop_forward(self) -> None:
+        """Forget the pending forward (no backward may run until the next forward)."""
+        self.forward = None
 
     def reset(self) -> None:
         """Forget the pending forward and any early update."""

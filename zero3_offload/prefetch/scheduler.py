@@ -54,12 +54,13 @@ makes in the timeline.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 
-from zero3_offload.errors import MemoryBudgetError
+from zero3_offload.errors import MemoryBudgetError, Zero3Error
 from zero3_offload.logging import get_logger
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.prefetch.status import PrefetchMetrics, PrefetchQueueStatus
@@ -457,6 +458,19 @@ class PrefetchScheduler:
         for name in self._gatherer.gathered_layers():
             if not (keep_persistent and self._keeps(name)):
                 self._release(name)
+
+    async def abandon(self) -> None:
+        """After a failed call (on any rank: see [Note: failure channel]): drop every
+        gather in flight (once a failure is known their waits end at once; a buffer
+        whose gather did not complete is dropped, not pooled), release every layer,
+        persistent ones too, and forget the trace, so every rank's next decisions
+        start from the same state whatever each had done of the call."""
+        for handle in self._gatherer.inflight():
+            with contextlib.suppress(Zero3Error):
+                await self._gatherer.complete(handle.layer, self._phase)
+        await self.release_all(keep_persistent=False)
+        self._trace = PassTrace()
+        self._queued = 0
 
     # ------------------------------------------------------------ adaptation
 
