@@ -15,6 +15,7 @@ __all__ = [
     "LayerExecutionError",
     "LayerNotFoundError",
     "MemoryBudgetError",
+    "NonFiniteError",
     "RankDivergenceError",
     "StateError",
     "UsageError",
@@ -72,6 +73,12 @@ class InputError(Zero3Error, ValueError):
 
 class LayerExecutionError(Zero3Error, RuntimeError):
     """A layer's own code raised during a pass; the cause is chained."""
+
+
+class NonFiniteError(Zero3Error, ArithmeticError):
+    """Too many optimizer steps in a row were skipped for an inf or nan gradient
+    (``max_consecutive_nonfinite``); the message names the layer and the ranks of the
+    last one."""
 
 
 class UsageError(Zero3Error):
