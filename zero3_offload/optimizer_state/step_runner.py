@@ -17,10 +17,11 @@ Global-norm clipping (the norm covers every shard of every rank), fp16
 loss scaling and the non-finite guard (an inf anywhere skips the step) need
 every gradient before any update is known to be right. With
 ``speculative_step`` the early updates start anyway, with the gradient as it
-lands (scaled by ``1 / (accumulation steps * loss scale)``, or ``1 / (window tokens * loss scale)`` when
-token-weighted, as the step would scale it): before each, the layer's
-fp32 master shard and optimizer state are copied into reused buffers
-(:class:`SpeculationBackup`), and its gradient shard is held. ``optimizer_step``
+lands (scaled by ``1 / (accumulation steps * loss scale)``, or
+``1 / (window tokens * loss scale)`` when token-weighted, as the step would
+scale it): before each, the layer's fp32 master shard and optimizer state are
+copied into reused buffers (:class:`SpeculationBackup`), and its gradient shard
+is held. ``optimizer_step``
 then validates: the inf check and the global norm run over the held shards
 exactly as without speculation. If nothing is found and the clip coefficient
 is not below 1 (``clip_grad_norm_`` would not change the gradients), the
@@ -300,7 +301,8 @@ class StepRunner:
             found_inf = await self.loss_scaler.found_inf(self._grads.shards(), self._comm)
             self.loss_scaler.update(found_inf)
             if found_inf:
-                return await self._skip(speculated, "inf/nan gradient", scale=self.loss_scaler.scale)
+                scale = self.loss_scaler.scale
+                return await self._skip(speculated, "inf/nan gradient", scale=scale)
         return True
 
     async def _apply(
