@@ -10,6 +10,7 @@ optimizer state and the optimizer's step counts must be bitwise equal.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import attrs
@@ -43,7 +44,7 @@ async def guarded_run(ctx: RankContext, spec: GuardSpec) -> dict[str, Any]:
         **({"skip_nonfinite_steps": True} | spec.config),
     )
     units = ["block0", "block1"] if spec.module else None
-    stepped, error = [], None
+    stepped, error, times = [], None, {}  # times: step -> (its backward began, its step ended)
     with structlog.testing.capture_logs() as logs:
         async with Zero3CpuOffloadManager(config, ctx.group, model, units=units) as manager:
             names = manager.layer_names
@@ -53,7 +54,9 @@ async def guarded_run(ctx: RankContext, spec: GuardSpec) -> dict[str, Any]:
                 bad = spec.bad if step in spec.bad_steps and ctx.rank == 1 else None
                 x, y = local_slice(x, ctx), local_slice(y, ctx)
                 try:
-                    stepped.append(await _step(manager, spec, names, x, y, bad))
+                    ok, backward_at = await _step(manager, spec, names, x, y, bad)
+                    stepped.append(ok)
+                    times[step] = (backward_at, time.time())
                 except NonFiniteError as exc:
                     error = str(exc)
                     break
@@ -76,6 +79,7 @@ async def guarded_run(ctx: RankContext, spec: GuardSpec) -> dict[str, Any]:
         "steps": manager.steps_completed,
         "skipped": skipped,
         "error": error,
+        "times": times,
     }
 
 
@@ -86,7 +90,8 @@ async def _step(
     x: torch.Tensor,
     y: torch.Tensor,
     bad: str | None,
-) -> bool:
+) -> tuple[bool, float]:
+    """One step; whether it updated, and when its backward began (``time.time()``)."""
     if spec.module:
         model = manager.model
         assert model is not None
@@ -106,16 +111,18 @@ async def _step(
         loss = lm_loss(out.float(), y)
         if bad == "loss":
             loss = loss * float("nan")
+        backward_at = time.time()
         await manager.backward(loss)
-        return await manager.optimizer_step(LR)
+        return await manager.optimizer_step(LR), backward_at
     out = await manager.forward_pass(x, names)
     out.requires_grad_()
     loss = lm_loss(out.float(), y)
     if bad == "loss":
         loss = loss * float("nan")
+    backward_at = time.time()
     loss.backward()
     await manager.backward_pass(out.grad, names, learning_rate=LR if spec.early_lr else None)
-    return await manager.optimizer_step(LR)
+    return await manager.optimizer_step(LR), backward_at
 
 
 CASES = {

@@ -291,7 +291,7 @@ class Zero3CpuOffloadManager:
 
     @property
     def steps_completed(self) -> int:
-        """Optimizer steps completed (fp16 steps skipped for inf/nan included); restored by
+        """Optimizer steps completed (steps skipped for inf/nan included); restored by
         :meth:`load_checkpoint`."""
         return self._engine.counter.steps
 

@@ -58,7 +58,6 @@ SWEEP = {  # candidates for ours' fastest configuration
     "lr_bwd_clip": ours("lr in backward, clip 1e6, speculative", **LR_BWD, **CLIP_NEVER, **SPEC),
     "lr_bwd_clip_wait": ours("lr in backward, clip 1e6, waiting", **LR_BWD, **CLIP_NEVER),
     "lr_bwd_clip_fires": ours("lr in backward, clip 1e-6 (fires every step), speculative", **FIRES),
-    # the non-finite guard's cost (zero3-offload train's default); its updates wait for the step
     "guard": ours("skip_nonfinite_steps", **GUARD),
     "lr_bwd_guard": ours("lr in backward, skip_nonfinite_steps, waiting", **LR_BWD, **GUARD),
 }
