@@ -179,3 +179,18 @@ async def test_without_the_guard_a_nan_loss_is_applied() -> None:
     (bad,) = await run_in_turn(2, (guarded_run, spec))
     assert bad[0]["stepped"] == [True, True, True, True] and bad[0]["skipped"] == []
     assert all(v.isnan().all() for v in bad[0]["state"].values())
+
+
+async def test_under_fp16_the_loss_scaler_skips_and_the_guard_names_the_rank() -> None:
+    # fp16's own check decides (the loss scale backs off, so the run after it is not the
+    # reference's bit for bit); a non-finite loss counts towards the limit.
+    spec = GuardSpec(
+        config={"compute_dtype": "fp16", "max_consecutive_nonfinite": 2},
+        bad="loss",
+        bad_steps=(1, 2),
+    )
+    (bad,) = await run_in_turn(2, (guarded_run, spec))
+    for got in bad:
+        assert got["stepped"] == [True, False] and got["error"] is not None
+        assert [e["loss_ranks"] for e in got["skipped"]] == [[1], [1]]
+        assert all("scale" in e for e in got["skipped"])  # the scaler's skip

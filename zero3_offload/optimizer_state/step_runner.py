@@ -60,6 +60,8 @@ __all__ = ["StepRunner"]
 
 log = get_logger(__name__)
 
+_ALL_LAYERS = "(all layers)"  # the layer of timeline work that covers every layer
+
 
 class StepRunner:
     """Runs each layer's optimizer update and compute-copy refresh in a worker thread.
@@ -290,9 +292,15 @@ class StepRunner:
         inf/nan: fp16's loss scaler, or the guard's check when clipping is off (with
         clipping, the norm is the check; see [Note: non-finite guard])."""
         check = self.guard is not None and self.loss_scaler is None and self._clip == 0
-        found = self._grads.scale_layers_(remaining, self._grad_scale(), check=check)
-        if check:
-            found = found or self._grads.has_nonfinite(speculated)
+        if not check:
+            self._grads.scale_layers_(remaining, self._grad_scale())
+        else:  # in a worker thread: its interval is the check's cost on the timeline
+
+            def scale_and_check() -> bool:
+                found = self._grads.scale_layers_(remaining, self._grad_scale(), check=True)
+                return found or self._grads.has_nonfinite(speculated)
+
+            found = await self._workers.run("inf-check", _ALL_LAYERS, Phase.STEP, scale_and_check)
             flag = torch.tensor([float(found)], dtype=torch.float32, device=self._comm.device)
             await self._comm.all_reduce_sum(flag, what="the inf/nan check")
             if flag.item() > 0:

@@ -13,8 +13,8 @@ class StepCounter:
     Three counts, each with one meaning:
 
     - :attr:`steps`: steps closed, every updating ``optimizer_step`` (a step skipped
-      for inf/nan, by fp16 loss scaling or ``skip_nonfinite_steps``, included). Every timeline interval and ``step`` event
-      carries it as ``step``.
+      for inf/nan, by fp16 loss scaling or ``skip_nonfinite_steps``, included).
+      Every timeline interval and ``step`` event carries it as ``step``.
     - :attr:`updates`: the closed steps that updated the parameters.
     - :attr:`window_calls`: ``optimizer_step`` calls since the last closed step
       (micro-steps of the open accumulation window).
