@@ -425,8 +425,8 @@ def test_torchrun_restart(table: dict, train_reference: Path, tmp_path: Path, ra
     # Seconds to detection are not timed here (a dead peer is named at once, as in the rows
     # above); the restart's are: from the kill to the restarted job's first step.
     lost = (
-        f"none (training again {job['seconds']:.1f} s after the kill, from step "
-        f"{job['first_step']}; ended bitwise)"
+        f"none (restarted: manager built {job['ready_s']:.1f} s and training again "
+        f"{job['seconds']:.1f} s after the kill, from step {job['first_step']}; ended bitwise)"
         if intact
         else f"restarted: {restarted}, bitwise: {intact}"
     )

@@ -77,7 +77,8 @@ def killed_job(
     """A torchrun job whose ``kill_rank`` gets SIGKILL once rank 0 logged step ``at_step``.
 
     Returns the job's exit status and stderr, the killed pid, and the seconds from the
-    kill to the first step of the restarted job (None when none came).
+    kill to the first step of the restarted job and to its manager's ``manager_ready``
+    (None when none came).
     """
     command = [*torchrun(nproc, max_restarts), "--out", str(out), *SMALL]
     proc = subprocess.Popen(
@@ -106,6 +107,7 @@ def killed_job(
         "stderr": err,
         "pid": pid,
         "seconds": restarted[0]["ts"] - killed_at if restarted and ready else None,
+        "ready_s": ready[0]["ts"] - killed_at if ready else None,  # the new manager built
         "first_step": restarted[0]["step"] if restarted and ready else None,
     }
 
