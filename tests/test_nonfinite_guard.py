@@ -20,7 +20,12 @@ import torch
 from helpers import assert_bitwise, lm_loss, local_slice, make_batches, make_model, run_in_turn
 
 from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
+from zero3_offload.comm.copy_streams import CopyStreams
+from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.errors import NonFiniteError
+from zero3_offload.gradient.store import GradientStore
+from zero3_offload.stats.step_counter import StepCounter
+from zero3_offload.stats.timeline import Timeline
 from zero3_offload.testing import RankContext
 
 STEPS, BAD_STEP, LR = 4, 2, 1e-2
@@ -194,3 +199,20 @@ async def test_under_fp16_the_loss_scaler_skips_and_the_guard_names_the_rank() -
         assert got["stepped"] == [True, False] and got["error"] is not None
         assert [e["loss_ranks"] for e in got["skipped"]] == [[1], [1]]
         assert all("scale" in e for e in got["skipped"])  # the scaler's skip
+
+
+def test_the_check_is_exact_where_a_sum_of_finite_values_overflows() -> None:
+    timeline = Timeline(rank=0, counter=StepCounter())
+    cpu = torch.device("cpu")
+    store = GradientStore(
+        device=cpu,
+        streams=CopyStreams(device=cpu),
+        workers=WorkerThreads(threads=1, timeline=timeline),
+        timeline=timeline,
+    )
+    store.load({"big": torch.full((10,), 3e38), "small": torch.zeros(3)}, micro_steps=1)
+    assert not store.has_nonfinite()  # the sum overflows; every element is finite
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        store.get("small")[1] = bad
+        assert store.has_nonfinite() and not store.has_nonfinite(["big"])
+        assert store.scale_layers_(["big", "small"], 0.5, check=True)  # the fused kernel's
