@@ -5,9 +5,10 @@ With ``skip_nonfinite_steps`` the step runner decides, before any update of a st
 applied, whether the step's global gradient holds an inf or a nan on any rank (which is
 when its global L2 norm is not finite). With clipping on, that is the norm clipping
 computes anyway. Without it, each rank checks its shards in the pass that scales them
-for the window (torch's ``GradScaler`` kernel, which multiplies and checks at once; an
-``aminmax`` per shard when nothing is scaled), and one one-element all-reduce tells
-every rank. Under fp16 the loss scaler's own inf/nan check decides.
+for the window (torch's ``GradScaler`` kernel, which multiplies and checks at once; a
+sum per shard when nothing is scaled, see ``GradientStore.has_nonfinite``), in a worker
+thread (the ``inf-check`` interval of the timeline), and one one-element all-reduce
+tells every rank. Under fp16 the loss scaler's own inf/nan check decides.
 
 A step found so is skipped on every rank by the path every skip takes (an fp16
 overflow, a window without valid tokens): speculative updates are restored bitwise
