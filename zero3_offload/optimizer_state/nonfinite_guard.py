@@ -19,17 +19,17 @@ manager's ``steps_completed`` counts the skipped step (so a learning-rate schedu
 driven by the step index moves on, as under fp16 loss scaling).
 
 Only on a skipped step does the guard look for the origin, with one more collective:
-each rank marks the layers whose shard holds an inf/nan, and itself when a loss of
-the window was not finite (module mode: ``backward(loss)``; chain mode: the
-``grad_output`` of ``backward_pass``, the loss's gradient), recorded lazily at each
-backward as a one-element tensor (no device sync); one all-reduce of ``layers + world``
-floats gives every rank the same answer. The ``step_skipped`` warning names the first
-layer in backward order (the model's order reversed: a non-finite value enters the
-backward at one layer and reaches every layer before it) and the ranks of the
-non-finite losses. After ``max_consecutive_nonfinite`` skips in a row (under fp16,
-skips of windows with a non-finite loss: overflows alone are the scaler's business)
-``optimizer_step`` raises :class:`~zero3_offload.errors.NonFiniteError` on every rank,
-once its step is closed. The count of skips is ``get_performance_stats()
+each rank marks the layers whose shard holds an inf/nan, and itself when a loss of the
+window was not finite (module mode: ``backward(loss)``; chain mode: the ``grad_output``
+of ``backward_pass``, the loss's gradient), kept at each backward as its sum, a
+one-element tensor (no device sync; an inf or nan anywhere makes it one); one all-reduce
+of ``layers + world`` floats gives every rank the same answer. The ``step_skipped``
+warning names the first layer in backward order (the model's order reversed: a
+non-finite value enters the backward at one layer and reaches every layer before it) and
+the ranks of the non-finite losses. After ``max_consecutive_nonfinite`` skips in a row
+(under fp16, skips of windows with a non-finite loss: overflows alone are the scaler's
+business) ``optimizer_step`` raises :class:`~zero3_offload.errors.NonFiniteError` on
+every rank, once its step is closed. The count of skips is ``get_performance_stats()
 .nonfinite_skips``; neither count is saved in checkpoints.
 """
 
@@ -84,19 +84,20 @@ class NonFiniteGuard:
         self._order = list(reversed(layers))  # backward order
         self._comm = comm
         self._limit = limit
-        self._losses: list[torch.Tensor] = []  # this window's "loss finite" flags (lazy)
+        self._losses: list[torch.Tensor] = []  # this window's losses (their sums), lazily
         self.skips = 0  # steps this process skipped for an inf/nan
         self.consecutive = 0  # of them, in a row up to the last closed step
         self.last: NonFiniteReport | None = None  # the last skipped step's report
 
     def note_loss(self, value: torch.Tensor, tokens: int | None) -> None:
-        """Record whether a backward's loss (or output gradient) is finite, without a sync.
+        """Keep a backward's loss (or output gradient) for the report, as its sum: one pass
+        without a sync or a mask, inf or nan when any element is.
 
         A token-weighted backward of 0 valid tokens is left out: its loss is not used
         (see [Note: token-weighted gradients]).
         """
         if tokens != 0:
-            self._losses.append(torch.isfinite(value.detach()).all())
+            self._losses.append(value.detach().sum())
 
     async def locate(self, grads: GradientStore) -> NonFiniteReport:
         """Every rank's non-finite layers and losses of the window (a collective)."""
@@ -106,7 +107,7 @@ class NonFiniteGuard:
             shard = grads.get(name)
             if shard is not None and grads.has_nonfinite([name]):
                 flags[i] = 1.0
-        if not all(bool(ok) for ok in self._losses):
+        if not all(bool(torch.isfinite(total)) for total in self._losses):
             flags[n + rank] = 1.0
         agreed = flags.to(self._comm.device)
         await self._comm.all_reduce_sum(agreed, what="where the inf/nan gradient came from")
