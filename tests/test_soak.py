@@ -190,7 +190,7 @@ async def soak_rank(ctx: RankContext, log_dir: str) -> dict[str, Any]:
     names, first, last = list(manager.layer_names), [], []
     async with manager:
         for step in range(WARMUP + STEPS + 1):
-            batch = {"seed": 0, "step": step, "micro": 0, "rank": ctx.rank, "batch_size": 4}
+            batch = {"seed": 0, "step": step, "first": ctx.rank * 4, "batch_size": 4}
             x, y = corpus.batch(split="train", **batch, seq_len=SHAPE.seq_len)
             out = await manager.forward_pass(x, names)
             logits = out.float().requires_grad_()

@@ -140,19 +140,18 @@ def test_two_ranks_save_resume_and_continue_the_data(
     assert steps(resumed) == {s: loss for s, loss in straight.items() if s > 8}
     assert latest(run) == "step-00000012"
 
-    # The two user errors below run in this process (the command's own main): the
-    # runs above and the tests further down cover the real process's exit code.
+    # The user error below runs in this process (the command's own main): the runs above
+    # and the tests further down cover the real process's exit code.
     capsys.readouterr()
-    # Without --resume, a directory with checkpoints is not overwritten.
-    code, _, err = run_cli(capsys, *args)
-    assert code == 2 and "holds checkpoints already: add --resume" in err
-
-    # Resuming with another model is the user's mistake: one line, exit 2.
-    code, _, err = run_cli(capsys, "--world-size", "2", "--steps", "14", "--out", str(run),
-                           "--resume", *SMALL, "--d-model", "48")  # fmt: skip
-    assert code == 2, err
-    assert err.startswith("zero3-offload train: error: --resume: ")
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # Resuming with another model (with or without --resume) is refused before any rank
+    # starts, naming the option: one line, exit 2.
+    for resume in ((), ("--resume",)):
+        code, _, err = run_cli(capsys, "--world-size", "2", "--steps", "14", "--out", str(run),
+                               *resume, *SMALL, "--d-model", "48")  # fmt: skip
+        assert code == 2, err
+        assert err.startswith(f"zero3-offload train: error: --out {run} holds checkpoints of ")
+        assert "--d-model (32 in the run, 48 now)" in err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -197,7 +196,7 @@ def test_ctrl_c_stops_every_rank_after_a_step_and_saves(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     stopped = int(re.search(r"interrupted after step (\d+)/", out)[1])
     assert latest(run) == f"step-{stopped:08d}"
-    assert "resume with --resume" in out and "Traceback" not in err
+    assert "run the same command again to resume" in out and "Traceback" not in err
 
 
 # ----------------------------------------------------------------- options, no training

@@ -100,7 +100,7 @@ def reference_eval(model: Any, data: Path, tokenizer: Any | None) -> float:
         for rank in (0, 1):
             for i in range(2):
                 x, _ = corpus.batch(
-                    split="eval", seed=0, step=i, micro=0, rank=rank, batch_size=4, seq_len=32
+                    split="eval", seed=0, step=i, first=rank * 4, batch_size=4, seq_len=32
                 )
                 losses.append(model(input_ids=x, labels=x).loss.item())
     return sum(losses) / len(losses)

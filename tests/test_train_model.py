@@ -47,12 +47,17 @@ def test_corpus_is_the_stdlib_in_a_fixed_order_and_batches_depend_on_position() 
     assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
     a, b = ByteCorpus.load(max_bytes=200_000), ByteCorpus.load(max_bytes=200_000)
     assert torch.equal(a.train, b.train) and a.train.numel() + a.eval.numel() == 200_000
-    key = {"split": "train", "seed": 1, "step": 7, "micro": 0, "rank": 1, "batch_size": 3}
+    key = {"split": "train", "seed": 1, "step": 7, "first": 3, "batch_size": 3}
     x, y = a.batch(**key, seq_len=10)
     assert x.shape == y.shape == (3, 10) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(x, b.batch(**key, seq_len=10)[0])
-    for change in ({"step": 8}, {"rank": 0}, {"seed": 2}, {"micro": 1}):
+    for change in ({"step": 8}, {"first": 0}, {"seed": 2}, {"split": "eval"}):
         assert not torch.equal(x, a.batch(**(key | change), seq_len=10)[0]), change
+    # A sequence depends on its global position only: positions 3..5 as one batch of 3 or
+    # as 3, then 4..5 (the same global batch split over other ranks or micro-steps).
+    one = a.batch(**(key | {"batch_size": 1}), seq_len=10)[0]
+    two = a.batch(**(key | {"first": 4, "batch_size": 2}), seq_len=10)[0]
+    assert torch.equal(x, torch.cat([one, two]))
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth() -> None:

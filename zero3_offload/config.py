@@ -661,8 +661,8 @@ class Zero3CpuOffloadConfig:
     overlap_computation: bool = bool_field(True)
     """Start each layer's optimizer update in a worker thread as soon as its gradient shard
     is final, while backward goes on (needs ``learning_rate=`` in ``backward_pass``; not
-    with a layer used twice; with gradient clipping or fp16 only with
-    ``speculative_step``). False runs every update in ``optimizer_step``. Collectives and
+    with a layer used twice; with gradient clipping, fp16 or ``skip_nonfinite_steps`` only
+    with ``speculative_step``). False runs every update in ``optimizer_step``. Collectives and
     copies overlap compute either way."""
     pin_cpu_memory: bool = bool_field(True)
     """Allocate the CPU compute copies and the gradient staging buffers in pinned memory, for
@@ -698,6 +698,20 @@ class Zero3CpuOffloadConfig:
     """Micro-steps whose gradients are averaged before each optimizer update."""
     gradient_clipping: float = _non_negative(0.0)
     """Maximum global gradient L2 norm; 0 disables clipping."""
+    skip_nonfinite_steps: bool = bool_field(False)
+    """Skip, on every rank, an optimizer step whose global gradient norm is inf or nan:
+    parameters, optimizer state and the optimizer's step counts stay bitwise as they were
+    (the step is closed and counted in ``nonfinite_skips``; a learning-rate schedule driven
+    by the step index moves on). The warning names the first layer, in backward order,
+    whose gradient held an inf or nan and every rank whose loss was not finite. Costs one
+    pass over the gradient shards and a one-element all-reduce per step when clipping is
+    off (clipping computes the norm anyway); fp16 keeps its loss scaler's inf/nan check.
+    As with clipping, updates start during backward only with ``speculative_step``.
+    ``zero3-offload train`` turns it on."""
+    max_consecutive_nonfinite: int = int_field(10, 1, "steps")
+    """With ``skip_nonfinite_steps``: after this many skipped steps in a row (fp16: those in
+    which a rank's loss was not finite), ``optimizer_step`` raises ``NonFiniteError`` on
+    every rank."""
     compute_dtype: torch.dtype = attrs.field(
         default=torch.float32, converter=_as_dtype, validator=_check_dtype
     )

@@ -15,6 +15,7 @@ __all__ = [
     "LayerExecutionError",
     "LayerNotFoundError",
     "MemoryBudgetError",
+    "NonFiniteError",
     "RankDivergenceError",
     "StateError",
     "StepAbandonedError",
@@ -79,6 +80,12 @@ class StepAbandonedError(Zero3Error):
     """A rank's own code failed between the manager's calls (the loss, a data loader) and
     the rank abandoned the step with ``abandon_step``; the cause is chained there, and the
     other ranks' message names the rank and its error."""
+
+
+class NonFiniteError(Zero3Error, ArithmeticError):
+    """Too many optimizer steps in a row were skipped for an inf or nan gradient
+    (``max_consecutive_nonfinite``); the message names the layer and the ranks of the
+    last one."""
 
 
 class UsageError(Zero3Error):

@@ -303,7 +303,7 @@ class Zero3CpuOffloadManager:
 
     @property
     def steps_completed(self) -> int:
-        """Optimizer steps completed (fp16 steps skipped for inf/nan included); restored by
+        """Optimizer steps completed (steps skipped for inf/nan included); restored by
         :meth:`load_checkpoint`."""
         return self._engine.counter.steps
 
@@ -315,7 +315,8 @@ class Zero3CpuOffloadManager:
 
     @property
     def last_grad_norm(self) -> float | None:
-        """Global gradient norm before clipping at the last update (clipping on only)."""
+        """Global gradient norm before clipping at the last closed step (clipping on only;
+        inf or nan when ``skip_nonfinite_steps`` skipped that step)."""
         return self._engine.steps.last_grad_norm
 
     def _describe_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -469,6 +470,7 @@ class Zero3CpuOffloadManager:
         state.forward = None  # one backward per forward, whatever happens
         grad_input, _ = await runner.backward(grad_output, forward, early_lr=early_lr, tokens=count)
         state.early_lr = early_lr
+        engine.steps.note_loss(grad_output, count)  # the loss's gradient: for the guard's report
         return grad_input
 
     @_flushed
@@ -539,6 +541,7 @@ class Zero3CpuOffloadManager:
         count = self._check_tokens(tokens)
         self._state.forward = None  # one backward per forward, whatever happens
         await runner.backward(loss, forward, tokens=count)
+        self._engine.steps.note_loss(loss, count)  # for the non-finite guard's report
 
     @_flushed
     async def abandon_step(self, error: BaseException) -> NoReturn:
@@ -606,13 +609,16 @@ class Zero3CpuOffloadManager:
 
         Returns:
             True when the parameters were updated by this call; False inside an
-            accumulation window, or when fp16 loss scaling found inf/nan and
-            skipped the step on every rank.
+            accumulation window, or when fp16 loss scaling or ``skip_nonfinite_steps``
+            found inf/nan and skipped the step on every rank (see [Note: non-finite
+            guard] in ``optimizer_state.nonfinite_guard``).
 
         Raises:
             ConfigError: for a negative or non-finite learning rate, or one that
                 differs from the learning rate given to the early update.
             StateError: when no backward_pass ran since the last call.
+            NonFiniteError: when this step was the ``max_consecutive_nonfinite``-th
+                skipped in a row (raised on every rank once the step is closed).
         """
         self._check_open()
         engine, state = self._engine, self._state
@@ -635,17 +641,24 @@ class Zero3CpuOffloadManager:
         state.early_lr = None
         pressure = await engine.pressure.check()
         await engine.prefetch.after_update(updated or (), fresh=fresh)
+        self._close_step(started, stepped=updated is not None, pressure=pressure.pressure)
+        engine.steps.check_nonfinite()  # once the step is closed: too many skips in a row
+        return updated is not None
+
+    def _close_step(self, started: float, *, stepped: bool, pressure: float) -> None:
+        """Close the step that began updating at ``started``: its event and counts."""
+        engine = self._engine
         engine.step_log.close_step(
             updating=started,
-            stepped=updated is not None,
+            stepped=stepped,
             memory=self.get_memory_stats().step_figures(),
             disk_files=engine.disk_files(),
             prefetch_hit_rate=engine.prefetch.metrics.hit_rate(),
-            memory_pressure=pressure.pressure,
+            memory_pressure=pressure,
             loss_scale=self.loss_scale,
             tokens=engine.steps.last_tokens,
         )
-        return updated is not None
+        engine.steps.close_step(updated=stepped)
 
     # ----------------------------------------------------------- state, stats
 
@@ -726,6 +739,7 @@ class Zero3CpuOffloadManager:
             prefetch_hit_rate=engine.prefetch.metrics.hit_rate(),
             gathered_high_water_bytes=engine.gatherer.high_water_bytes,
             speculative_rollbacks=engine.steps.rollbacks,
+            nonfinite_skips=0 if engine.steps.guard is None else engine.steps.guard.skips,
             disk=disk_transfers(engine.disk_files()),
         )
 

@@ -69,7 +69,7 @@ def corpus_info() -> dict[str, Any]:
 def batches(steps: int, dims: dict[str, int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` global batches of (bytes, next bytes), each ``[global_batch, seq]`` int64."""
     size, seq = dims["global_batch"], dims["seq"]
-    batch = functools.partial(corpus().batch, split="train", seed=seed, micro=0, rank=0)
+    batch = functools.partial(corpus().batch, split="train", seed=seed, first=0)
     return [batch(step=i, batch_size=size, seq_len=seq) for i in range(steps)]
 
 

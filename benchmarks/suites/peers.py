@@ -28,7 +28,7 @@ def ours(label: str, **options: Any) -> System:
 LR_BWD, DEPTH1 = {"lr_in_backward": True}, {"prefetch_buffer_size": 1}
 NO_OFFLOAD = dict.fromkeys(("offload_params", "offload_grads", "offload_optimizer_states"), False)
 CLIP_NEVER, CLIP_ALWAYS = {"gradient_clipping": 1e6}, {"gradient_clipping": 1e-6}
-SPEC = {"speculative_step": True}
+SPEC, GUARD = {"speculative_step": True}, {"skip_nonfinite_steps": True}
 FIRES = {**LR_BWD, **CLIP_ALWAYS, **SPEC}
 FUSED, CKPT = {"fused": True}, {"activation_checkpointing": True}
 OFFLOAD = {**FUSED, "cpu_offload": True}
@@ -58,6 +58,8 @@ SWEEP = {  # candidates for ours' fastest configuration
     "lr_bwd_clip": ours("lr in backward, clip 1e6, speculative", **LR_BWD, **CLIP_NEVER, **SPEC),
     "lr_bwd_clip_wait": ours("lr in backward, clip 1e6, waiting", **LR_BWD, **CLIP_NEVER),
     "lr_bwd_clip_fires": ours("lr in backward, clip 1e-6 (fires every step), speculative", **FIRES),
+    "guard": ours("skip_nonfinite_steps", **GUARD),
+    "lr_bwd_guard": ours("lr in backward, skip_nonfinite_steps, waiting", **LR_BWD, **GUARD),
 }
 CUDA_KINDS = ("torch", "fsdp2", "zero3_offload")  # DeepSpeed's ranks run DS_ACCELERATOR=cpu
 TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]

@@ -51,6 +51,7 @@ from zero3_offload.memory.budget import (
 )
 from zero3_offload.memory.pressure import PressurePolicy
 from zero3_offload.optimizer_state.disk_tier import NvmeShardTier
+from zero3_offload.optimizer_state.nonfinite_guard import NonFiniteGuard
 from zero3_offload.optimizer_state.optimizer_plan import OptimizerPlan, ParamGroup, plan_optimizer
 from zero3_offload.optimizer_state.owned_params import OwnedParams
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
@@ -537,6 +538,11 @@ def _build_optimizer(
         owned=owned,
     )
     backup = SpeculationBackup(optimizer=optimizer)
+    guard = None
+    if config.skip_nonfinite_steps:
+        guard = NonFiniteGuard(
+            layers=list(layouts), comm=comm, limit=config.max_consecutive_nonfinite
+        )
     steps = StepRunner(
         config=config,
         params=params,
@@ -545,6 +551,7 @@ def _build_optimizer(
         workers=workers,
         comm=comm,
         backup=backup,
+        guard=guard,
     )
     return optimizer, backup, steps
 

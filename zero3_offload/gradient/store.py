@@ -28,6 +28,7 @@ magnitudes as without ``tokens`` (no extra overflow).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -180,6 +181,54 @@ class GradientStore:
         for g in self._grads.values():
             g.mul_(factor)
 
+    def scale_layers_(self, layers: Iterable[str], factor: float, *, check: bool = False) -> bool:
+        """Multiply the shards of ``layers`` by ``factor`` in place; with ``check``, return
+        whether any of their elements is inf or nan (else False).
+
+        The check rides on the scaling pass: torch's ``GradScaler`` kernel multiplies and
+        checks at once (bitwise ``mul_``'s result); with nothing to scale it is
+        :meth:`has_nonfinite`.
+        """
+        shards = [self._grads[name] for name in layers]
+        if check and factor == 1.0:
+            return self.has_nonfinite(layers)
+        if not check:
+            if factor != 1.0:
+                for g in shards:
+                    g.mul_(factor)
+            return False
+        if not shards:
+            return False
+        # Every shard lives on self.device (commit_layer copies it there).
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inverse = torch.full((1,), factor, dtype=torch.float32, device=self.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(shards, found, inverse)
+        return bool(found.item() > 0)
+
+    def has_nonfinite(self, layers: Iterable[str] | None = None) -> bool:
+        """Whether a shard of ``layers`` (default: all) holds an inf or a nan.
+
+        One sum per shard: an inf or a nan anywhere makes it inf or nan (finite values
+        cannot cancel one). A non-finite sum may also be an overflow of finite values, so
+        only then the shard's min and max decide (an inf shows in one, a nan in both).
+        The sums took 1.4 ms for 9.6M elements where ``aminmax`` took 4.5 ms and
+        ``isfinite(g).all()`` ten times that.
+        """
+        shards = [self._grads[name] for name in (self._grads if layers is None else layers)]
+        shards = [g for g in shards if g.numel()]
+        if not shards:
+            return False
+        sums = torch.stack([g.sum() for g in shards])
+        if bool(torch.isfinite(sums).all()):  # one sync for every shard
+            return False
+        for g, total in zip(shards, sums.tolist(), strict=True):
+            if math.isfinite(total):
+                continue
+            low, high = torch.aminmax(g)
+            if not (torch.isfinite(low) and torch.isfinite(high)):
+                return True
+        return False
+
     def shards(self) -> list[torch.Tensor]:
         return list(self._grads.values())
 
@@ -200,17 +249,25 @@ class GradientStore:
         await comm.all_reduce_sum(local, what="the gradient norm")
         return float(local.sqrt().item())
 
-    async def clip_(self, max_norm: float, comm: Collectives) -> tuple[float, bool]:
+    async def clip_(
+        self, max_norm: float, comm: Collectives, *, norm: float | None = None
+    ) -> tuple[float, bool]:
         """Scale gradients so their global norm is at most ``max_norm``.
 
         Same rule as ``torch.nn.utils.clip_grad_norm_``: multiply by
         ``min(1, max_norm / (norm + 1e-6))`` (a factor of 1 changes nothing,
         so it is not applied).
 
+        Args:
+            max_norm: the largest norm kept.
+            comm: the group's collectives (the norm is a collective).
+            norm: the global norm when the caller computed it already (no collective).
+
         Returns:
             The global norm before clipping, and whether the gradients were scaled.
         """
-        norm = await self.global_norm(comm)
+        if norm is None:
+            norm = await self.global_norm(comm)
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             self.scale_(coef)

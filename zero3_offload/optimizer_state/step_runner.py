@@ -13,14 +13,15 @@ whose updates started early leaves the layers already updated as they are
 (the error says so).
 
 [Note: speculative update]
-Global-norm clipping (the norm covers every shard of every rank) and fp16
-loss scaling (an inf anywhere skips the step) need every gradient before any
-update is known to be right. With ``speculative_step`` the early updates
-start anyway, with the gradient as it lands (scaled by ``1 / (accumulation
-steps * loss scale)``, or ``1 / (window tokens * loss scale)`` when
-token-weighted, as the step would scale it): before each, the layer's
-fp32 master shard and optimizer state are copied into reused buffers
-(:class:`SpeculationBackup`), and its gradient shard is held. ``optimizer_step``
+Global-norm clipping (the norm covers every shard of every rank), fp16
+loss scaling and the non-finite guard (an inf anywhere skips the step) need
+every gradient before any update is known to be right. With
+``speculative_step`` the early updates start anyway, with the gradient as it
+lands (scaled by ``1 / (accumulation steps * loss scale)``, or
+``1 / (window tokens * loss scale)`` when token-weighted, as the step would
+scale it): before each, the layer's fp32 master shard and optimizer state are
+copied into reused buffers (:class:`SpeculationBackup`), and its gradient shard
+is held. ``optimizer_step``
 then validates: the inf check and the global norm run over the held shards
 exactly as without speculation. If nothing is found and the clip coefficient
 is not below 1 (``clip_grad_norm_`` would not change the gradients), the
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,6 +50,7 @@ from zero3_offload.gradient.reducer import GradientReducer, PendingGradient
 from zero3_offload.gradient.store import GradientStore
 from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state.loss_scaler import LossScaler
+from zero3_offload.optimizer_state.nonfinite_guard import NonFiniteGuard, NonFiniteReport
 from zero3_offload.optimizer_state.shard_optimizers import ShardOptimizers
 from zero3_offload.optimizer_state.speculation_backup import SpeculationBackup
 from zero3_offload.parameter.store import ParameterStore
@@ -56,6 +59,8 @@ from zero3_offload.stats.phase import Phase
 __all__ = ["StepRunner"]
 
 log = get_logger(__name__)
+
+_ALL_LAYERS = "(all layers)"  # the layer of timeline work that covers every layer
 
 
 class StepRunner:
@@ -70,6 +75,9 @@ class StepRunner:
         comm: collectives (global norm, inf check).
         backup: where speculative updates save the pre-update state (see
             [Note: speculative update]).
+        guard: with ``skip_nonfinite_steps``, what locates and counts the skipped
+            steps (see [Note: non-finite guard] in ``optimizer_state.nonfinite_guard``);
+            None: inf/nan gradients are applied, as plain torch optimizers do.
     """
 
     def __init__(
@@ -82,6 +90,7 @@ class StepRunner:
         workers: WorkerThreads,
         comm: Collectives,
         backup: SpeculationBackup,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
         self._k = config.gradient_accumulation_steps
         self._speculate = config.speculative_step
@@ -94,14 +103,17 @@ class StepRunner:
         self._optimizer = optimizer
         self._workers = workers
         self._comm = comm
+        self.guard = guard
         self.loss_scaler: LossScaler | None = LossScaler() if self._fp16 else None
         self.stepped: set[str] = set()  # layers already updated in this window
-        self.last_grad_norm: float | None = None  # global norm before clipping, last update
+        # The global norm before clipping of the last closed step (computed with clipping on).
+        self.last_grad_norm: float | None = None
         # Valid tokens over all ranks of the last closed token-weighted window (None: the
         # last window was not token-weighted); see [Note: token-weighted gradients].
         self.last_tokens: int | None = None
         self._tokens: int | None = None  # the open window's total, once agreed
         self.rollbacks = 0  # steps whose speculative updates were undone
+        self._skipped: NonFiniteReport | None = None  # the open step's skip, for the guard
 
     def can_start_early(self, names: tuple[str, ...], calls_since_update: int) -> bool:
         """Whether this backward's layers may update as soon as their gradient is final."""
@@ -113,9 +125,9 @@ class StepRunner:
         )
 
     def _needs_validation(self) -> bool:
-        # Clipping or fp16 loss scaling: an update is known right only once every
-        # gradient is in (see [Note: speculative update]).
-        return self._clip > 0 or self.loss_scaler is not None
+        # Clipping, fp16 loss scaling or the non-finite guard: an update is known right
+        # only once every gradient is in (see [Note: speculative update]).
+        return self._clip > 0 or self.loss_scaler is not None or self.guard is not None
 
     async def early_rate(
         self,
@@ -233,9 +245,11 @@ class StepRunner:
 
         Returns:
             The layers updated in this window (early ones included), or None
-            when fp16 loss scaling found inf/nan on some rank, or a token-weighted
-            window had no valid token on any rank (step skipped).
+            when the step was skipped on every rank: fp16 loss scaling or the
+            non-finite guard found an inf/nan on some rank, or a token-weighted
+            window had no valid token on any rank.
         """
+        self._skipped = None
         try:
             if not await self._apply(lr, list(first), ready):
                 return None
@@ -245,6 +259,25 @@ class StepRunner:
             self.keep_updates()
             self._tokens = None
 
+    async def _skip(
+        self, speculated: list[str], reason: str, *, nonfinite: bool = True, **fields: object
+    ) -> bool:
+        """Skip the step on every rank (each rank calls it at the same point): speculative
+        updates restored, nothing else updated; where an inf/nan came from, with the guard.
+        Returns False, for ``_apply`` to return."""
+        if speculated:
+            await self._roll_back(speculated)
+        if nonfinite and self.guard is not None:
+            self._skipped = await self.guard.locate(self._grads)
+            fields |= {
+                "layer": self._skipped.first_layer,
+                "layers": list(self._skipped.layers),
+                "loss_ranks": list(self._skipped.loss_ranks),
+                "detail": self._skipped.describe(),
+            }
+        log.warning("step_skipped", rank=self._comm.rank, reason=reason, **fields)
+        return False
+
     async def _agree_tokens(self, speculated: list[str]) -> bool:
         """For a token-weighted window, agree on its token total; False when it is 0 (the
         step is skipped on every rank: there is no loss to follow)."""
@@ -252,10 +285,33 @@ class StepRunner:
         self.last_tokens = self._tokens
         if self._tokens != 0:
             return True
-        if speculated:
-            await self._roll_back(speculated)
-        log.warning("step_skipped", rank=self._comm.rank, reason="no valid tokens on any rank")
-        return False
+        return await self._skip(speculated, "no valid tokens on any rank", nonfinite=False)
+
+    async def _scale_and_check(self, remaining: list[str], speculated: list[str]) -> bool:
+        """Scale the window's remaining gradients; False when the step is skipped for an
+        inf/nan: fp16's loss scaler, or the guard's check when clipping is off (with
+        clipping, the norm is the check; see [Note: non-finite guard])."""
+        check = self.guard is not None and self.loss_scaler is None and self._clip == 0
+        if not check:
+            self._grads.scale_layers_(remaining, self._grad_scale())
+        else:  # in a worker thread: its interval is the check's cost on the timeline
+
+            def scale_and_check() -> bool:
+                found = self._grads.scale_layers_(remaining, self._grad_scale(), check=True)
+                return found or self._grads.has_nonfinite(speculated)
+
+            found = await self._workers.run("inf-check", _ALL_LAYERS, Phase.STEP, scale_and_check)
+            flag = torch.tensor([float(found)], dtype=torch.float32, device=self._comm.device)
+            await self._comm.all_reduce_sum(flag, what="the inf/nan check")
+            if flag.item() > 0:
+                return await self._skip(speculated, "inf/nan gradient")
+        if self.loss_scaler is not None:
+            found_inf = await self.loss_scaler.found_inf(self._grads.shards(), self._comm)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                scale = self.loss_scaler.scale
+                return await self._skip(speculated, "inf/nan gradient", scale=scale)
+        return True
 
     async def _apply(
         self, lr: float, first: list[str], ready: Callable[[list[str]], None] | None
@@ -268,25 +324,14 @@ class StepRunner:
             if ready is not None:
                 ready(first)
             return True
-        scale = self._grad_scale()
-        if scale != 1.0:
-            for name in remaining:
-                self._grads.get(name).mul_(scale)
-        if self.loss_scaler is not None:
-            found_inf = await self.loss_scaler.found_inf(self._grads.shards(), self._comm)
-            self.loss_scaler.update(found_inf)
-            if found_inf:
-                if speculated:
-                    await self._roll_back(speculated)
-                log.warning(
-                    "step_skipped",
-                    rank=self._comm.rank,
-                    reason="inf/nan gradient",
-                    scale=self.loss_scaler.scale,
-                )
-                return False
+        if not await self._scale_and_check(remaining, speculated):
+            return False
         if self._clip > 0:
-            self.last_grad_norm, clipped = await self._grads.clip_(self._clip, self._comm)
+            norm = await self._grads.global_norm(self._comm)
+            self.last_grad_norm = norm
+            if self.guard is not None and not math.isfinite(norm):
+                return await self._skip(speculated, "inf/nan gradient", norm=norm)
+            _, clipped = await self._grads.clip_(self._clip, self._comm, norm=norm)
             if clipped and speculated:
                 await self._roll_back(speculated)
                 remaining += speculated
@@ -309,9 +354,38 @@ class StepRunner:
             task.result()  # the first failure, if any
         return True
 
+    def close_step(self, *, updated: bool) -> None:
+        """The step closed (the guard counts a skip for an inf/nan, or a good update)."""
+        if self.guard is None:
+            return
+        skipped = self._skipped
+        # Under fp16 an overflow alone is the scaler's: only a non-finite loss counts.
+        counts = skipped is not None and (self.loss_scaler is None or bool(skipped.loss_ranks))
+        self.guard.close_step(skipped, updated=updated, counts=counts)
+        self._skipped = None
+
+    def note_loss(self, value: torch.Tensor, tokens: int | None) -> None:
+        """Record whether a backward's loss (chain mode: its ``grad_output``) is finite,
+        for the guard's report (nothing without the guard)."""
+        if self.guard is not None:
+            self.guard.note_loss(value, tokens)
+
+    def check_nonfinite(self) -> None:
+        """Raise when the guard's limit of skips in a row is reached.
+
+        Raises:
+            NonFiniteError: ``max_consecutive_nonfinite`` steps in a row were skipped.
+        """
+        if self.guard is not None:
+            self.guard.check()
+
     def reset(self) -> None:
-        """Forget the window's progress, the loss scale and the pre-update copies."""
+        """Forget the window's progress, the loss scale, the pre-update copies and the
+        guard's skips in a row."""
         self.stepped.clear()
+        self._skipped = None
+        if self.guard is not None:
+            self.guard.reset()
         self._tokens = None
         self._backup.clear()
         if self._fp16:

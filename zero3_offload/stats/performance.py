@@ -104,6 +104,9 @@ class Zero3PerformanceStats:
     speculative_rollbacks: int = 0
     """Steps whose speculative updates were undone (clipping applied, or inf/nan found;
     filled in snapshots)."""
+    nonfinite_skips: int = 0
+    """Steps ``skip_nonfinite_steps`` skipped for an inf/nan gradient in this process (fp16
+    overflows included; filled in snapshots)."""
 
     def add_pass(self, phase: Phase, seconds: float, *, samples: int = 0) -> None:
         """Count one forward (any kind) or backward pass of ``seconds``."""
@@ -154,6 +157,7 @@ class Zero3PerformanceStats:
         prefetch_hit_rate: float,
         gathered_high_water_bytes: int,
         speculative_rollbacks: int = 0,
+        nonfinite_skips: int = 0,
         disk: Mapping[str, OperationStats] | None = None,
     ) -> Zero3PerformanceStats:
         """An independent copy completed with the timeline's totals and the given figures.
@@ -165,6 +169,7 @@ class Zero3PerformanceStats:
             prefetch_hit_rate: fraction of layer uses whose gather started ahead.
             gathered_high_water_bytes: most gathered plus in-flight parameter bytes.
             speculative_rollbacks: steps whose speculative updates were undone.
+            nonfinite_skips: steps skipped for an inf/nan gradient.
             disk: the disk tiers' ``disk_read`` / ``disk_write`` totals (none without a tier).
         """
         totals = timeline.totals()
@@ -178,6 +183,7 @@ class Zero3PerformanceStats:
             optimizer_steps=counter.updates,
             micro_steps=counter.calls,
             speculative_rollbacks=speculative_rollbacks,
+            nonfinite_skips=nonfinite_skips,
             layer_timings={k: attrs.evolve(v) for k, v in self.layer_timings.items()},
             communication={k: attrs.evolve(v) for k, v in self.communication.items()},
             transfers={**copies, **(disk or {})},

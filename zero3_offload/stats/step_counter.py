@@ -12,9 +12,9 @@ class StepCounter:
 
     Three counts, each with one meaning:
 
-    - :attr:`steps`: steps closed, every updating ``optimizer_step`` (an fp16 step
-      skipped for inf/nan included). Every timeline interval and ``step`` event
-      carries it as ``step``.
+    - :attr:`steps`: steps closed, every updating ``optimizer_step`` (a step skipped
+      for inf/nan, by fp16 loss scaling or ``skip_nonfinite_steps``, included).
+      Every timeline interval and ``step`` event carries it as ``step``.
     - :attr:`updates`: the closed steps that updated the parameters.
     - :attr:`window_calls`: ``optimizer_step`` calls since the last closed step
       (micro-steps of the open accumulation window).
@@ -32,7 +32,7 @@ class StepCounter:
 
     @property
     def steps(self) -> int:
-        """Steps closed (updates and fp16 skips)."""
+        """Steps closed (updates and skipped steps)."""
         return self._steps
 
     @property

@@ -6,7 +6,7 @@ since the previous ``step`` event, and so are the collectives' operations,
 seconds and bytes (``collectives``, by op, from the performance stats); memory
 figures are those counted at the end of the step. A step is closed by every
 updating ``optimizer_step`` (the ``gradient_accumulation_steps``-th call), also
-when fp16 loss scaling skipped it (``stepped`` false).
+when fp16 loss scaling or ``skip_nonfinite_steps`` skipped it (``stepped`` false).
 """
 
 from __future__ import annotations

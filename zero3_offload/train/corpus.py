@@ -4,10 +4,11 @@ Every machine with Python has it, so the default run needs no download. The
 files are read in a fixed (sorted) order up to a size limit, so the corpus is
 the same on every run of the same Python; the last ``eval_fraction`` of it is
 held out for evaluation. With a tokenizer (``--model`` with one),
-``ByteCorpus.tokenized`` turns each split into token ids. Batches are drawn
-at positions that depend only on ``(seed, split, step, micro-step, rank)``, so
-a resumed run continues exactly where the interrupted one stopped, whatever
-happened before.
+``ByteCorpus.tokenized`` turns each split into token ids. Each sequence of a
+step is drawn at a place that depends only on ``(seed, split, step, its global
+position in the step's batch)``, so a resumed run continues exactly where the
+interrupted one stopped, whatever happened before, and a run resumed on fewer
+ranks (with more accumulation, the same global batch) sees the same sequences.
 """
 
 from __future__ import annotations
@@ -137,19 +138,23 @@ class ByteCorpus:
         split: str,
         seed: int,
         step: int,
-        micro: int,
-        rank: int,
+        first: int,
         batch_size: int,
         seq_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch of ``rank`` at ``(step, micro)``: inputs and next-byte targets.
+        """The sequences at global positions ``first .. first + batch_size - 1`` of ``step``:
+        inputs and next-token targets.
+
+        Each sequence's window is drawn from ``(seed, split, step, position)`` alone, so a
+        step's global batch is the same whatever the world size and accumulation that
+        split it into micro-batches (the trainer gives micro-step ``m`` of rank ``r`` of
+        ``W`` the positions from ``(m * W + r) * batch_size``).
 
         Args:
             split: ``"train"`` or ``"eval"``.
             seed: the run's seed.
             step: the optimizer step (or eval batch index).
-            micro: the micro-step inside the step's accumulation window.
-            rank: the data-parallel rank.
+            first: the global position of the micro-batch's first sequence in the step.
             batch_size: sequences in the batch.
             seq_len: tokens per sequence (fewer when the split is shorter).
 
@@ -159,9 +164,11 @@ class ByteCorpus:
         """
         data = self.train if split == "train" else self.eval
         span = min(seq_len, data.numel() - 1)
-        key = (seed, 0 if split == "train" else 1, step, micro, rank)
-        g = torch.Generator().manual_seed(hash(key) * _MIX % 2**63)
-        starts = torch.randint(0, data.numel() - span, (batch_size, 1), generator=g)
+        starts = torch.empty(batch_size, 1, dtype=torch.int64)
+        for i in range(batch_size):
+            key = (seed, 0 if split == "train" else 1, step, first + i)
+            g = torch.Generator().manual_seed(hash(key) * _MIX % 2**63)
+            starts[i] = torch.randint(0, data.numel() - span, (1,), generator=g)
         idx = starts + torch.arange(span + 1)
         window = data[idx].long()
         return window[:, :-1], window[:, 1:]

@@ -9,6 +9,11 @@
   127.0.0.1, a free port). This process waits for them; the first Ctrl-C asks
   every rank to stop after its current step and save, a second one aborts.
 
+An ``--out`` whose checkpoints come from a run with the same options resumes from
+the latest by itself (``train.run_record``), so ``torchrun --max-restarts N``
+brings a job back after a rank died without a person; a restart on fewer ranks
+keeps the global batch with more accumulation.
+
 Every training process calls ``set_mmap_threshold()`` so that freed layer
 buffers go back to the OS and RSS reflects what the rank holds.
 """
@@ -16,6 +21,7 @@ buffers go back to the OS and RSS reflects what the rank holds.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 import sys
@@ -26,12 +32,14 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed import TCPStore
 
 from zero3_offload.comm import (
     destroy_process_group,
     init_process_group,
     init_process_group_from_env,
 )
+from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import CommunicationError, RankDivergenceError
 from zero3_offload.memory.allocator import set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
@@ -39,6 +47,8 @@ from zero3_offload.train import hf
 from zero3_offload.train.adapters import read_peft_config
 from zero3_offload.train.data_check import check_data
 from zero3_offload.train.loop import RankResult, RunSettings, TrainError, train_rank
+from zero3_offload.train.options import TrainOptions
+from zero3_offload.train.run_record import RunRecord
 from zero3_offload.train.sources import OptionError, Resolved, in_torchrun
 
 __all__ = ["launch"]
@@ -46,6 +56,7 @@ __all__ = ["launch"]
 _MMAP_THRESHOLD = 1 << 20  # see set_mmap_threshold: allocations >= 1 MiB are returned on free
 _RUN_LIMIT_S = 30 * 24 * 3600.0  # run_ranks needs a limit; a training run may take weeks
 _INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
+_AGENT_WAIT = datetime.timedelta(seconds=300)  # for rank 0's key in the elastic agent's store
 
 
 def _threads(requested: int, local_ranks: int) -> int:
@@ -56,8 +67,32 @@ def _backend(settings: RunSettings) -> str:
     return "nccl" if settings.zero3.device.startswith("cuda") else "gloo"
 
 
+def _attempt_store() -> None:
+    """Under torchelastic, give this attempt of the job a rendezvous store of its own.
+
+    The elastic agent keeps one store for every restart, so after a restart the keys of
+    the attempt before it (each rank's gloo address, the heartbeat's counters) are still
+    there and a new rank reads its dead predecessor's: the restart fails with "connection
+    refused". Rank 0 therefore picks a free port, announces it through the agent's store
+    under a key of this attempt (``TORCHELASTIC_RESTART_COUNT``), and every rank
+    rendezvouses there, rank 0 hosting the new store.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    host, rank = os.environ["MASTER_ADDR"], int(os.environ["RANK"])
+    agent = TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=_AGENT_WAIT)
+    key = f"zero3_offload/attempt_{attempt}/store_port"
+    if rank == 0:
+        agent.set(key, str(free_port()))
+    port = agent.get(key).decode()  # waits for rank 0's key
+    os.environ["MASTER_PORT"] = port
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts this attempt's store
+
+
 async def _in_process(settings: RunSettings, *, from_env: bool) -> RankResult:
     if from_env:
+        _attempt_store()
         group = await init_process_group_from_env(_backend(settings))
     else:
         group = await init_process_group(_backend(settings), rank=0, world_size=1, port=free_port())
@@ -149,12 +184,45 @@ def _local_ranks(settings: RunSettings, world_size: int, threads: int) -> RankRe
     return results[0]
 
 
+def _resumed_config(
+    opts: TrainOptions, zero3: Zero3CpuOffloadConfig, world: int, latest: Path
+) -> Zero3CpuOffloadConfig:
+    """The config that resumes the run whose checkpoints ``latest`` names, as ``opts``,
+    ``zero3`` and ``world`` ranks ask (see ``train.run_record``).
+
+    Raises:
+        OptionError: the options differ from the run's (each named), its global batch
+            cannot be kept on ``world`` ranks, or the directory has checkpoints but no
+            record of its run and ``--resume`` was not given.
+    """
+    assert opts.out is not None
+    out = Path(opts.out)
+    saved = RunRecord.load(out)
+    if saved is None:  # checkpoints written before run records: resumed only when asked
+        if not opts.resume:
+            raise OptionError(
+                f"--out {opts.out} holds checkpoints already: add --resume to continue from "
+                f"{latest.parent / latest.read_text().strip()}, or give another --out"
+            )
+        return zero3
+    zero3, note = saved.resume_config(RunRecord.of(opts, zero3, world), zero3, out)
+    if note is not None and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr)
+    return zero3
+
+
 def launch(resolved: Resolved) -> int:
     """Train as ``resolved`` says; return the exit status (130 when interrupted).
 
+    An ``--out`` that holds checkpoints resumes from the latest one when the options
+    agree with the run's record (``OUT/run.json``, see ``train.run_record``), also on
+    another number of ranks that keeps the global batch: under ``torchrun
+    --max-restarts`` the restarted ranks go on by themselves.
+
     Raises:
         OptionError: ``--resume`` without a checkpoint to resume from, an
-            ``--out`` that holds checkpoints already without ``--resume``, a
+            ``--out`` that holds checkpoints of a run with other options (each one
+            named), or a global batch the ranks cannot keep, a
             ``--model`` that is not a transformers model directory (or does not
             fit ``--seq-len``, or transformers is missing), a ``--data`` that does
             not exist or holds examples without ``--model`` (or example options
@@ -165,15 +233,16 @@ def launch(resolved: Resolved) -> int:
             that one line, naming the rank).
         KeyboardInterrupt: interrupted before training started.
     """
-    opts = resolved.train
+    opts, zero3 = resolved.train, resolved.zero3
     latest = Path(opts.out or ".") / "checkpoints" / "latest"
     if opts.resume and not latest.is_file():
         raise OptionError(f"--resume: no checkpoint in {latest.parent} (no 'latest' file)")
-    if opts.out and not opts.resume and latest.is_file():
-        raise OptionError(
-            f"--out {opts.out} holds checkpoints already: add --resume to continue from "
-            f"{latest.parent / latest.read_text().strip()}, or give another --out"
-        )
+    world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else opts.world_size
+    if opts.out and latest.is_file():
+        zero3 = _resumed_config(opts, zero3, world, latest)
+        opts = attrs.evolve(opts, resume=True)
+    elif opts.out and os.environ.get("RANK", "0") == "0":
+        RunRecord.of(opts, zero3, world).save(Path(opts.out))  # a new run: what it is
     if opts.model is not None:
         hf.check_model_dir(opts.model, seq_len=opts.seq_len)
     check_data(opts)
@@ -182,7 +251,7 @@ def launch(resolved: Resolved) -> int:
     if opts.peft_config is not None:
         read_peft_config(opts.peft_config)  # its mistakes before any rank starts
     bar = opts.progress if opts.progress is not None else sys.stdout.isatty()
-    settings = RunSettings(train=opts, zero3=resolved.zero3, bar=bar)
+    settings = RunSettings(train=opts, zero3=zero3, bar=bar)
     if in_torchrun():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(_threads(opts.threads, local))

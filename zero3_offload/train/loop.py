@@ -10,11 +10,12 @@ DIR`` the model is a transformers causal LM (see ``train.hf``) run in module
 mode: each micro-step is ``forward(input_ids=x, labels=x)`` (transformers
 computes the shifted loss), ``backward(out.loss, tokens=n)`` (``n``: the
 labels it predicts) and ``optimizer_step``; ``--export`` ends
-the run with ``save_pretrained``. Batches of text depend only on
-``(seed, step, micro-step, rank)``, so a resumed run sees the data the
-uninterrupted run would have seen. With examples (``--data`` of records or a
-dataset) the steps are those of ``train.sft_steps``: the order depends on (seed,
-epoch, global position), and the position is saved in the checkpoint.
+the run with ``save_pretrained``. Each text sequence depends only on ``(seed, step,
+its position in the step's global batch)``, so a resumed run sees the data the
+uninterrupted run would have seen, also on another number of ranks. With examples
+(``--data`` of records or a dataset) the steps are those of ``train.sft_steps``: the
+order depends on (seed, epoch, global position), and the position is saved in the
+checkpoint.
 
 A stop request (SIGINT/Ctrl-C or SIGTERM on any rank, or the launcher's stop
 file) is agreed by all ranks at the end of a step, in the same all-reduce as
@@ -52,6 +53,7 @@ from zero3_offload.errors import (
     ConfigError,
     InputError,
     MemoryBudgetError,
+    NonFiniteError,
     Zero3Error,
 )
 from zero3_offload.manager import Zero3CpuOffloadManager
@@ -235,12 +237,14 @@ class _Trainer:
 
     def _batch(self, split: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         opts = self.opts
+        # The step's global batch is laid out micro-step by micro-step, rank by rank: the
+        # same sequences whatever the world size (see train.run_record).
+        first = (micro * self.ctx.world_size + self.ctx.rank) * opts.batch_size
         return self.corpus.batch(
             split=split,
             seed=opts.seed,
             step=step,
-            micro=micro,
-            rank=self.ctx.rank,
+            first=first,
             batch_size=opts.batch_size,
             seq_len=opts.seq_len,
         )
@@ -314,9 +318,20 @@ class _Trainer:
         return loss.item(), tokens
 
     async def train_step(self, step: int, lr: float) -> StepCounts:
-        """One step; this rank's sum of per-token losses, its tokens and examples."""
-        if self.sft is not None:
-            return await self.sft.train_step(lr)
+        """One step; this rank's sum of per-token losses, its tokens and examples.
+
+        Raises:
+            TrainError: ``max_consecutive_nonfinite`` steps in a row had an inf/nan
+                gradient (skipped by ``skip_nonfinite_steps``, on by default here).
+        """
+        try:
+            if self.sft is not None:
+                return await self.sft.train_step(lr)
+            return await self._text_step(step, lr)
+        except NonFiniteError as exc:
+            raise TrainError(f"step {step + 1}: {exc}") from exc
+
+    async def _text_step(self, step: int, lr: float) -> StepCounts:
         total, count = 0.0, 0
         accum = self.run.zero3.gradient_accumulation_steps
         for micro in range(accum):
@@ -444,7 +459,11 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
         f"eval loss {initial:.4f} -> {final:.4f} (initial -> final)"
     )
     if interrupted:
-        rep.line("resume with --resume" if saved else "nothing saved: give --out DIR to keep it")
+        rep.line(
+            "run the same command again to resume"
+            if saved
+            else "nothing saved: give --out DIR to keep it"
+        )
         if opts.export:
             rep.line(f"not exported to {opts.export}: the run did not reach --steps")
         exported = None

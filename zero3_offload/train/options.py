@@ -34,7 +34,7 @@ from zero3_offload.errors import ConfigError
 from zero3_offload.train.freeze import freeze_patterns
 from zero3_offload.train.lora_spec import LoraSpec
 
-__all__ = ["OPTIONS", "Option", "TrainOptions", "format_size", "parse_size"]
+__all__ = ["OPTIONS", "TRAIN_DEFAULTS", "Option", "TrainOptions", "format_size", "parse_size"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 # Options with a fixed set of string values.
@@ -234,6 +234,8 @@ _ALIASES = {
     "optimizer_momentum": ("--momentum",),
     "seq_len": ("--max-seq-len",),
 }
+# Config fields whose default in ``zero3-offload train`` is not the library's.
+TRAIN_DEFAULTS: dict[str, Any] = {"skip_nonfinite_steps": True}
 # Defaults the command resolves itself (see ``sources.resolve_device``).
 _DEFAULT_TEXT = {"device": "cuda when available, else cpu", "threads": "0"}
 _DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -312,6 +314,7 @@ def _options_of(cls: type, section: str, prefix: str = "") -> list[Option]:
             default = default.factory()
         kind, choices = _kind(field, default)
         name = prefix + field.name
+        default = TRAIN_DEFAULTS.get(name, default)
         note = "" if default is None else f" (default: {_default_text(name, default)})"
         out.append(
             Option(

@@ -22,7 +22,7 @@ import torch
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import ConfigError
 from zero3_offload.train.deepspeed import DeepSpeedError, from_deepspeed
-from zero3_offload.train.options import OPTIONS, TrainOptions, parse_size
+from zero3_offload.train.options import OPTIONS, TRAIN_DEFAULTS, TrainOptions, parse_size
 
 try:
     import tomllib
@@ -229,6 +229,8 @@ def resolve(
         values[name], origins[name] = value, str(config)
     for name, value in flags.items():
         values[name], origins[name] = value, OPTIONS[name].flag
+    for name, value in TRAIN_DEFAULTS.items():
+        values.setdefault(name, value)
     if world is not None:
         values["world_size"] = world
     values = {name: _normalise(name, value) for name, value in values.items()}
