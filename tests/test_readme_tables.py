@@ -1,4 +1,4 @@
-"""benchmarks/readme_tables.py: the generated tables of README.md and docs/*.md match
+"""docs/make_readme_tables.py: the generated tables of README.md and docs/*.md match
 benchmarks/results."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _load():
     spec = importlib.util.spec_from_file_location(
-        "readme_tables", ROOT / "benchmarks" / "readme_tables.py"
+        "readme_tables", ROOT / "docs" / "make_readme_tables.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -63,7 +63,7 @@ def test_repo_tables_are_up_to_date() -> None:
         changed = stale(path, ROOT / "benchmarks" / "results")
         assert changed == [], (
             f"{path.name} regions {changed} differ from benchmarks/results: "
-            "run python benchmarks/readme_tables.py"
+            "run python docs/make_readme_tables.py"
         )
 
 

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         stale += len(changed)
         for name in changed if args.check else []:
             stale_region = f"{path}: region {name} is out of date with {args.results_dir / name}"
-            print(f"{stale_region}; run python benchmarks/readme_tables.py", file=sys.stderr)
+            print(f"{stale_region}; run python docs/make_readme_tables.py", file=sys.stderr)
         if not args.check and new != text:
             path.write_text(new, encoding="utf-8")
             print(f"{path}: rewrote {', '.join(changed)}")
