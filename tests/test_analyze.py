@@ -295,7 +295,8 @@ def test_module_mode_logs_rebuild_the_ranks_own_stats(tmp_path, capsys) -> None:
     for rank_report, result in zip(report["ranks"], results, strict=True):
         trained = result["trained"]
         rows = {row["layer"]: row for row in rank_report["layers"]}
-        assert set(rows) == set(result["names"]) == {"<root>", "model.layers.0", "model.layers.1"}
+        units = {"<root>", "model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"}
+        assert set(rows) == set(result["names"]) == units
         for name, row in rows.items():
             timing = trained["layer_timings"][name]
             assert row["forward_count"] == timing["forward_executions"]

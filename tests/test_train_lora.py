@@ -140,11 +140,11 @@ def plain_train(dirs: dict[str, Path], *, lora: bool, freeze: bool) -> tuple[Any
     for step in range(STEPS):
         total = 0.0
         for micro in range(ACC):
-            x = torch.cat([
-                corpus.batch(split="train", seed=0, step=step, micro=micro, rank=rank,
-                             batch_size=BATCH, seq_len=SEQ)[0]
-                for rank in (0, 1)
-            ])  # fmt: skip
+            # The step's global batch, micro-step by micro-step: both ranks' rows at once.
+            first = micro * 2 * BATCH
+            x = corpus.batch(
+                split="train", seed=0, step=step, first=first, batch_size=2 * BATCH, seq_len=SEQ
+            )[0]
             loss = model(input_ids=x, labels=x).loss
             (loss / ACC).backward()
             total += loss.item() / ACC
@@ -373,6 +373,11 @@ def test_resume_refuses_other_adapters_or_other_frozen_weights(
     assert run_cli(capsys, *args, *lora_run, "--lora", "r=4,target=q_proj")[0] == 0
     assert run_cli(capsys, *args, *frozen_run, "--freeze", "lm_head.*")[0] == 0
     resume = [*args, "--steps", "2", "--resume"]
+    # The run's record (OUT/run.json) is checked first, naming the option that differs.
+    code, _, err = run_cli(capsys, *resume, *lora_run, "--lora", "r=4,target=q_proj,dropout=0.1")
+    assert code == 2 and "holds checkpoints of another run: --lora (" in err, err
+    for out in (lora_run, frozen_run):
+        (Path(out[1]) / "run.json").unlink()  # below: what the checkpoints record
 
     def refused(flags: list[str], expected: str) -> None:
         code, _, err = run_cli(capsys, *resume, *flags)
