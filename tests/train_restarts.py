@@ -47,6 +47,14 @@ def train(out: Path, *args: str, world_size: int = 2) -> subprocess.CompletedPro
     )
 
 
+def reference(directory: Path) -> Path:
+    """The uninterrupted 2-rank run the restarted jobs are compared with, in ``directory``."""
+    out = directory / "run"
+    proc = train(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 def torchrun(nproc: int, max_restarts: int) -> list[str]:
     """The launcher: torchrun's module with the c10d rendezvous on a free local port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
