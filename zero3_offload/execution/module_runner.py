@@ -628,13 +628,12 @@ class ModuleRunner:
     def _pack(self, t: torch.Tensor) -> object:
         if t.layout == torch.strided and not t.is_meta and t.device == self._gatherer.device:
             found = self._storages.get(t.untyped_storage().data_ptr())
+            p = self._current
             if found is not None:
                 unit, base = found
-                p = self._current
                 if unit == self._root and p is not None and p.phase is Phase.FORWARD:
                     p.result.root_views += 1
                 return BufferSlot.of(unit, t, base)
-            p = self._current
             if p is not None:
                 p.result.saved.update(storage_bytes(t))
         return t
