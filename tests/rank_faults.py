@@ -13,6 +13,8 @@ a stopped peer so the run ends. Used by ``tests/test_liveness.py`` and
 
 from __future__ import annotations
 
+import asyncio
+import datetime as _dt
 import json
 import os
 import signal
@@ -28,7 +30,8 @@ from helpers import lm_loss, local_slice, make_batches, make_model, train_step
 
 from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.errors import Zero3Error
-from zero3_offload.testing import RankContext
+from zero3_offload.testing import RankContext, free_port
+from zero3_offload.testing.run_ranks import process_context
 
 PHASES = ("forward", "backward", "step", "save")
 KINDS = ("stop", "kill")
@@ -187,18 +190,27 @@ async def throttled_run(ctx: RankContext, spec: FaultSpec, busy_s: float) -> dic
 
 
 async def construction_run(ctx: RankContext, spec: FaultSpec) -> dict[str, Any]:
-    """Build a manager; the faulty rank stops or kills itself as its backend probe starts
-    (the first collectives after the heartbeat's start). The others record when and how
-    they noticed, as :func:`faulty_run` does."""
+    """Build a manager; the faulty rank stops or kills itself before it starts building
+    its own (``spec.phase == "before"``: the others wait in the first collectives of
+    their construction, the divergence check's side group and the heartbeat's key,
+    watched by the process heartbeat of the rendezvous), or as its backend probe starts
+    (any other phase: the first collectives after the manager's heartbeat started).
+    The others record when and how they noticed, as :func:`faulty_run` does."""
     pids = await _pids(ctx)
-    if ctx.rank == spec.rank:
+
+    def fault() -> None:
+        _record(spec, "fault", {"at": time.time(), "rank": spec.rank, "pid": os.getpid()})
+        os.kill(os.getpid(), signal.SIGSTOP if spec.kind == "stop" else signal.SIGKILL)
+
+    if ctx.rank == spec.rank and spec.phase == "before":
+        fault()
+    elif ctx.rank == spec.rank:
         from zero3_offload.comm import collectives
 
         real = collectives._probe
 
         def probe(*args: Any, **kwargs: Any) -> Any:
-            _record(spec, "fault", {"at": time.time(), "rank": spec.rank, "pid": os.getpid()})
-            os.kill(os.getpid(), signal.SIGSTOP if spec.kind == "stop" else signal.SIGKILL)
+            fault()
             return real(*args, **kwargs)
 
         collectives._probe = probe  # type: ignore[assignment]
@@ -213,3 +225,75 @@ async def construction_run(ctx: RankContext, spec: FaultSpec) -> dict[str, Any]:
         return result
     await manager.close()
     return {"built": True}
+
+
+def rendezvous_rank(
+    rank: int, world_size: int, port: int, heartbeat_s: float, timeout_s: float, out: str
+) -> None:
+    """One rank process of a rendezvous that cannot complete (a rank is missing, or one
+    is stopped or killed from outside meanwhile): it records the error it raised, and
+    when, in ``out/rank{rank}.json``."""
+
+    async def join() -> None:
+        from zero3_offload.comm import destroy_process_group, init_process_group
+
+        try:
+            await init_process_group(
+                "gloo",
+                rank=rank,
+                world_size=world_size,
+                port=port,
+                timeout_s=timeout_s,
+                heartbeat_timeout_s=heartbeat_s,
+            )
+        except Zero3Error as exc:
+            result = {"error": type(exc).__name__, "message": str(exc), "detected_at": time.time()}
+        else:
+            destroy_process_group()
+            result = {"error": None, "message": "joined", "detected_at": time.time()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+    asyncio.run(join())
+    os._exit(0)  # the rendezvous thread stays blocked in the backend: do not join it
+
+
+def rendezvous_fault(
+    out: Path, *, kind: str, heartbeat_s: float, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Ranks 0 and 1 of a 3-rank rendezvous (rank 2 never starts); once rank 1 beats in
+    the store, it gets SIGKILL or SIGSTOP (``kind``). Returns rank 0's record and the
+    seconds from the fault to rank 0's error; ``kind="none"`` faults nobody, so the
+    record is rank 0's for ranks that never arrived (after ``timeout_s``)."""
+    ctx = process_context()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=rendezvous_rank,
+            # Rank 1 waits longer than rank 0: its own timeout is not what rank 0 reports.
+            args=(rank, 3, port, heartbeat_s, timeout_s + 60 * rank, str(out)),
+            daemon=True,
+        )
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, 3, is_master=False, timeout=_dt.timedelta(seconds=60)
+        )
+        beat = "zero3/attempt-0/heartbeat/beat/1"
+        store.wait([beat])
+        while int(store.add(beat, 0)) < 2:  # rank 1 is beating: it is in the rendezvous
+            time.sleep(0.05)
+        faulted = time.time()
+        if kind != "none":
+            os.kill(procs[1].pid, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+        procs[0].join(timeout=timeout_s + 60)
+        found = read_record(out, "rank0")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    seconds = None if found is None else found["detected_at"] - faulted
+    return {"record": found, "seconds": seconds}

@@ -21,8 +21,10 @@ calls, with the default ``heartbeat_timeout_s`` (5 s):
   mode, and the bad batch on both ranks: the seconds from the fault to the error on every
   rank, whether training went on, and whether the steps after it and the final parameters
   are bitwise those of a run without the bad batch;
-* kill -9 / SIGSTOP of rank 1 while the managers are built (at the backend's probe): the
-  time to the surviving rank's CommunicationError.
+* kill -9 / SIGSTOP of rank 1 while the ranks start: inside the rendezvous (rank 2 of 3
+  not there yet), after it but before its manager is built (the others wait in their
+  construction's first collectives), and at the manager's backend probe: the time to the
+  surviving rank's CommunicationError.
 * a NaN loss on rank 1 under ``skip_nonfinite_steps``: the seconds from its backward to the
   skip on every rank, the layer and rank named, and the run bitwise equal to the one
   without that step's update;
@@ -72,6 +74,7 @@ from rank_faults import (
     construction_run,
     faulty_run,
     read_record,
+    rendezvous_fault,
     resumed_run,
 )
 from test_checkpoint_hostile import HOSTILE, _meta, load_one, save_one
@@ -94,6 +97,19 @@ FULL_DISK = [(1, "shard"), *((0, site) for site in WRITE_SITES)]
 TRUNCATED = "tensor bytes shorter than their header"
 
 
+# Where rank 1 is lost while the ranks start: inside the rendezvous (rank 2 of 3 not
+# there yet), between the rendezvous and its manager, and at the manager's backend probe.
+CONSTRUCTION = {
+    "rendezvous": "during the rendezvous",
+    "before": "before its manager is built",
+    "probe": "during construction (backend probe)",
+}
+
+
+def construction_name(kind: str, point: str) -> str:
+    return f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank 1 {CONSTRUCTION[point]}"
+
+
 def rank_fault_name(kind: str, rank: int, phase: str) -> str:
     return f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank {rank} in {phase}"
 
@@ -107,7 +123,7 @@ ROWS = [
     *(f"hostile checkpoint: {case}" for case in [*HOSTILE, TRUNCATED]),
     *(f"one-rank error in {where} ({mode} mode)" for mode in MODES for where in WHERE),
     "both ranks' error in forward (chain mode)",
-    *(f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank 1 during construction" for kind in KINDS),
+    *(construction_name(kind, point) for point in CONSTRUCTION for kind in KINDS),
     "NaN loss on rank 1 (skip_nonfinite_steps)",
     *(f"kill -9 rank {rank} under torchrun --max-restarts 3" for rank in (0, 1)),
     "kill -9 rank 1 under torchrun, resumed by hand on 1 rank",
@@ -445,26 +461,30 @@ def test_both_ranks_error(table: dict) -> None:
     record(table, _call_fault_row("both ranks' error in forward (chain mode)", fault))
 
 
+@pytest.mark.parametrize("point", CONSTRUCTION)
 @pytest.mark.parametrize("kind", KINDS)
-def test_rank_fault_during_construction(table: dict, tmp_path: Path, kind: str) -> None:
-    spec = FaultSpec(out=str(tmp_path), kind=kind, rank=1, heartbeat_s=HEARTBEAT_S)
-    results, failure = _run(construction_run, spec, may_die={1})
-    fault = read_record(tmp_path, "fault")
-    survivor = None if results is None else results[0]
-    detected = bool(survivor and survivor.get("error") and fault)
-    seconds = message = None
-    if detected:
-        seconds = survivor["detected_at"] - fault["at"]
-        message = f"{survivor['error']}: {survivor['message']}"
-    name = f"{'kill -9' if kind == 'kill' else 'SIGSTOP'} rank 1 during construction"
-    lost = "none (nothing was built)"
+def test_rank_fault_during_construction(table: dict, tmp_path: Path, kind: str, point: str) -> None:
+    failure = survivor = None
+    if point == "rendezvous":
+        found = rendezvous_fault(tmp_path, kind=kind, heartbeat_s=HEARTBEAT_S)
+        survivor, seconds = found["record"], found["seconds"]
+        detected = bool(survivor and survivor.get("error"))
+    else:
+        phase = "before" if point == "before" else "probe"
+        spec = FaultSpec(out=str(tmp_path), kind=kind, rank=1, phase=phase, heartbeat_s=HEARTBEAT_S)
+        results, failure = _run(construction_run, spec, may_die={1})
+        fault = read_record(tmp_path, "fault")
+        survivor = None if results is None else results[0]
+        detected = bool(survivor and survivor.get("error") and fault)
+        seconds = survivor["detected_at"] - fault["at"] if detected else None
+    message = f"{survivor['error']}: {survivor['message']}" if detected else None
     record(
         table,
         _row(
-            name,
+            construction_name(kind, point),
             detected,
             message or failure or "no error raised",
-            lost,
+            "none (nothing was built)",
             failure=failure,
             seconds=seconds,
         ),

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from helpers import assert_bitwise, run_named
-from rank_faults import FaultSpec, faulty_run, read_record, resumed_run, throttled_run
+from rank_faults import (
+    FaultSpec,
+    construction_run,
+    faulty_run,
+    read_record,
+    rendezvous_fault,
+    resumed_run,
+    throttled_run,
+)
 
 from zero3_offload.comm.heartbeat import Heartbeat
 from zero3_offload.testing import RankContext, run_ranks
@@ -156,3 +164,58 @@ async def managers_in_turn(ctx: RankContext, count: int) -> int:
 
 def test_many_managers_built_back_to_back_each_get_a_heartbeat() -> None:
     assert asyncio.run(run_ranks(managers_in_turn, 2, 100, timeout_s=120)) == [100, 100]
+
+
+# ------------------------------------------- the rendezvous and the managers' construction
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "named_as"), [("kill", "has exited"), ("stop", "is stopped")])
+def test_a_rank_lost_during_the_rendezvous_is_named(
+    tmp_path: Path, kind: str, named_as: str
+) -> None:
+    # Ranks 0 and 1 of 3 wait for rank 2 in the rendezvous; rank 1 is lost meanwhile.
+    found = rendezvous_fault(tmp_path, kind=kind, heartbeat_s=HEARTBEAT_S, timeout_s=120.0)
+    report = found["record"]
+    assert report is not None and report["error"] == "CommunicationError", report
+    message = report["message"]
+    assert "rank 1 (pid " in message
+    assert named_as in message or "sent no heartbeat" in message
+    assert "this rank (0) was waiting for every rank to join the gloo group" in message
+    assert "rank 2" not in message  # not arrived yet: never blamed for silence
+    assert 0 <= found["seconds"] < DETECTED_WITHIN_S  # the heartbeat, not the 120 s timeout
+
+
+def test_ranks_that_never_arrive_are_named_at_the_timeout(tmp_path: Path) -> None:
+    found = rendezvous_fault(tmp_path, kind="none", heartbeat_s=HEARTBEAT_S, timeout_s=3.0)
+    report = found["record"]
+    assert report is not None and report["error"] == "CommunicationError", report
+    assert report["message"].startswith(
+        "rank(s) 2 never reached the rendezvous store at 127.0.0.1:"
+    )
+    assert "within 3 s" in report["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "named_as"), [("kill", "has exited"), ("stop", "is stopped")])
+def test_a_rank_lost_before_its_manager_is_built_is_named(
+    tmp_path: Path, kind: str, named_as: str
+) -> None:
+    # Rank 1 faults after the rendezvous, before its manager's construction starts: rank
+    # 0 waits in its construction's first collectives, before its manager's own
+    # heartbeat exists. The rendezvous' process heartbeat names rank 1.
+    spec = FaultSpec(out=str(tmp_path), kind=kind, phase="before", heartbeat_s=HEARTBEAT_S)
+    results = asyncio.run(
+        run_ranks(
+            construction_run, 2, spec, may_die={1}, timeout_s=120, heartbeat_timeout_s=HEARTBEAT_S
+        )
+    )
+    fault = read_record(tmp_path, "fault")
+    assert fault is not None
+    report = results[0]
+    assert report is not None and report["error"] == "CommunicationError", report
+    message = report["message"]
+    assert f"rank 1 (pid {fault['pid']}" in message
+    assert named_as in message or "sent no heartbeat" in message
+    assert "the divergence check's side group" in message or "the heartbeat's" in message
+    assert 0 <= report["detected_at"] - fault["at"] < DETECTED_WITHIN_S

@@ -298,6 +298,9 @@ class Collectives:
             None: through the backend.
         observer: called as ``observer(op, seconds, nbytes)`` when an awaited
             collective completes (:meth:`PendingCollective.wait`).
+        startup_heartbeat: watches the other ranks while this object's own heartbeat
+            starts (``comm.process_group.joined_heartbeat``: the process heartbeat of
+            the default group); None: only ``timeout_s`` bounds that start.
     """
 
     def __init__(
@@ -310,6 +313,7 @@ class Collectives:
         verify: bool = False,
         shared_memory_block_bytes: int | None = None,
         observer: Callable[[str, float, int], None] | None = None,
+        startup_heartbeat: Heartbeat | None = None,
     ) -> None:
         self.group = group
         self.rank = group.rank()
@@ -332,16 +336,20 @@ class Collectives:
         self.filled = 0  # collectives run to complete other ranks' abandoned ones
         self._verify = verify
         self._block_bytes = shared_memory_block_bytes
-        self._launcher, self._waiter = self._transport(group)
+        self._launcher = Launcher(f"zero3-launch-{self.rank}", None)
+        self._waiter = Waiter(f"zero3-wait-{self.rank}")
         self.shared_memory: HostSharedMemory | None = None
-        # The heartbeat's own start-up is waited for without one.
+        # The heartbeat's own start-up is waited for with the process heartbeat of
+        # the default group, when there is one (see [Note: watched rendezvous]).
         self._wait = CollectiveWait(
             rank=self.rank,
             timeout_s=timeout_s,
-            heartbeat=None,
+            heartbeat=startup_heartbeat,
             waiting_for=self._waiting_for,
             fail=functools.partial(self._fail_in, 0),
         )
+        if self._verify and self.world_size > 1:
+            self._launcher.check = self._divergence_check(group)
         self.heartbeat: Heartbeat | None = None
         if heartbeat_timeout_s is not None and self.world_size > 1:
             key, start = "the heartbeat's key", "the heartbeat's start"
@@ -360,13 +368,15 @@ class Collectives:
         self._exchange = ExchangeReduceScatter(group)
         self._open_shared_memory()
 
-    def _transport(self, group: dist.ProcessGroup) -> tuple[Launcher, Waiter]:
-        """The launcher (with its divergence check) and the waiter of ``group``."""
-        check = None
-        if self._verify and self.world_size > 1:
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            check = DivergenceCheck(group, all_gather=all_gather, timeout_s=self.timeout_s)
-        return Launcher(f"zero3-launch-{self.rank}", check), Waiter(f"zero3-wait-{self.rank}")
+    def _divergence_check(self, group: dist.ProcessGroup) -> DivergenceCheck:
+        """The divergence check of ``group``: its side group is built by every rank
+        together, on the launcher thread, waited for by the group's rules."""
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        what = "the divergence check's side group"
+        made = self._launcher.submit(
+            lambda: DivergenceCheck(group, all_gather=all_gather, timeout_s=self.timeout_s), what
+        )
+        return self._wait.until_done_blocking(made, what)
 
     def _open_shared_memory(self) -> None:
         block = self._block_bytes

@@ -169,6 +169,7 @@ class Heartbeat:
         timeout_s: silence after which a rank is reported.
         store_host_rank: the rank whose process serves the store (0 under a
             ``tcp://`` rendezvous), or None when it is served elsewhere.
+        closed_as: how a rank that closed this heartbeat on purpose is reported.
     """
 
     def __init__(
@@ -180,8 +181,10 @@ class Heartbeat:
         key: str,
         timeout_s: float,
         store_host_rank: int | None = 0,
+        closed_as: str = "has closed its manager",
     ) -> None:
         self.rank = rank
+        self._closed_as = closed_as
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.interval_s = timeout_s / _ROUNDS_PER_TIMEOUT
@@ -264,17 +267,12 @@ class Heartbeat:
         return f"{self._key}/beat/{rank}"
 
     def start(self) -> None:
-        """Learn the peers' pids (each rank published its own in the constructor:
-        call this after a collective that follows every rank's construction),
-        then start beating."""
-        space = _pid_space()
+        """Learn the peers' pids (each rank published its own in the constructor), then
+        start beating. A peer that has not published yet is *absent*, not silent, until
+        its first beat (see :meth:`absent`): call this after a collective that follows
+        every rank's construction, or watch :meth:`absent` while the ranks arrive."""
         for peer in self._peers.values():
-            try:
-                who = self._store.get(f"{self._key}/who/{peer.rank}").decode()
-                peer_space, pid, host = who.split(" ", 2)
-            except (RuntimeError, ValueError, UnicodeDecodeError):
-                continue  # naming the pid is a convenience: the counters decide
-            peer.pid, peer.host, peer.same_host = int(pid), host, peer_space == space
+            self._learn(peer)
         now = time.monotonic()
         for peer in self._peers.values():
             peer.changed_at = now
@@ -284,13 +282,32 @@ class Heartbeat:
         )
         self._thread.start()
 
+    def _learn(self, peer: _Peer) -> None:
+        """Read ``peer``'s host and pid, once it has published them."""
+        key = f"{self._key}/who/{peer.rank}"
+        if peer.pid is not None or not self._store.check([key]):
+            return
+        try:
+            peer_space, pid, host = self._store.get(key).decode().split(" ", 2)
+        except (RuntimeError, ValueError, UnicodeDecodeError):
+            return  # naming the pid is a convenience: the counters decide
+        peer.pid, peer.host, peer.same_host = int(pid), host, peer_space == _pid_space()
+
     def _round(self) -> None:
         self._store.add(self._counter(self.rank), 1)
-        keys = [self._counter(p) for p in self._peers]
+        with self._lock:
+            arrived = [p.rank for p in self._peers.values() if p.value is not None]
+            absent = [p.rank for p in self._peers.values() if p.value is None]
+        # A peer that has not arrived has no counter yet: a read of it would block.
+        arrived += [r for r in absent if self._store.check([self._counter(r)])]
+        keys = [self._counter(r) for r in arrived]
         values = [int(v) for v in self._store.multi_get(keys)] if keys else []
+        for rank in arrived:
+            self._learn(self._peers[rank])
         now = time.monotonic()
         with self._lock:
-            for peer, value in zip(self._peers.values(), values, strict=True):
+            for rank, value in zip(arrived, values, strict=True):
+                peer = self._peers[rank]
                 if value != peer.value:
                     peer.value, peer.changed_at = value, now
                 peer.closed = value < 0
@@ -436,8 +453,8 @@ class Heartbeat:
             if state == "gone":
                 found.append(self._describe(peer, "has exited"))
             elif peer.closed:
-                found.append(self._describe(peer, "has closed its manager"))
-            elif last_round - peer.changed_at > self.timeout_s:
+                found.append(self._describe(peer, self._closed_as))
+            elif peer.value is not None and last_round - peer.changed_at > self.timeout_s:
                 quiet = last_round - peer.changed_at
                 detail = " (the process is stopped)" if state == "stopped" else ""
                 found.append(self._describe(peer, f"sent no heartbeat for {quiet:.1f} s{detail}"))
@@ -461,6 +478,11 @@ class Heartbeat:
                     f"the rendezvous store has not answered for {now - last_round:.1f} s{cause}"
                 )
         return "; ".join(found) if found else None
+
+    def absent(self) -> list[int]:
+        """The ranks that have not beaten yet (not arrived: never silent)."""
+        with self._lock:
+            return [p.rank for p in self._peers.values() if p.value is None]
 
     def close(self) -> None:
         """Stop beating and tell the others this rank ended on purpose."""

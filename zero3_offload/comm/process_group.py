@@ -1,58 +1,101 @@
-"""Joining and leaving the default process group (a TCP rendezvous, torchrun's variables)."""
+"""Joining and leaving the default process group (a TCP rendezvous, torchrun's variables).
+
+[Note: watched rendezvous]
+``init_process_group`` builds the rendezvous itself, so that a rank that dies or
+stops while the others join, or while they build their managers afterwards, is
+named within the heartbeat's timeout instead of ending the wait only at
+``timeout_s``:
+
+1. The store: rank 0 hosts a TCP store at ``host:port`` (every other rank connects
+   to it); under torchrun's elastic agent (``TORCHELASTIC_USE_AGENT_STORE``) every
+   rank connects to the agent's store instead, which outlives the ranks of one
+   attempt.
+2. Every key of this rendezvous lies under a prefix of the attempt
+   (``TORCHELASTIC_RESTART_COUNT``, 0 outside torchelastic): the agent's store keeps
+   the keys of the attempt before a restart (each rank's gloo address among them),
+   and a new rank must never read its dead predecessor's.
+3. A *process heartbeat* (a :class:`~zero3_offload.comm.heartbeat.Heartbeat` over
+   every rank, see [Note: heartbeat]) starts as soon as this rank reached the store,
+   before the backend's group exists. A rank that has not reached the store yet is
+   *absent*, never silent: it may only be slow to start.
+4. The backend's group (``dist.init_process_group`` on the prefixed store) is built
+   on a thread of its own, and waited for by the group's rules ([Note: one wait] in
+   ``comm.wait``) with that heartbeat: a rank that arrived and then exited or
+   stopped is named within the heartbeat's timeout; ranks that never arrived are
+   named when ``timeout_s`` passes.
+5. The process heartbeat beats until ``destroy_process_group``. A manager built on
+   the default group waits with it for its own heartbeat's start (the one window of
+   its construction its own heartbeat cannot watch): ``joined_heartbeat``.
+
+A rendezvous that fails this way leaves its thread blocked in the backend: the
+process cannot join another group and should exit (the ranks are restarted).
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as _dt
 import os
+import threading
 
-import anyio
+import anyio.to_thread
+import attrs
 import torch
 import torch.distributed as dist
 
-from zero3_offload.errors import CommunicationError, ConfigError
+from zero3_offload.comm.heartbeat import Heartbeat
+from zero3_offload.comm.wait import CollectiveWait
+from zero3_offload.errors import CommunicationError, ConfigError, Zero3Error
 from zero3_offload.logging import get_logger
 
-__all__ = ["destroy_process_group", "init_process_group", "init_process_group_from_env"]
+__all__ = [
+    "destroy_process_group",
+    "init_process_group",
+    "init_process_group_from_env",
+    "joined_heartbeat",
+]
 
 log = get_logger(__name__)
 
 _BACKENDS = ("gloo", "nccl")
+_DEFAULT_HEARTBEAT_S = 5.0
+
+
+@attrs.frozen
+class _Joined:
+    """The default group this module built, its store (rank 0 hosts it: kept alive
+    here) and its process heartbeat."""
+
+    group: dist.ProcessGroup
+    store: dist.Store
+    heartbeat: Heartbeat | None
+
+
+_JOINED: _Joined | None = None
 
 
 def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-async def init_process_group(
-    backend: str | None = None,
-    *,
-    rank: int,
-    world_size: int,
-    host: str = "127.0.0.1",
-    port: int = 29500,
-    timeout_s: float = 300.0,
-) -> dist.ProcessGroup:
-    """Join the default process group (a TCP rendezvous at ``host:port``).
+def _agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
-    The rendezvous blocks until every rank has arrived, so it runs in a worker
-    thread and the event loop stays free.
 
-    Args:
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); ``None`` picks NCCL when
-            CUDA is present, else gloo.
-        rank: this process's rank, ``0 <= rank < world_size``.
-        world_size: number of ranks.
-        host: address of rank 0's rendezvous store.
-        port: port of the rendezvous store.
-        timeout_s: rendezvous and collective timeout of the group.
+def _attempt_prefix() -> str:
+    return f"zero3/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
-    Returns:
-        The default (world) process group.
 
-    Raises:
-        ConfigError: on an unknown backend or an impossible rank/world size.
-        CommunicationError: when the rendezvous fails or a group already exists.
-    """
+def joined_heartbeat(group: dist.ProcessGroup) -> Heartbeat | None:
+    """The process heartbeat of ``group`` when it is the default group that
+    :func:`init_process_group` built (see [Note: watched rendezvous]), else None."""
+    joined = _JOINED
+    if joined is None or joined.heartbeat is None or group is not joined.group:
+        return None
+    return joined.heartbeat
+
+
+def _check(backend: str | None, rank: int, world_size: int) -> str:
     backend = backend or _default_backend()
     if backend not in _BACKENDS:
         raise ConfigError(f"backend={backend!r} is invalid: must be one of {_BACKENDS}")
@@ -65,35 +108,176 @@ async def init_process_group(
             "a default process group already exists in this process; "
             "call destroy_process_group() first or pass the existing group to the manager"
         )
+    return backend
+
+
+def _store(host: str, port: int, *, hosted: bool, world_size: int, timeout_s: float) -> dist.Store:
+    """This rank's connection to the rendezvous store (``hosted``: this process serves it)."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=hosted,
+        timeout=_dt.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+async def init_process_group(
+    backend: str | None = None,
+    *,
+    rank: int,
+    world_size: int,
+    host: str = "127.0.0.1",
+    port: int = 29500,
+    timeout_s: float = 300.0,
+    heartbeat_timeout_s: float | None = _DEFAULT_HEARTBEAT_S,
+) -> dist.ProcessGroup:
+    """Join the default process group (a TCP rendezvous at ``host:port``, rank 0 hosting
+    its store), watched by a heartbeat (see [Note: watched rendezvous]).
+
+    The rendezvous blocks until every rank has arrived, so it runs on a thread of its
+    own and the event loop stays free.
+
+    Args:
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); ``None`` picks NCCL when
+            CUDA is present, else gloo.
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of ranks.
+        host: address of rank 0's rendezvous store.
+        port: port of the rendezvous store.
+        timeout_s: rendezvous and collective timeout of the group.
+        heartbeat_timeout_s: silence after which a rank that arrived is named (also
+            while the managers are built, until their own heartbeats start); None:
+            only ``timeout_s`` bounds the rendezvous.
+
+    Returns:
+        The default (world) process group.
+
+    Raises:
+        ConfigError: on an unknown backend or an impossible rank/world size.
+        CommunicationError: when the rendezvous fails (naming a rank that exited or
+            stopped meanwhile, or the ranks that never arrived), or a group already
+            exists.
+    """
+    backend = _check(backend, rank, world_size)
+    where = f"{host}:{port}"
+    try:  # a client waits for rank 0's store: off the event loop
+        store = await anyio.to_thread.run_sync(
+            lambda: _store(host, port, hosted=rank == 0, world_size=world_size, timeout_s=timeout_s)
+        )
+    except Exception as exc:  # DistNetworkError: the port is taken, rank 0 never came
+        raise CommunicationError(
+            f"rendezvous of rank {rank}/{world_size} at {where} ({backend}) failed: "
+            f"{str(exc).splitlines()[0]}"
+        ) from exc
+    return await _join(
+        backend,
+        store,
+        rank=rank,
+        world_size=world_size,
+        where=where,
+        store_host_rank=0,
+        timeout_s=timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+    )
+
+
+async def _join(
+    backend: str,
+    store: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    where: str,
+    store_host_rank: int | None,
+    timeout_s: float,
+    heartbeat_timeout_s: float | None,
+) -> dist.ProcessGroup:
+    """Steps 2-5 of [Note: watched rendezvous] over ``store``."""
+    global _JOINED
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local_rank)
+    prefix = _attempt_prefix()
+    beat = None
+    if heartbeat_timeout_s is not None and world_size > 1:
+        try:
+            beat = Heartbeat(
+                store,
+                rank=rank,
+                world_size=world_size,
+                key=f"{prefix}/heartbeat",
+                timeout_s=heartbeat_timeout_s,
+                store_host_rank=store_host_rank,
+                closed_as="has left the process group",
+            )
+        except Exception as exc:  # the store stopped answering right after the connect
+            raise CommunicationError(
+                f"rendezvous of rank {rank}/{world_size} at {where} ({backend}) failed: "
+                f"cannot start the heartbeat: {str(exc).splitlines()[0]}"
+            ) from exc
+        beat.start()
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def rendezvous() -> None:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=_dt.timedelta(seconds=timeout_s),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"{prefix}/group", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=_dt.timedelta(seconds=timeout_s),
+            )
+        except BaseException as exc:  # handed to the waiting rank below
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
+    threading.Thread(target=rendezvous, name=f"zero3-rendezvous-{rank}", daemon=True).start()
+    wait = CollectiveWait(
+        rank=rank,
+        timeout_s=timeout_s,
+        heartbeat=beat,
+        waiting_for=lambda label: label,
+        fail=lambda exc: exc,
+    )
+    label = f"every rank to join the {backend} group at {where}"
     try:
-        await anyio.to_thread.run_sync(rendezvous)
-    except Exception as exc:
+        await wait.until_done(done, label)
+    except Zero3Error as exc:
+        absent = beat.absent() if beat is not None else []
+        if beat is not None:
+            beat.close()
+        if absent and "did not complete within" in str(exc):
+            ranks = ", ".join(map(str, absent))
+            raise CommunicationError(
+                f"rank(s) {ranks} never reached the rendezvous store at {where} within "
+                f"{timeout_s:g} s; this rank ({rank}) was waiting for {label}: start every "
+                f"rank of the {world_size}, or give the right world size"
+            ) from exc
         raise CommunicationError(
-            f"rendezvous of rank {rank}/{world_size} at {host}:{port} ({backend}) failed: {exc}"
+            f"rendezvous of rank {rank}/{world_size} at {where} ({backend}) failed: {exc}"
         ) from exc
+    _JOINED = _Joined(group=dist.group.WORLD, store=store, heartbeat=beat)
     log.debug("process_group_ready", rank=rank, world_size=world_size, backend=backend)
     return dist.group.WORLD
 
 
 async def init_process_group_from_env(
-    backend: str | None = None, *, timeout_s: float = 300.0
+    backend: str | None = None,
+    *,
+    timeout_s: float = 300.0,
+    heartbeat_timeout_s: float | None = _DEFAULT_HEARTBEAT_S,
 ) -> dist.ProcessGroup:
-    """Join the default group from torchrun-style environment variables.
+    """Join the default group from torchrun-style environment variables, watched by a
+    heartbeat as :func:`init_process_group` is.
 
-    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Under
+    torchrun's elastic agent (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank
+    connects to the agent's store at that address, with the keys of this attempt
+    (``TORCHELASTIC_RESTART_COUNT``) apart from those of the attempts before a
+    restart; otherwise rank 0 hosts the store.
 
     Raises:
         ConfigError: when a variable is missing or not an integer.
@@ -112,17 +296,46 @@ async def init_process_group_from_env(
         rank, world_size, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
     except ValueError as exc:
         raise ConfigError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers: {exc}") from exc
-    return await init_process_group(
+    if not _agent_store():
+        return await init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            host=env["MASTER_ADDR"],
+            port=port,
+            timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
+    backend = _check(backend, rank, world_size)
+    where = f"{env['MASTER_ADDR']}:{port}"
+    try:
+        store = await anyio.to_thread.run_sync(
+            lambda: _store(
+                env["MASTER_ADDR"], port, hosted=False, world_size=world_size, timeout_s=timeout_s
+            )
+        )
+    except Exception as exc:
+        raise CommunicationError(
+            f"rank {rank}/{world_size} cannot reach the elastic agent's store at {where}: "
+            f"{str(exc).splitlines()[0]}"
+        ) from exc
+    return await _join(
         backend,
+        store,
         rank=rank,
         world_size=world_size,
-        host=env["MASTER_ADDR"],
-        port=port,
+        where=where,
+        store_host_rank=None,  # the agent serves it
         timeout_s=timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
     )
 
 
 def destroy_process_group() -> None:
-    """Leave the default process group, if one exists."""
+    """Leave the default process group, if one exists, and stop its process heartbeat."""
+    global _JOINED
+    joined, _JOINED = _JOINED, None
+    if joined is not None and joined.heartbeat is not None:
+        joined.heartbeat.close()
     if dist.is_initialized():
         dist.destroy_process_group()

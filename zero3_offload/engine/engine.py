@@ -23,6 +23,7 @@ from zero3_offload.checkpoint.checkpointer import ShardCheckpointer
 from zero3_offload.checkpoint.full_state import FullState
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.copy_streams import CopyStreams
+from zero3_offload.comm.process_group import joined_heartbeat
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.config import (
     GatherCompressionMethod,
@@ -307,6 +308,7 @@ def _build_comm(
         if config.shared_memory_collectives
         else None,
         observer=stats.add_collective,
+        startup_heartbeat=joined_heartbeat(process_group),
     )
 
 

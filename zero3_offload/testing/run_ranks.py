@@ -81,6 +81,7 @@ def _rank_main(
     timeout_s: float,
     backend: str,
     mmap_threshold: int | None,
+    heartbeat_timeout_s: float | None,
     results: Any,
 ) -> None:
     torch.set_num_threads(threads)
@@ -89,7 +90,12 @@ def _rank_main(
 
     async def main() -> Any:
         group = await init_process_group(
-            backend, rank=rank, world_size=world_size, port=port, timeout_s=timeout_s
+            backend,
+            rank=rank,
+            world_size=world_size,
+            port=port,
+            timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         )
         try:
             return await fn(RankContext(rank=rank, world_size=world_size, group=group), *args)
@@ -165,6 +171,7 @@ async def run_ranks(
     backend: str = "gloo",
     mmap_threshold: int | None = None,
     may_die: Collection[int] = (),
+    heartbeat_timeout_s: float | None = 5.0,
 ) -> list[Any]:
     """Run ``await fn(RankContext, *args)`` on ``world_size`` gloo ranks.
 
@@ -179,6 +186,9 @@ async def run_ranks(
             :func:`~zero3_offload.memory.allocator.set_mmap_threshold` with it.
         may_die: ranks whose process may end without a result (fault tests kill
             them on purpose): their result is None, and the others run on.
+        heartbeat_timeout_s: the process heartbeat's timeout in
+            :func:`~zero3_offload.comm.init_process_group` (it watches the
+            rendezvous and the managers' construction); None: none.
 
     Returns:
         Each rank's return value, in rank order.
@@ -198,6 +208,7 @@ async def run_ranks(
                 backend,
                 mmap_threshold,
                 frozenset(may_die),
+                heartbeat_timeout_s,
             )
         except RankFailedError as exc:
             # free_port() releases the port before rank 0 binds it, so another
@@ -222,6 +233,7 @@ async def _run_once(
     backend: str,
     mmap_threshold: int | None,
     may_die: frozenset[int],
+    heartbeat_timeout_s: float | None,
 ) -> list[Any]:
     ctx = process_context()
     results = ctx.Queue()
@@ -239,6 +251,7 @@ async def _run_once(
                 timeout_s,
                 backend,
                 mmap_threshold,
+                heartbeat_timeout_s,
                 results,
             ),
             daemon=True,

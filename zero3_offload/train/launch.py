@@ -21,7 +21,6 @@ buffers go back to the OS and RSS reflects what the rank holds.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 import signal
 import sys
@@ -32,7 +31,6 @@ from typing import Any
 
 import attrs
 import torch
-from torch.distributed import TCPStore
 
 from zero3_offload.comm import (
     destroy_process_group,
@@ -56,7 +54,6 @@ __all__ = ["launch"]
 _MMAP_THRESHOLD = 1 << 20  # see set_mmap_threshold: allocations >= 1 MiB are returned on free
 _RUN_LIMIT_S = 30 * 24 * 3600.0  # run_ranks needs a limit; a training run may take weeks
 _INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
-_AGENT_WAIT = datetime.timedelta(seconds=300)  # for rank 0's key in the elastic agent's store
 
 
 def _threads(requested: int, local_ranks: int) -> int:
@@ -67,33 +64,10 @@ def _backend(settings: RunSettings) -> str:
     return "nccl" if settings.zero3.device.startswith("cuda") else "gloo"
 
 
-def _attempt_store() -> None:
-    """Under torchelastic, give this attempt of the job a rendezvous store of its own.
-
-    The elastic agent keeps one store for every restart, so after a restart the keys of
-    the attempt before it (each rank's gloo address, the heartbeat's counters) are still
-    there and a new rank reads its dead predecessor's: the restart fails with "connection
-    refused". Rank 0 therefore picks a free port, announces it through the agent's store
-    under a key of this attempt (``TORCHELASTIC_RESTART_COUNT``), and every rank
-    rendezvouses there, rank 0 hosting the new store.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    host, rank = os.environ["MASTER_ADDR"], int(os.environ["RANK"])
-    agent = TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=_AGENT_WAIT)
-    key = f"zero3_offload/attempt_{attempt}/store_port"
-    if rank == 0:
-        agent.set(key, str(free_port()))
-    port = agent.get(key).decode()  # waits for rank 0's key
-    os.environ["MASTER_PORT"] = port
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts this attempt's store
-
-
 async def _in_process(settings: RunSettings, *, from_env: bool) -> RankResult:
+    beat_s = settings.zero3.heartbeat_timeout_s
     if from_env:
-        _attempt_store()
-        group = await init_process_group_from_env(_backend(settings))
+        group = await init_process_group_from_env(_backend(settings), heartbeat_timeout_s=beat_s)
     else:
         group = await init_process_group(_backend(settings), rank=0, world_size=1, port=free_port())
     try:
