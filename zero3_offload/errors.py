@@ -16,6 +16,7 @@ __all__ = [
     "LayerNotFoundError",
     "MemoryBudgetError",
     "NonFiniteError",
+    "RaisedTogether",
     "RankDivergenceError",
     "StateError",
     "StepAbandonedError",
@@ -82,7 +83,13 @@ class StepAbandonedError(Zero3Error):
     other ranks' message names the rank and its error."""
 
 
-class NonFiniteError(Zero3Error, ArithmeticError):
+class RaisedTogether:
+    """Marks an error that every rank raises together, decided by collectives every rank
+    completed, so nothing of the call is left unmatched: a call that fails with one is
+    not abandoned (see [Note: abandoned calls] in ``engine.call_recovery``)."""
+
+
+class NonFiniteError(RaisedTogether, Zero3Error, ArithmeticError):
     """Too many optimizer steps in a row were skipped for an inf or nan gradient
     (``max_consecutive_nonfinite``); the message names the layer and the ranks of the
     last one."""

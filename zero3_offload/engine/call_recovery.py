@@ -36,7 +36,7 @@ from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.failure_report import FailureReport, first_line
 from zero3_offload.engine.engine import Engine
 from zero3_offload.engine.step_state import StepState
-from zero3_offload.errors import CommunicationError, NonFiniteError, StateError, Zero3Error
+from zero3_offload.errors import CommunicationError, RaisedTogether, StateError, Zero3Error
 from zero3_offload.gradient.store import GradientStore
 from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state.step_runner import StepRunner
@@ -135,16 +135,16 @@ class CallRecovery:
         """Abandon the failed call on every rank; the caller raises ``exc`` after it.
 
         A failure of the group itself (a silent rank, a timeout, a divergence) is no
-        call's failure: the group stays broken, as before. Nor is a ``NonFiniteError``:
-        every rank raises it together, after the step it skipped, with nothing left
-        unmatched, so there is nothing to abandon.
+        call's failure: the group stays broken, as before. Nor is a ``RaisedTogether``
+        error (e.g. ``NonFiniteError``, after the step it skipped): every rank raises
+        it together, with nothing left unmatched, so there is nothing to abandon.
         """
         comm = self._comm
         if comm.heartbeat is None or self.refused is not None:
             return
         report = comm.known_failure()
         if report is None:
-            if isinstance(exc, (CommunicationError, NonFiniteError)):
+            if isinstance(exc, (CommunicationError, RaisedTogether)):
                 return
             mine = FailureReport(
                 rank=comm.rank, call=call, error=type(exc).__name__, line=first_line(exc)
