@@ -39,7 +39,8 @@ def _state(opt: Any) -> list[torch.Tensor]:
 
 
 class Torch:
-    """Plain torch, or FSDP2 (every child and the root, or HF decoder layers and the root)."""
+    """Plain torch, or FSDP2 (every child and the root, or HF decoder layers and the root;
+    ``checkpoint``: each decoder layer recomputed in backward, as torchtitan's full AC)."""
 
     def __init__(self, spec: dict[str, Any], rank: Any) -> None:
         self.spec, self.rank, self.options = spec, rank, dict(spec["options"])
@@ -63,6 +64,13 @@ class Torch:
             by_layer = self.options.get("wrap") == "decoder_layers"
             hf = getattr(model, "get_base_model", lambda: model)()  # inside a peft wrapper
             layers = hf.model.layers if by_layer else model.children()
+            if self.options.get("checkpoint"):  # torchtitan's full AC: each decoder layer
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                    checkpoint_wrapper,
+                )
+
+                for i, layer in enumerate(layers):
+                    layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
             for module in [*layers, model]:
                 fully_shard(module, **kw)
         self.model = model if self.spec["kind"] == "fsdp2" else model.to(self.device)

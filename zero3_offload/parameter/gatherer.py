@@ -77,8 +77,9 @@ class ParameterGatherer:
             (``gather_compression``; see [Note: compressed gather]). Where the stored
             format is the compute dtype this changes nothing.
         pool_layers: released CPU buffers are pooled for reuse while gathered, in-flight
-            and pooled buffers stay within this many of the largest layer's gather
-            bytes (see :meth:`take_buffer`); 0 pools nothing.
+            and pooled buffers stay within this many of a typical layer's gather
+            bytes (the lower median of the layers with parameters; see
+            :meth:`give_buffer`); 0 pools nothing.
         pool_budget: and within this many bytes (``gpu_param_memory_budget``).
     """
 
@@ -117,9 +118,13 @@ class ParameterGatherer:
         # has its own caching allocator, so nothing is pooled there.
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         # Enough reusable buffers for what is gathered at once (the layer in use, the
-        # look-ahead and one being released: pool_layers), never more than the budget.
-        largest = max((self.nbytes(name) for name in layers), default=0)
-        self.pool_limit = min(pool_budget, pool_layers * largest)
+        # look-ahead and one being released: pool_layers) of a typical layer (the
+        # median's bytes: an embedding or LM head many times a decoder layer's size
+        # would otherwise let idle decoder buffers sit in the pool through the
+        # backward's peak), never more than the budget.
+        sizes = sorted(n for n in (self.nbytes(name) for name in layers) if n)
+        typical = sizes[(len(sizes) - 1) // 2] if sizes else 0  # the lower median
+        self.pool_limit = min(pool_budget, pool_layers * typical)
 
     def release_views(self, name: str) -> None:
         """Point ``name``'s parameters at empty tensors (used once, after sharding it).
