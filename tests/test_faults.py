@@ -31,7 +31,8 @@ calls, with the default ``heartbeat_timeout_s`` (5 s):
 * kill -9 of rank 0 or rank 1 of ``zero3-offload train`` under ``torchrun --max-restarts 3``:
   the seconds from the kill to the first step after the restart, and the end bitwise equal
   to an uninterrupted run; and a job without restarts resumed by hand on one rank instead
-  of two (within 1e-5).
+  of two (within 1e-5); and an elastic job of two nodes (``--nnodes 1:2``) that loses one:
+  the seconds to training again on one rank and the end within 1e-5.
 
 A row fails when a fault goes unnoticed, a process crashes, a run hangs (a rank run
 that hits its limit) or data is lost. When every row ran, the table goes to
@@ -127,6 +128,7 @@ ROWS = [
     "NaN loss on rank 1 (skip_nonfinite_steps)",
     *(f"kill -9 rank {rank} under torchrun --max-restarts 3" for rank in (0, 1)),
     "kill -9 rank 1 under torchrun, resumed by hand on 1 rank",
+    "node lost under torchrun --nnodes 1:2 (elastic shrink to 1 rank)",
 ]
 
 
@@ -557,3 +559,29 @@ def test_restart_on_fewer_ranks(table: dict, train_reference: Path, tmp_path: Pa
     lost = f"none (within 1e-5 of the 2-rank run: max abs diff {diff:.1e})" if ok else f"{diff}"
     name = "kill -9 rank 1 under torchrun, resumed by hand on 1 rank"
     record(table, _row(name, ok, (note or [proc.stderr[-300:]])[0], lost))
+
+
+def test_elastic_shrink(table: dict, train_reference: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    job = train_restarts.shrunk_job(out, at_step=4)
+    lines = [ln for ln in job["stderr"].splitlines() if ln.startswith("zero3-offload train: ")]
+    named = [ln for ln in lines if f"rank {job['killed_rank']} (pid {job['pid']} " in ln]
+    shrunk = job["returncode"] == 0 and job["world_size"] == 1 and job["seconds"] is not None
+    diff = (
+        train_restarts.max_diff(
+            train_restarts.parameters(out), train_restarts.parameters(train_reference)
+        )
+        if shrunk
+        else float("inf")
+    )
+    lost = (
+        f"none (restarted on 1 rank: manager built {job['ready_s']:.1f} s and training again "
+        f"{job['seconds']:.1f} s after the kill, from step {job['first_step']}; within 1e-5 "
+        f"of the 2-rank run: max abs diff {diff:.1e})"
+        if shrunk and diff <= 1e-5
+        else f"restarted on 1 rank: {shrunk}, max abs diff {diff}"
+    )
+    message = (named or lines or ["no error line"])[0].removeprefix("zero3-offload train: ")
+    failure = "hang" if job["returncode"] is None else None
+    name = "node lost under torchrun --nnodes 1:2 (elastic shrink to 1 rank)"
+    record(table, _row(name, bool(named) and shrunk, message, lost, failure=failure))

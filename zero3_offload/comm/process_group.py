@@ -160,23 +160,12 @@ async def init_process_group(
             stopped meanwhile, or the ranks that never arrived), or a group already
             exists.
     """
-    backend = _check(backend, rank, world_size)
-    where = f"{host}:{port}"
-    try:  # a client waits for rank 0's store: off the event loop
-        store = await anyio.to_thread.run_sync(
-            lambda: _store(host, port, hosted=rank == 0, world_size=world_size, timeout_s=timeout_s)
-        )
-    except Exception as exc:  # DistNetworkError: the port is taken, rank 0 never came
-        raise CommunicationError(
-            f"rendezvous of rank {rank}/{world_size} at {where} ({backend}) failed: "
-            f"{str(exc).splitlines()[0]}"
-        ) from exc
     return await _join(
-        backend,
-        store,
+        _check(backend, rank, world_size),
+        host,
+        port,
         rank=rank,
         world_size=world_size,
-        where=where,
         store_host_rank=0,
         timeout_s=timeout_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
@@ -185,17 +174,29 @@ async def init_process_group(
 
 async def _join(
     backend: str,
-    store: dist.Store,
+    host: str,
+    port: int,
     *,
     rank: int,
     world_size: int,
-    where: str,
     store_host_rank: int | None,
     timeout_s: float,
     heartbeat_timeout_s: float | None,
 ) -> dist.ProcessGroup:
-    """Steps 2-5 of [Note: watched rendezvous] over ``store``."""
+    """[Note: watched rendezvous] over the store at ``host:port``, which this process
+    serves when it is ``store_host_rank`` (None: another process serves it)."""
     global _JOINED
+    where = f"{host}:{port}"
+    hosted = rank == store_host_rank
+    try:  # a client waits for the store's host: off the event loop
+        store = await anyio.to_thread.run_sync(
+            lambda: _store(host, port, hosted=hosted, world_size=world_size, timeout_s=timeout_s)
+        )
+    except Exception as exc:  # DistNetworkError: the port is taken, the host never came
+        raise CommunicationError(
+            f"rendezvous of rank {rank}/{world_size} at {where} ({backend}) failed: "
+            f"{str(exc).splitlines()[0]}"
+        ) from exc
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local_rank)
@@ -306,26 +307,13 @@ async def init_process_group_from_env(
             timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
         )
-    backend = _check(backend, rank, world_size)
-    where = f"{env['MASTER_ADDR']}:{port}"
-    try:
-        store = await anyio.to_thread.run_sync(
-            lambda: _store(
-                env["MASTER_ADDR"], port, hosted=False, world_size=world_size, timeout_s=timeout_s
-            )
-        )
-    except Exception as exc:
-        raise CommunicationError(
-            f"rank {rank}/{world_size} cannot reach the elastic agent's store at {where}: "
-            f"{str(exc).splitlines()[0]}"
-        ) from exc
-    return await _join(
-        backend,
-        store,
+    return await _join(  # every rank a client of the agent's store
+        _check(backend, rank, world_size),
+        env["MASTER_ADDR"],
+        port,
         rank=rank,
         world_size=world_size,
-        where=where,
-        store_host_rank=None,  # the agent serves it
+        store_host_rank=None,
         timeout_s=timeout_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
     )

@@ -414,8 +414,9 @@ def _build_parameters(
         rank=comm.rank,
         resident=ROOT_UNIT if ROOT_UNIT in split.layers else None,
         keep_for_backward=config.keep_gathered_for_backward,
-        # On the CPU, kept layers take the pooled buffers' place (see the note).
-        keep_limit=gatherer.pool_limit if device.type == "cpu" else None,
+        # On the CPU, kept layers stay within what a pass's window gathers at once
+        # (see the note).
+        keep_limit=gatherer.window_limit if device.type == "cpu" else None,
         read_ahead=_PARAM_READ_AHEAD if disk.copies is not None else 0,
     )
     return cpu_need, params, gatherer, prefetch

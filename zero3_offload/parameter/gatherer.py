@@ -125,6 +125,8 @@ class ParameterGatherer:
         sizes = sorted(n for n in (self.nbytes(name) for name in layers) if n)
         typical = sizes[(len(sizes) - 1) // 2] if sizes else 0  # the lower median
         self.pool_limit = min(pool_budget, pool_layers * typical)
+        # What is gathered at once at most (pool_layers of the largest layers' bytes).
+        self.window_limit = min(pool_budget, pool_layers * (sizes[-1] if sizes else 0))
 
     def release_views(self, name: str) -> None:
         """Point ``name``'s parameters at empty tensors (used once, after sharding it).
