@@ -363,8 +363,9 @@ class Collectives:
             self._wait = attrs.evolve(self._wait, heartbeat=self.heartbeat)
         # The probe runs collectives of its own: on the launcher thread, waited for by
         # the group's rules, so a rank that died meanwhile is named (heartbeat on).
-        probed = self._launcher.submit(functools.partial(_probe, group, device))
-        self._caps: _Capabilities = self._wait.until_done_blocking(probed, "the backend's probe")
+        probe = "the backend's probe"
+        probed = self._launcher.submit(functools.partial(_probe, group, device), what=probe)
+        self._caps: _Capabilities = self._wait.until_done_blocking(probed, probe)
         self._exchange = ExchangeReduceScatter(group)
         self._open_shared_memory()
 
@@ -374,7 +375,8 @@ class Collectives:
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         what = "the divergence check's side group"
         made = self._launcher.submit(
-            lambda: DivergenceCheck(group, all_gather=all_gather, timeout_s=self.timeout_s), what
+            lambda: DivergenceCheck(group, all_gather=all_gather, timeout_s=self.timeout_s),
+            what=what,
         )
         return self._wait.until_done_blocking(made, what)
 

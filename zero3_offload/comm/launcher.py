@@ -108,8 +108,8 @@ class Launcher:
 
     def _run(self) -> None:
         while True:
-            fn, description, segment, recipe, future = self._queue.get()
-            self._current = description
+            fn, description, segment, recipe, what, future = self._queue.get()
+            self._current = description or what
             self._running = True
             if future.set_running_or_notify_cancel():
                 try:
@@ -128,13 +128,15 @@ class Launcher:
         description: str | None = None,
         segment: int = 0,
         recipe: Recipe | None = None,
+        what: str | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Queue ``fn``; a collective has a ``description``, the ``segment`` (call) it
-        belongs to and its ``recipe``."""
+        belongs to and its ``recipe``; other work (set-up that runs collectives of its
+        own, never checked) may be named by ``what``, for errors."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self.submitted += 1
-            self._queue.put((fn, description, segment, recipe, future))
+            self._queue.put((fn, description, segment, recipe, what, future))
         return future
 
     def cancel(self) -> None:
