@@ -291,13 +291,13 @@ class Heartbeat:
             peer_space, pid, host = self._store.get(key).decode().split(" ", 2)
         except (RuntimeError, ValueError, UnicodeDecodeError):
             return  # naming the pid is a convenience: the counters decide
-        peer.pid, peer.host, peer.same_host = int(pid), host, peer_space == _pid_space()
+        with self._lock:  # silent() reads the peers from other threads
+            peer.pid, peer.host, peer.same_host = int(pid), host, peer_space == _pid_space()
 
     def _round(self) -> None:
         self._store.add(self._counter(self.rank), 1)
-        with self._lock:
-            arrived = [p.rank for p in self._peers.values() if p.value is not None]
-            absent = [p.rank for p in self._peers.values() if p.value is None]
+        absent = self.absent()
+        arrived = [r for r in self._peers if r not in absent]
         # A peer that has not arrived has no counter yet: a read of it would block.
         arrived += [r for r in absent if self._store.check([self._counter(r)])]
         keys = [self._counter(r) for r in arrived]
