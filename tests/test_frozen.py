@@ -44,12 +44,15 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from zero3_offload import Zero3CpuOffloadManager
 from zero3_offload.parameter import nf4_roundtrip
+from zero3_offload.parameter.frozen_embedding import FrozenEmbeddingForward
+from zero3_offload.parameter.frozen_linear import FrozenLinearForward
 from zero3_offload.testing import RankContext
 
 MICRO_STEPS = 20  # 10 AdamW steps (accumulation 2, clipping 1.0)
 SAVE_AT = 10  # micro-steps of the run the checkpoint is saved after
 LORAS = ["lora-llama", "lora-qwen2", "lora-gpt2"]  # LoRA on each architecture
 
+AT_USE = {"frozen_decode_at_use": True, "activation_checkpointing": True}
 # variant -> (architecture, how it is frozen, manager config fields, model checkpointing)
 VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
     "lora-llama": ("llama", "lora", {}, None),
@@ -59,6 +62,9 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
     "lora-model-ckpt": ("llama", "lora", {}, "reentrant"),
     "lora-nf4": ("llama", "lora", {"frozen_compression": "nf4"}, None),
     "lora-bf16": ("qwen2", "lora", {"frozen_compression": "bf16"}, None),
+    # Frozen weights decoded at use, under our checkpointing and the model's own.
+    "lora-nf4-at-use": ("llama", "lora", {"frozen_compression": "nf4", **AT_USE}, None),
+    "lora-bf16-at-use": ("qwen2", "lora", {"frozen_compression": "bf16", **AT_USE}, "reentrant"),
     "lora-plus": ("llama", "lora", {}, None),
     "frozen-embedding": ("llama", "embedding", {"keep_gathered_for_backward": False}, None),
     "last-two-layers": ("llama4", "last-two", {"keep_gathered_for_backward": False}, None),
@@ -220,6 +226,7 @@ async def train_frozen(
         if save is not None and i + 1 == SAVE_AT:
             await manager.save_checkpoint(save)
     memory = manager.get_memory_stats()
+    at_use = sorted(type(f).__name__ for f in map(_own_forward, model.modules()) if f is not None)
     state = await manager.full_state_dict()
     if adapter is not None:
         await manager.save_pretrained(adapter)
@@ -235,8 +242,18 @@ async def train_frozen(
         "memory": (memory.frozen_param_bytes, memory.master_param_bytes),
         "state_bytes": memory.optimizer_state_bytes,
         "gradients": memory.gradient_bytes,
+        "at_use": at_use,
         **numels,
     }
+
+
+def _own_forward(module: nn.Module) -> FrozenLinearForward | FrozenEmbeddingForward | None:
+    """``module``'s forward when it decodes its weight at use (under our checkpointing's
+    wrapper, for a unit), else None."""
+    forward = module.forward
+    while isinstance(forward, functools.partial):
+        forward = forward.args[0]
+    return forward if isinstance(forward, FrozenLinearForward | FrozenEmbeddingForward) else None
 
 
 def _backward_collectives(manager: Zero3CpuOffloadManager) -> dict[str, int]:
@@ -374,6 +391,20 @@ def test_nf4_frozen_copies_hold_their_true_compressed_bytes(runs2: dict[str, lis
         assert frozen_bytes < r["frozen_numel"] * 2 / 3.5
     for r in _results(runs2, "lora-bf16"):
         assert r["memory"][0] <= r["frozen_numel"] + 2 * 2 * 16 * 5
+
+
+@pytest.mark.slow
+def test_frozen_weights_decoded_at_use_replace_their_modules_forward(
+    runs2: dict[str, list[Any]],
+) -> None:
+    # The tiny Llama and Qwen2 tie no weights: every frozen plain linear and the
+    # embedding and head are decoded at use (4 of 7 projections per layer are frozen
+    # plain ones, 3 are LoRA's base layers, plain too: 7 per layer, 2 layers, + head).
+    for variant in ("lora-nf4-at-use", "lora-bf16-at-use"):
+        for r in _results(runs2, variant):
+            assert r["at_use"].count("FrozenEmbeddingForward") == 1
+            assert r["at_use"].count("FrozenLinearForward") == 7 * 2 + 1
+    assert not _results(runs2, "lora-nf4")[0]["at_use"]
 
 
 @pytest.mark.slow

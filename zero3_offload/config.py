@@ -684,6 +684,15 @@ class Zero3CpuOffloadConfig:
     fp32; ``"int8"`` stores one absmax scale per ``compression_block_size`` elements;
     ``"nf4"`` is QLoRA's 4-bit NormalFloat (one absmax scale per 64 elements). Gathers
     decode it into the compute dtype."""
+    frozen_decode_at_use: bool = bool_field(False)
+    """Module mode: a gathered unit keeps its frozen parameters as stored and decodes the
+    weight of each frozen plain ``nn.Linear`` and ``nn.Embedding`` at use, into a reused
+    16 MiB scratch (by blocks of rows when larger), again in backward for the input's
+    gradient; only the other frozen parameters are decoded when the gather completes.
+    Saves the compute dtype's bytes of those weights while gathered (fp32 compute with
+    ``frozen_compression="nf4"``: about 7/8) for a decode per use. Not for tied
+    weights or DoRA units. No effect when ``frozen_compression`` stores the compute
+    dtype, or in chain mode."""
     auto_memory_management: AutoMemoryStrategy = attrs.field(
         default=AutoMemoryStrategy.BALANCED,
         converter=functools.partial(AutoMemoryStrategy.parse, field="auto_memory_management"),

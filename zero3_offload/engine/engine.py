@@ -402,6 +402,7 @@ def _build_parameters(
         compressed_wire=config.gather_compression is not GatherCompressionMethod.NONE,
         pool_layers=config.prefetch_buffer_size + _POOL_EXTRA_LAYERS,
         pool_budget=config.gpu_param_memory_budget,
+        decode_at_use=config.frozen_decode_at_use and split.model is not None,
     )
     prefetch = PrefetchScheduler(
         gatherer=gatherer,

@@ -22,12 +22,16 @@ class BufferSlot:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int  # elements from the buffer's start
+    # Which of the layer's gathered buffers: 0 the flat buffer, 1 its frozen parameters
+    # as stored (see [Note: frozen weights decoded at use] in ``parameter.frozen_rows``).
+    part: int = 0
 
     @classmethod
-    def of(cls, layer: str, t: torch.Tensor, base: int) -> BufferSlot:
-        """The slot of ``t``, a view into ``layer``'s buffer starting at storage offset ``base``."""
-        return cls(layer, t.size(), t.stride(), t.storage_offset() - base)
+    def of(cls, layer: str, t: torch.Tensor, base: int, part: int = 0) -> BufferSlot:
+        """The slot of ``t``, a view into ``layer``'s buffer ``part`` starting at storage
+        offset ``base``."""
+        return cls(layer, t.size(), t.stride(), t.storage_offset() - base, part)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """The saved view, rebuilt from ``flat``, the layer's buffer gathered now."""
+        """The saved view, rebuilt from ``flat``, the layer's buffer (its ``part``) gathered now."""
         return flat.as_strided(self.size, self.stride, flat.storage_offset() + self.offset)

@@ -174,7 +174,7 @@ class ModuleRunner:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        self._storages: dict[int, tuple[str, int]] = {}
+        self._storages: dict[int, tuple[str, int, int]] = {}
         self._current: UnitPass | None = None  # the pass in progress
         self._handles: list[Any] = [
             model.register_forward_pre_hook(self._root_pre),
@@ -630,10 +630,10 @@ class ModuleRunner:
             found = self._storages.get(t.untyped_storage().data_ptr())
             p = self._current
             if found is not None:
-                unit, base = found
+                unit, base, part = found
                 if unit == self._root and p is not None and p.phase is Phase.FORWARD:
                     p.result.root_views += 1
-                return BufferSlot.of(unit, t, base)
+                return BufferSlot.of(unit, t, base, part)
             if p is not None:
                 p.result.saved.update(storage_bytes(t))
         return t
@@ -647,7 +647,7 @@ class ModuleRunner:
             p.result.root_views -= 1
         if not self._gatherer.is_gathered(saved.layer):
             self._call(self._enter(saved.layer))
-        return saved.view(self._gatherer.gathered_flat(saved.layer))
+        return saved.view(self._gatherer.gathered_buffer(saved.layer, saved.part))
 
     def clear_grads(self) -> None:
         """Drop every parameter's ``.grad`` left by a backward that failed part way."""

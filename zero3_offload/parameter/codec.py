@@ -276,6 +276,61 @@ class ShardCodec:
             src = self.view(wire[r * part : (r + 1) * part], shard)
             self.decode_(src, out[r * shard : (r + 1) * shard])
 
+    def decode_gathered_range_(
+        self,
+        wire: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        world_size: int,
+        shard_numel: int,
+        start: int,
+    ) -> None:
+        """Decode elements ``[start, start + out.numel())`` of an all-gather's buffer into ``out``.
+
+        ``wire`` is as for :meth:`decode_gathered_`, each rank's part a shard of
+        ``shard_numel`` elements. Only the blocks holding the range are decoded, each
+        as :meth:`decode_` decodes it, so ``out`` is bitwise that slice of the whole
+        decode (see [Note: frozen weights decoded at use] in ``parameter.frozen_rows``).
+        """
+        part = self.wire_nbytes(shard_numel)
+        pos, end = start, start + out.numel()
+        while pos < end:
+            rank = pos // shard_numel
+            lo, hi = pos - rank * shard_numel, min(shard_numel, end - rank * shard_numel)
+            dest = out[pos - start : pos - start + hi - lo]
+            mine = wire[rank * part : (rank + 1) * part]
+            if self._packed:
+                self._decode_span_(self.view(mine, shard_numel), lo, hi, dest)
+            else:
+                dest.copy_(mine.view(self.storage_dtype)[lo:hi])
+            pos += hi - lo
+
+    def _decode_span_(self, src: CompressedShard, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Decode elements ``[lo, hi)`` of a block-wise shard into ``out``: from the block
+        ``lo`` falls in (into a one-block temporary where ``lo`` is inside a block)."""
+        block = self.block_size
+        first = lo - lo % block
+        if first < lo:  # the head, inside a block: decoded whole into a temporary
+            head_end = min(first + block, src.numel)
+            head = torch.empty(head_end - first, dtype=out.dtype, device=out.device)
+            self._decode_from_(src, first, head)
+            take = min(hi, head_end) - lo
+            out[:take].copy_(head[lo - first : lo - first + take])
+            out, lo = out[take:], lo + take
+        if lo < hi:
+            self._decode_from_(src, lo, out)
+
+    def _decode_from_(self, src: CompressedShard, first: int, out: torch.Tensor) -> None:
+        """Decode ``out.numel()`` elements of a block-wise shard from element ``first``, a
+        multiple of the block size."""
+        assert src.scales is not None
+        block, n = self.block_size, out.numel()
+        scales = src.scales[first // block : -(-(first + n) // block)]
+        if self._nf4:  # the block (64) is even: ``first`` starts a byte
+            nf4_decode_(scales, src.payload[first // 2 : -(-(first + n) // 2)], out)
+            return
+        self.decode_(CompressedShard(src.payload[first : first + n], scales), out)
+
     def decode(self, src: CompressedShard) -> torch.Tensor:
         """The compute-dtype values of ``src`` in a new tensor."""
         out = torch.empty(src.numel, dtype=self.compute_dtype, device=src.payload.device)

@@ -7,6 +7,7 @@ and [Note: copy streams] in ``comm.copy_streams`` for how the copies are ordered
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
 from collections.abc import Awaitable, Iterable, Mapping
@@ -17,9 +18,14 @@ from torch import nn
 
 from zero3_offload.comm.collectives import Collectives, PendingCollective
 from zero3_offload.comm.copy_streams import CopyStreams
+from zero3_offload.errors import StateError
 from zero3_offload.parameter.codec import CompressedShard, ShardCodec
-from zero3_offload.parameter.flat_layout import LayerLayout
+from zero3_offload.parameter.flat_layout import LayerLayout, ParamSlot, param_key
+from zero3_offload.parameter.frozen_embedding import FrozenEmbeddingForward
+from zero3_offload.parameter.frozen_linear import FrozenLinearForward
+from zero3_offload.parameter.frozen_rows import FrozenRows
 from zero3_offload.parameter.store import ParameterStore
+from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import tensor_bytes
 from zero3_offload.stats.timeline import Timeline
@@ -81,12 +87,17 @@ class ParameterGatherer:
             bytes (the lower median of the layers with parameters; see
             :meth:`give_buffer`); 0 pools nothing.
         pool_budget: and within this many bytes (``gpu_param_memory_budget``).
+        decode_at_use: keep gathered frozen parameters as stored, and decode the weights
+            of frozen plain ``nn.Linear`` and ``nn.Embedding`` modules of module-mode
+            units at use (``frozen_decode_at_use``; see [Note: frozen weights decoded at
+            use] in ``parameter.frozen_rows``). Changes nothing where frozen parameters
+            are stored in the compute dtype.
     """
 
     def __init__(
         self,
         *,
-        layers: Mapping[str, nn.Module],
+        layers: Mapping[str, nn.Module | UnitParams],
         layouts: Mapping[str, LayerLayout],
         store: ParameterStore,
         comm: Collectives,
@@ -96,6 +107,7 @@ class ParameterGatherer:
         compressed_wire: bool = False,
         pool_layers: int = 0,
         pool_budget: int = 0,
+        decode_at_use: bool = False,
     ) -> None:
         self._layers = layers
         self._layouts = layouts
@@ -110,6 +122,15 @@ class ParameterGatherer:
         frozen = store.frozen_codec
         self._frozen_on_wire = frozen.storage_dtype != frozen.compute_dtype
         self._gathered: dict[str, torch.Tensor] = {}  # layer -> 1D [padded_numel] buffer
+        # Decoded at use (see [Note: frozen weights decoded at use]): per layer, the
+        # frozen slots decoded at gather time and their offsets in the buffer, and
+        # its gathered frozen wire while gathered.
+        self._eager: dict[str, tuple[tuple[ParamSlot, int], ...]] = {}
+        self._eager_numel: dict[str, int] = {}
+        self._wires: dict[str, torch.Tensor] = {}
+        self.decoded_at_use: dict[str, FrozenRows] = {}  # full parameter name -> its rows
+        if decode_at_use and self._frozen_on_wire:
+            self._plan_decode_at_use()
         self._inflight: dict[str, GatherHandle] = {}
         self.high_water_bytes = 0  # most bytes of launched + gathered buffers at once
         # Released CPU buffers pooled for the next gather of the same size (see
@@ -153,9 +174,73 @@ class ParameterGatherer:
         layout = self._layouts[name]
         for pname, view in layout.unflatten(flat):
             params[pname].data = view
-        if layout.frozen is not None:
+        if name in self._eager:
+            for slot, at in self._eager[name]:
+                params[slot.name].data = flat[at : at + slot.numel].view(slot.shape)
+        elif layout.frozen is not None:
             for pname, view in layout.frozen.unflatten(flat[layout.padded_numel :]):
                 params[pname].data = view
+
+    def _plan_decode_at_use(self) -> None:
+        """Find the frozen weights decoded at use and replace their modules' ``forward``
+        (see [Note: frozen weights decoded at use])."""
+        modules = {
+            id(m): m
+            for u in self._layers.values()
+            if isinstance(u, UnitParams)
+            for _, m in u.owners()
+        }
+        holders = collections.Counter(
+            id(p) for m in modules.values() for p in m._parameters.values() if p is not None
+        )
+        for name, unit in self._layers.items():
+            layout = self._layouts[name]
+            if not isinstance(unit, UnitParams) or layout.frozen is None:
+                continue
+            if any(".lora_magnitude_vector." in f".{path}." for path, _ in unit.owners()):
+                continue  # DoRA reads its base layers' weights itself
+            names = {id(p): pname for pname, p in unit.named_parameters()}
+            slots = {slot.name: slot for slot in layout.frozen.slots}
+            at_use: set[str] = set()
+            for _, module in unit.owners():
+                weight = getattr(module, "weight", None)
+                pname = names.get(id(weight))
+                if pname is None or pname not in slots or not _decodable(module):
+                    continue
+                if holders[id(weight)] != 1:
+                    continue  # shared (tied): its other holder reads it bound
+                assert isinstance(weight, torch.Tensor)
+                rows = FrozenRows(
+                    layer=name,
+                    shape=(weight.shape[0], weight.shape[1]),
+                    offset=slots[pname].offset,
+                    codec=self._store.frozen_codec,
+                    world_size=self._comm.world_size,
+                    shard_numel=layout.frozen.shard_numel,
+                )
+                if isinstance(module, nn.Embedding):
+                    module.forward = FrozenEmbeddingForward(module, rows, self.gathered_wire)
+                else:
+                    assert isinstance(module, nn.Linear)
+                    module.forward = FrozenLinearForward(module, rows, self.gathered_wire)
+                self.decoded_at_use[param_key(name, pname)] = rows
+                at_use.add(pname)
+            if not at_use:
+                continue
+            eager, at = [], layout.padded_numel
+            for slot in layout.frozen.slots:
+                if slot.name not in at_use:
+                    eager.append((slot, at))
+                    at += -(-slot.numel // 16) * 16  # even offsets: the fast nf4 decode
+            self._eager[name] = tuple(eager)
+            self._eager_numel[name] = at - layout.padded_numel
+
+    def _buffer_numel(self, name: str) -> int:
+        """Elements of ``name``'s gathered buffer (the frozen part only what is decoded)."""
+        layout = self._layouts[name]
+        if name in self._eager:
+            return layout.padded_numel + self._eager_numel[name]
+        return layout.gather_numel
 
     def nbytes(self, name: str) -> int:
         """Bytes of ``name``'s buffers while its gather is in flight: the gathered buffer
@@ -163,7 +248,7 @@ class ParameterGatherer:
         return self._flat_nbytes(name) + self._wire_nbytes(name)
 
     def _flat_nbytes(self, name: str) -> int:
-        return self._layouts[name].gather_numel * self._store.codec.compute_itemsize
+        return self._buffer_numel(name) * self._store.codec.compute_itemsize
 
     def _wire_nbytes(self, name: str) -> int:
         layout = self._layouts[name]
@@ -184,13 +269,36 @@ class ParameterGatherer:
         """``name``'s gathered flat buffer (KeyError when it is not gathered)."""
         return self._gathered[name]
 
-    def gathered_storages(self) -> dict[int, tuple[str, int]]:
-        """Storage pointer -> (layer, storage offset) of every gathered buffer with elements."""
-        return {
-            flat.untyped_storage().data_ptr(): (name, flat.storage_offset())
-            for name, flat in self._gathered.items()
-            if flat.numel()
+    def gathered_wire(self, name: str) -> torch.Tensor:
+        """``name``'s gathered frozen parameters as stored (see [Note: frozen weights
+        decoded at use]).
+
+        Raises:
+            StateError: when ``name`` is not gathered (its module ran outside the manager).
+        """
+        wire = self._wires.get(name)
+        if wire is None:
+            raise StateError(
+                f"unit {name!r} is not gathered: its frozen weights are decoded at use, so "
+                "the model runs only through the manager"
+            )
+        return wire
+
+    def gathered_buffer(self, name: str, part: int) -> torch.Tensor:
+        """``name``'s gathered buffer ``part``: 0 the flat buffer, 1 its frozen wire (KeyError
+        when it is not gathered)."""
+        return self._gathered[name] if part == 0 else self._wires[name]
+
+    def gathered_storages(self) -> dict[int, tuple[str, int, int]]:
+        """Storage pointer -> (layer, storage offset, part of :meth:`gathered_buffer`) of
+        every gathered buffer with elements."""
+        found = {
+            buf.untyped_storage().data_ptr(): (name, buf.storage_offset(), part)
+            for part, buffers in enumerate((self._gathered, self._wires))
+            for name, buf in buffers.items()
+            if buf.numel()
         }
+        return found
 
     def is_gathered(self, name: str) -> bool:
         return name in self._gathered
@@ -205,8 +313,10 @@ class ParameterGatherer:
         return list(self._gathered)
 
     def gathered_bytes(self) -> int:
-        """Bytes of full parameter buffers gathered on the device now."""
-        return sum(tensor_bytes(t) for t in self._gathered.values())
+        """Bytes of full parameter buffers gathered on the device now (with the frozen wires
+        of units decoded at use)."""
+        gathered = sum(tensor_bytes(t) for t in self._gathered.values())
+        return gathered + sum(tensor_bytes(t) for t in self._wires.values())
 
     def inflight_bytes(self) -> int:
         """Bytes of buffers whose gather is in flight (received compressed shards included)."""
@@ -257,7 +367,7 @@ class ParameterGatherer:
         """
         layout = self._layouts[name]
         dtype = self._store.compute_dtype
-        flat = self.take_buffer(layout.gather_numel, dtype)
+        flat = self.take_buffer(self._buffer_numel(name), dtype)
         trainable = flat[: layout.padded_numel]
         pending = wire = None
         started = time.perf_counter()
@@ -284,6 +394,7 @@ class ParameterGatherer:
                 self._frozen_on_wire,
                 layout.frozen.shard_numel,
                 phase,
+                eager=self._eager.get(name),
             )
         waits = [p.wait() for p in (pending, frozen_pending) if p is not None]
         waiter = asyncio.ensure_future(_all(waits)) if waits else None
@@ -310,10 +421,14 @@ class ParameterGatherer:
         on_wire: bool,
         shard_numel: int,
         phase: Phase,
+        *,
+        eager: tuple[tuple[ParamSlot, int], ...] | None = None,
     ) -> tuple[PendingCollective, torch.Tensor | None]:
         """Launch the all-gather of one part of ``name``'s buffer (``out``) from this
         rank's shard ``src`` in ``codec``'s format: sent as stored and decoded after
-        (``on_wire``), or decoded first."""
+        (``on_wire``), or decoded first. With ``eager`` (slot, offset in ``out``'s buffer)
+        only those slots are decoded, and the wire is kept (see [Note: frozen weights
+        decoded at use])."""
         what = f"the gather of {name!r}"
         wire = None
         with self._streams.on(self._streams.h2d):
@@ -327,7 +442,13 @@ class ParameterGatherer:
                 size = self._comm.world_size * codec.wire_nbytes(shard_numel)
                 wire = self.take_buffer(size, torch.uint8)
                 pending = self._comm.start_all_gather(wire, staged.wire(), what=what)
-                pending.then(functools.partial(self._decode, codec, wire, out))
+                if eager is None:
+                    pending.then(functools.partial(self._decode, codec, wire, out))
+                else:
+                    base = self._layouts[name].padded_numel
+                    pending.then(
+                        functools.partial(self._decode_eager, wire, out, eager, base, shard_numel)
+                    )
             else:
                 if staged.scales is None and staged.payload.dtype == out.dtype:
                     shard = staged.payload
@@ -398,6 +519,27 @@ class ParameterGatherer:
         self._streams.mark_used_on_current(wire)
         codec.decode_gathered_(wire, flat, world_size=self._comm.world_size)
 
+    def _decode_eager(
+        self,
+        wire: torch.Tensor,
+        out: torch.Tensor,
+        eager: tuple[tuple[ParamSlot, int], ...],
+        base: int,
+        shard_numel: int,
+    ) -> None:
+        """Decode the frozen slots not decoded at use from a completed all-gather's wire into
+        their places in ``out`` (the buffer's frozen part, which starts at ``base``)."""
+        self._streams.mark_used_on_current(wire)
+        codec = self._store.frozen_codec
+        for slot, at in eager:
+            codec.decode_gathered_range_(
+                wire,
+                out[at - base : at - base + slot.numel],
+                world_size=self._comm.world_size,
+                shard_numel=shard_numel,
+                start=slot.offset,
+            )
+
     async def complete(self, name: str, phase: Phase) -> nn.Module:
         """Wait for ``name``'s launched gather and bind its parameters.
 
@@ -411,9 +553,13 @@ class ParameterGatherer:
                 await handle.waiter
         finally:
             del self._inflight[name]
-        for wire in (handle.wire, handle.frozen_wire):
-            if wire is not None:
-                self.give_buffer(wire)  # decoded already (see _decode)
+        if handle.wire is not None:
+            self.give_buffer(handle.wire)  # decoded already (see _decode)
+        if handle.frozen_wire is not None and name in self._eager:
+            self._streams.mark_used_on_current(handle.frozen_wire)
+            self._wires[name] = handle.frozen_wire  # decoded at use
+        elif handle.frozen_wire is not None:
+            self.give_buffer(handle.frozen_wire)
         self._streams.mark_used_on_current(handle.flat)
         done = handle.completed_at()
         self._timeline.add(
@@ -457,11 +603,15 @@ class ParameterGatherer:
         """
         flat = self._gathered.pop(name, None)
         if flat is not None:
+            wire = self._wires.pop(name, None)
             self._unbind(name, keep_grads=keep_grads)
             if pool:
                 self.give_buffer(flat)
+                if wire is not None:
+                    self.give_buffer(wire)
             now = time.perf_counter()
-            self._timeline.add("release", name, phase, now, now, nbytes=tensor_bytes(flat))
+            nbytes = tensor_bytes(flat) + tensor_bytes(wire)
+            self._timeline.add("release", name, phase, now, now, nbytes=nbytes)
 
 
 async def _all(waits: list[Awaitable[None]]) -> None:
@@ -470,3 +620,14 @@ async def _all(waits: list[Awaitable[None]]) -> None:
     for result in results:
         if isinstance(result, BaseException):
             raise result
+
+
+def _decodable(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain, frozen ``nn.Linear`` or ``nn.Embedding`` whose weight can
+    be decoded at use (see [Note: frozen weights decoded at use])."""
+    if type(module) not in (nn.Linear, nn.Embedding) or "forward" in vars(module):
+        return False
+    if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        return False
+    weight = module.weight
+    return isinstance(weight, torch.Tensor) and not weight.requires_grad and weight.dim() == 2

@@ -1,0 +1,79 @@
+"""The forward of a frozen ``nn.Linear`` whose weight is decoded at use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero3_offload.parameter.frozen_rows import FrozenRows
+
+__all__ = ["FrozenLinearForward"]
+
+
+class FrozenLinearForward:
+    """``module.forward`` of a frozen ``nn.Linear`` whose weight stays in its stored format
+    while gathered (see [Note: frozen weights decoded at use] in ``parameter.frozen_rows``).
+
+    ``F.linear(input, weight, bias)`` with the weight decoded from the unit's gathered
+    wire into scratch, by blocks of output rows when it is large; autograd saves the
+    wire, and backward decodes the weight again for the input's gradient. The bias is
+    the module's own parameter (bound as usual; trainable or not).
+
+    Args:
+        module: the linear layer.
+        rows: where its weight lies in its unit's wire.
+        wire: unit name -> its gathered wire now.
+    """
+
+    def __init__(
+        self, module: nn.Linear, rows: FrozenRows, wire: Callable[[str], torch.Tensor]
+    ) -> None:
+        self._module = module
+        self.rows = rows
+        self._wire = wire
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        wire = self._wire(self.rows.layer)
+        return _DecodedLinear.apply(input, self._module.bias, wire, self.rows)
+
+
+class _DecodedLinear(torch.autograd.Function):
+    """``F.linear`` with a weight decoded from stored bytes, forward and backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        bias: torch.Tensor | None,
+        wire: torch.Tensor,
+        rows: FrozenRows,
+    ) -> torch.Tensor:
+        ctx.rows = rows
+        ctx.save_for_backward(wire)
+        if rows.whole:
+            return F.linear(input, rows.decode(wire, 0, rows.rows), bias)
+        out = input.new_empty(*input.shape[:-1], rows.rows)
+        for first, end in rows.blocks():
+            part = None if bias is None else bias[first:end]
+            out[..., first:end] = F.linear(input, rows.decode(wire, first, end), part)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows: FrozenRows = ctx.rows
+        (wire,) = ctx.saved_tensors
+        grad_input = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            if rows.whole:
+                grad_input = grad.matmul(rows.decode(wire, 0, rows.rows))
+            else:
+                for first, end in rows.blocks():
+                    part = grad[..., first:end].matmul(rows.decode(wire, first, end))
+                    grad_input = part if grad_input is None else grad_input.add_(part)
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, rows.rows).sum(0)
+        return grad_input, grad_bias, None, None
