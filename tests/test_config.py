@@ -46,6 +46,7 @@ EXPECTED_DEFAULTS = {
     "gather_compression": GatherCompressionMethod.NONE,
     "reduce_dtype": ReduceDtype.FP32,
     "frozen_compression": CpuCompressionMethod.NONE,
+    "frozen_decode_at_use": False,
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 TINY = ("examples/train_tiny.py", "--steps", str(STEPS), "--gradient-clipping", "0.5")
 FINETUNE = ("examples/finetune_transformers.py", "--steps", "20")
+QLORA = ("examples/qlora_decode_at_use.py", "--steps", "4")
 # Every run of an example below; DISK stands for a fresh directory.
 RUNS = (
     TINY,
@@ -31,6 +32,7 @@ RUNS = (
     (*TINY, "--nvme-path", "DISK"),
     (*TINY, "--nvme-path", "DISK", "--nvme-params"),
     FINETUNE,
+    QLORA,
 )
 
 
@@ -48,7 +50,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tupl
     started: dict[tuple[str, ...], tuple[Future[subprocess.CompletedProcess[str]], Path]] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         for args in RUNS:
-            if args == FINETUNE and importlib.util.find_spec("transformers") is None:
+            if args in (FINETUNE, QLORA) and importlib.util.find_spec("peft") is None:
                 continue  # its test skips
             disk = tmp_path_factory.mktemp("tier")
             actual = (str(disk) if a == "DISK" else a for a in args)
@@ -127,3 +129,22 @@ def test_finetune_transformers_trains_and_exports(run) -> None:
     reloaded = re.search(r"reloaded with transformers: eval loss (\d+\.\d+)", out)[1]
     assert evaluated == reloaded  # the export holds exactly the trained weights
     assert re.search(r"generated: b'ZeRO stage", out)
+
+
+@pytest.mark.slow
+def test_qlora_decoded_at_use_trains_alike_with_fewer_gathered_bytes(run) -> None:
+    pytest.importorskip("peft")
+    out, _ = run(*QLORA)
+    eager, at_use = (
+        [float(v) for v in re.search(rf"decoded {how}: losses (.*)", out)[1].split()]
+        for how in ("at gather", "at use")
+    )
+    assert len(eager) == 4
+    assert max(abs(a - b) for a, b in zip(eager, at_use, strict=True)) < 1e-5
+    gathered = {
+        how: int(re.search(rf"decoded {how}: gathered high-water (\d+) bytes", out)[1])
+        for how in ("at gather", "at use")
+    }
+    # fp32 compute, nf4 frozen copies: the frozen weights gathered as about 9/16 byte
+    # per element instead of 4 (the adapters and norms stay fp32).
+    assert 0 < 3 * gathered["at use"] < gathered["at gather"]

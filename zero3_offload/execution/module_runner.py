@@ -133,7 +133,9 @@ class ModuleRunner:
         clock: counts passes and units' compute.
         device: the compute device (the call's tensors are moved there).
         recompute: wrap every unit's forward in (non-reentrant) activation
-            checkpointing.
+            checkpointing, except units that are one ``nn.Linear`` or ``nn.Embedding``
+            (they save only their input anyway: a recomputation would only add their
+            output, an LM head's logits, to the backward's peak, and its compute).
     """
 
     def __init__(
@@ -187,7 +189,7 @@ class ModuleRunner:
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._unit_post, name))
             )
-            if recompute:
+            if recompute and not isinstance(module, nn.Linear | nn.Embedding):
                 module.forward = functools.partial(_checkpointed, module.forward)
         for unit in units.values():
             for param in unit.parameters():

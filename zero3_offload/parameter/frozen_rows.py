@@ -19,10 +19,11 @@ Every decoded element is bitwise what decoding the whole buffer gives
 (:meth:`ShardCodec.decode_gathered_range_`). A weight that fits the scratch
 computes with torch's own ``F.linear`` / ``F.embedding``; one split into blocks
 of rows runs a matmul per block and sums its input's gradient block by block,
-which may round differently from one matmul in the last bits. The cost is a decode per use (forward, recomputation, backward)
-instead of one per gather; the saving, for every such weight gathered, is the
-difference between the compute dtype's bytes and the stored ones (fp32 compute
-with nf4 frozen copies: about 7/8).
+which may round differently from one matmul in the last bits. The cost is a
+decode per use (forward, recomputation, backward) instead of one per gather;
+the saving, for every such weight gathered, is the difference between the
+compute dtype's bytes and the stored ones (fp32 compute with nf4 frozen
+copies: about 7/8).
 
 Not decoded at use: a weight shared by two modules (tied embeddings), a module
 whose ``forward`` is already replaced on the instance, an ``nn.Embedding`` with
