@@ -66,6 +66,7 @@ def _rows(method: str, world: int, shape: tuple[int, int], scratch: int):
         codec=codec,
         world_size=world,
         shard_numel=shard,
+        wire={"u": wire}.__getitem__,
         scratch_elements=scratch,
     )
     weight = whole[offset : offset + shape[0] * shape[1]].view(shape)
@@ -99,12 +100,12 @@ def test_linear_decoded_at_use_equals_torch_linear(
 ) -> None:
     torch.manual_seed(0)
     shape = (37, 40)
-    rows, wire, weight = _rows(method, world, shape, scratch=8 * shape[1] if blocked else 1 << 20)
+    rows, _, weight = _rows(method, world, shape, scratch=8 * shape[1] if blocked else 1 << 20)
     assert rows.whole is not blocked
     linear = nn.Linear(shape[1], shape[0], bias=bias is not None)
     if linear.bias is not None:
         linear.bias.requires_grad_(bias == "trainable")
-    forward = FrozenLinearForward(linear, rows, {"u": wire}.__getitem__)
+    forward = FrozenLinearForward(linear, rows)
     x = torch.randn(3, 5, shape[1], requires_grad=True)
     out = forward(x)
     ref_x = x.detach().clone().requires_grad_(True)
@@ -133,10 +134,10 @@ def test_embedding_decoded_at_use_equals_torch_embedding(
 ) -> None:
     torch.manual_seed(0)
     shape = (50, 64)
-    rows, wire, weight = _rows(method, world, shape, scratch=7 * shape[1] if blocked else 1 << 20)
+    rows, _, weight = _rows(method, world, shape, scratch=7 * shape[1] if blocked else 1 << 20)
     assert rows.whole is not blocked
     embedding = nn.Embedding(*shape, padding_idx=0)
-    forward = FrozenEmbeddingForward(embedding, rows, {"u": wire}.__getitem__)
+    forward = FrozenEmbeddingForward(embedding, rows)
     ids = torch.randint(0, shape[0], (4, 9))
     ids[0, :3] = torch.tensor([0, shape[0] - 1, 0])  # the first and last rows, repeated
     out = forward(ids)

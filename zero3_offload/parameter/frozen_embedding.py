@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,18 +24,14 @@ class FrozenEmbeddingForward:
     Args:
         module: the embedding.
         rows: where its weight lies in its unit's wire.
-        wire: unit name -> its gathered wire now.
     """
 
-    def __init__(
-        self, module: nn.Embedding, rows: FrozenRows, wire: Callable[[str], torch.Tensor]
-    ) -> None:
+    def __init__(self, module: nn.Embedding, rows: FrozenRows) -> None:
         self._module = module
         self.rows = rows
-        self._wire = wire
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        rows, wire = self.rows, self._wire(self.rows.layer)
+        rows, wire = self.rows, self.rows.wire()
         if rows.whole:
             weight = rows.decode(wire, 0, rows.rows)
             return F.embedding(input, weight, self._module.padding_idx)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,18 +25,14 @@ class FrozenLinearForward:
     Args:
         module: the linear layer.
         rows: where its weight lies in its unit's wire.
-        wire: unit name -> its gathered wire now.
     """
 
-    def __init__(
-        self, module: nn.Linear, rows: FrozenRows, wire: Callable[[str], torch.Tensor]
-    ) -> None:
+    def __init__(self, module: nn.Linear, rows: FrozenRows) -> None:
         self._module = module
         self.rows = rows
-        self._wire = wire
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        wire = self._wire(self.rows.layer)
+        wire = self.rows.wire()
         return _DecodedLinear.apply(input, self._module.bias, wire, self.rows)
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,6 +61,7 @@ class FrozenRows:
         codec: the frozen parameters' codec.
         world_size: ranks whose shards the wire holds.
         shard_numel: elements of each rank's frozen shard.
+        wire: unit name -> its gathered wire now (see :meth:`wire`).
         scratch_elements: most elements decoded at once (more only where one group of
             rows that starts on a block boundary is larger).
     """
@@ -74,9 +75,11 @@ class FrozenRows:
         codec: ShardCodec,
         world_size: int,
         shard_numel: int,
+        wire: Callable[[str], torch.Tensor],
         scratch_elements: int = SCRATCH_ELEMENTS,
     ) -> None:
         self.layer = layer
+        self._wire = wire
         self.rows, self.cols = shape
         self._offset = offset
         self._codec = codec
@@ -87,6 +90,10 @@ class FrozenRows:
         self.row_step = codec.align // math.gcd(self.cols, codec.align) if self.cols else 1
         fit = scratch_elements // max(self.cols, 1) // self.row_step * self.row_step
         self.block_rows = min(self.rows, max(self.row_step, fit))
+
+    def wire(self) -> torch.Tensor:
+        """The unit's gathered stored bytes now (raises when it is not gathered)."""
+        return self._wire(self.layer)
 
     @property
     def dtype(self) -> torch.dtype:

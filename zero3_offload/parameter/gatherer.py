@@ -217,12 +217,13 @@ class ParameterGatherer:
                     codec=self._store.frozen_codec,
                     world_size=self._comm.world_size,
                     shard_numel=layout.frozen.shard_numel,
+                    wire=self.gathered_wire,
                 )
                 if isinstance(module, nn.Embedding):
-                    module.forward = FrozenEmbeddingForward(module, rows, self.gathered_wire)
+                    module.forward = FrozenEmbeddingForward(module, rows)
                 else:
                     assert isinstance(module, nn.Linear)
-                    module.forward = FrozenLinearForward(module, rows, self.gathered_wire)
+                    module.forward = FrozenLinearForward(module, rows)
                 self.decoded_at_use[param_key(name, pname)] = rows
                 at_use.add(pname)
             if not at_use:
