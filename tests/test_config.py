@@ -47,6 +47,7 @@ EXPECTED_DEFAULTS = {
     "reduce_dtype": ReduceDtype.FP32,
     "frozen_compression": CpuCompressionMethod.NONE,
     "frozen_decode_at_use": False,
+    "trim_heap_after_forward": False,
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,

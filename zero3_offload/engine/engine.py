@@ -50,6 +50,7 @@ from zero3_offload.memory.budget import (
     check_cpu_budget,
     cpu_memory_need,
 )
+from zero3_offload.memory.heap_trimmer import HeapTrimmer
 from zero3_offload.memory.pressure import PressurePolicy
 from zero3_offload.optimizer_state.disk_tier import NvmeShardTier
 from zero3_offload.optimizer_state.nonfinite_guard import NonFiniteGuard
@@ -641,6 +642,7 @@ def _build_runners(
     landing = GradientLanding(
         reducer=reducer, grads=grads, steps=steps, prefetch=prefetch, timeline=timeline
     )
+    heap = HeapTrimmer(enabled=config.trim_heap_after_forward, timeline=timeline)
     if split.model is None:
         layer_runner = LayerRunner(
             device=device,
@@ -657,6 +659,7 @@ def _build_runners(
             landing=landing,
             steps=steps,
             clock=clock,
+            heap=heap,
         )
         return clock, landing, chain, None
     assert split.unit_params is not None
@@ -672,6 +675,7 @@ def _build_runners(
         comm=comm,
         clock=clock,
         device=device,
+        heap=heap,
         recompute=config.activation_checkpointing,
     )
     return clock, landing, None, module

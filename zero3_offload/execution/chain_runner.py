@@ -26,6 +26,7 @@ from zero3_offload.execution.layer_runner import LayerRunner, check_has_values
 from zero3_offload.execution.pass_result import PassResult
 from zero3_offload.execution.saved_step import SavedStep
 from zero3_offload.gradient.reducer import GradientReducer
+from zero3_offload.memory.heap_trimmer import HeapTrimmer
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
@@ -53,6 +54,7 @@ class ChainRunner:
         landing: lands the reduce-scatters, or abandons a failed backward.
         steps: the loss scale, and the early updates' bookkeeping.
         clock: counts passes and layers' compute.
+        heap: trims the C heap after each training forward (when on).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class ChainRunner:
         landing: GradientLanding,
         steps: StepRunner,
         clock: PassClock,
+        heap: HeapTrimmer,
     ) -> None:
         self._layers = layers
         self._layouts = layouts
@@ -75,6 +78,7 @@ class ChainRunner:
         self._landing = landing
         self._steps = steps
         self._clock = clock
+        self._heap = heap
 
     def check_forward(self, x: object, layer_names: Sequence[str]) -> tuple[str, ...]:
         """The layers a forward over ``layer_names`` on ``x`` runs (raises on bad input)."""
@@ -135,6 +139,7 @@ class ChainRunner:
             await self._prefetch.release_all()  # nothing stays in flight
             raise
         self._prefetch.end_pass(phase, names)
+        self._heap.after_forward(phase)
         result = PassResult(
             phase=phase,
             layers=list(names),

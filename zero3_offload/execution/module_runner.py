@@ -72,6 +72,7 @@ from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.pass_result import PassResult
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot
+from zero3_offload.memory.heap_trimmer import HeapTrimmer
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
@@ -132,6 +133,7 @@ class ModuleRunner:
         comm: the group's collectives (flushed before the model's code runs).
         clock: counts passes and units' compute.
         device: the compute device (the call's tensors are moved there).
+        heap: trims the C heap after each training forward (when on).
         recompute: wrap every unit's forward in (non-reentrant) activation
             checkpointing, except units that are one ``nn.Linear`` or ``nn.Embedding``
             (they save only their input anyway: a recomputation would only add their
@@ -152,6 +154,7 @@ class ModuleRunner:
         comm: Collectives,
         clock: PassClock,
         device: torch.device,
+        heap: HeapTrimmer,
         recompute: bool,
     ) -> None:
         self.model = model
@@ -164,6 +167,7 @@ class ModuleRunner:
         self._comm = comm
         self._clock = clock
         self._device = device
+        self._heap = heap
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
         self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
         # A new thread's OpenMP pool ignores torch.set_num_threads of other threads:
@@ -251,6 +255,7 @@ class ModuleRunner:
         args, kwargs = _to_device((args, kwargs), self._device)
         started = self._clock.start(phase)
         out, result = await self._run(phase, self.model, args, kwargs, "forward")
+        self._heap.after_forward(phase)
         result.samples = _batch_size(args, kwargs)
         self._clock.finish(phase, started, samples=result.samples)
         return out, result
@@ -318,6 +323,7 @@ class ModuleRunner:
             raise
         self._current = None
         self._prefetch.end_pass(phase, unit_pass.observed)
+        self._gatherer.release_scratch()
         return out, unit_pass.result
 
     def check_backward(self, forward: PassResult | None, loss: object) -> PassResult:
@@ -389,6 +395,7 @@ class ModuleRunner:
                     await self._unit_done(unit)
             self._current = None
             self._prefetch.end_pass(Phase.BACKWARD, unit_pass.observed)
+            self._gatherer.release_scratch()
             await self._landing.land(result, tokens=tokens)
         except BaseException:
             await self.abandon(result)

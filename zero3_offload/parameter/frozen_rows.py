@@ -8,9 +8,10 @@ unit's frozen plain ``nn.Linear`` and ``nn.Embedding`` modules are never bound:
 each such module's ``forward`` is replaced by one that decodes the rows it needs
 into this thread's scratch buffer (the whole weight when it fits in
 ``SCRATCH_ELEMENTS`` elements, else blocks of rows), computes with them and
-lets them go. A linear's backward decodes its weight again for the input's
-gradient: autograd saves only the wire, as a place in the unit's gathered
-buffers like any saved parameter view (see [Note: saved activations] in
+lets them go; the scratch itself is freed at the end of each pass. A
+linear's backward decodes its weight again for the input's gradient:
+autograd saves only the wire, as a place in the unit's gathered buffers like
+any saved parameter view (see [Note: saved activations] in
 ``execution.layer_runner``), so nothing decoded outlives one call. The unit's
 other frozen parameters (norms, biases, weights shared by two modules) are
 decoded when the gather completes, into a compact part of its buffer.
@@ -41,13 +42,15 @@ import torch
 
 from zero3_offload.parameter.codec import ShardCodec
 
-__all__ = ["SCRATCH_ELEMENTS", "FrozenRows"]
+__all__ = ["SCRATCH_ELEMENTS", "FrozenRows", "release_scratch"]
 
 SCRATCH_ELEMENTS = 1 << 22
 """Elements of the per-thread scratch a weight decoded at use is decoded into (16 MiB
 of fp32); a larger weight is decoded in blocks of rows."""
 
-_scratch = threading.local()
+# Every thread's scratch, by thread: released together at the end of a pass.
+_scratch: dict[int, dict[tuple[torch.dtype, torch.device], torch.Tensor]] = {}
+_scratch_lock = threading.Lock()
 
 
 class FrozenRows:
@@ -126,13 +129,20 @@ class FrozenRows:
         return out.view(end - first, self.cols)
 
 
+def release_scratch() -> None:
+    """Free every thread's scratch (the next decode allocates it again).
+
+    Called at the end of each pass, so that the scratch does not sit in memory
+    through the loss and the top of the backward, when no weight is decoded.
+    """
+    with _scratch_lock:
+        _scratch.clear()
+
+
 def _scratch_for(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """This thread's scratch of ``dtype`` on ``device``, its first ``numel`` elements."""
-    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] | None = getattr(
-        _scratch, "buffers", None
-    )
-    if buffers is None:
-        buffers = _scratch.buffers = {}
+    with _scratch_lock:
+        buffers = _scratch.setdefault(threading.get_ident(), {})
     buf = buffers.get((dtype, device))
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=dtype, device=device)

@@ -23,7 +23,7 @@ from zero3_offload.parameter.codec import CompressedShard, ShardCodec
 from zero3_offload.parameter.flat_layout import LayerLayout, ParamSlot, param_key
 from zero3_offload.parameter.frozen_embedding import FrozenEmbeddingForward
 from zero3_offload.parameter.frozen_linear import FrozenLinearForward
-from zero3_offload.parameter.frozen_rows import FrozenRows
+from zero3_offload.parameter.frozen_rows import FrozenRows, release_scratch
 from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.stats.phase import Phase
@@ -235,6 +235,12 @@ class ParameterGatherer:
                     at += -(-slot.numel // 16) * 16  # even offsets: the fast nf4 decode
             self._eager[name] = tuple(eager)
             self._eager_numel[name] = at - layout.padded_numel
+
+    def release_scratch(self) -> None:
+        """Free the scratch frozen weights are decoded into at use (at the end of a pass;
+        nothing to do when no weight is decoded at use)."""
+        if self.decoded_at_use:
+            release_scratch()
 
     def _buffer_numel(self, name: str) -> int:
         """Elements of ``name``'s gathered buffer (the frozen part only what is decoded)."""
