@@ -39,7 +39,8 @@ LORA = {
 }  # fmt: skip  (lean: nothing kept for backward)
 AC = {"activation_checkpointing": True, "keep_gathered_for_backward": False,
       "frozen_decode_at_use": True, "trim_heap_after_forward": True}  # fmt: skip
-LORA.update({f"ours_{f}_ac": System(f"zero3_offload, {f} frozen, AC, at use, trim", "ours-module", WORLD,
+AC_NAME = "zero3_offload, {} frozen, AC, at use, trim"
+LORA.update({f"ours_{f}_ac": System(AC_NAME.format(f), "ours-module", WORLD,
              {"frozen_compression": f, **AC}) for f in ("bf16", "nf4")})  # fmt: skip
 FSDP2_AC = System("FSDP2 + full AC", "fsdp2", WORLD, {**BY_LAYER, "checkpoint": True})
 PARTS["lora"] = {**LLAMA_PEERS, "fsdp2_ac": FSDP2_AC, **LORA}
