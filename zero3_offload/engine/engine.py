@@ -659,7 +659,7 @@ def _build_runners(
             landing=landing,
             steps=steps,
             clock=clock,
-            heap=heap,
+            after_forward=heap.after_forward,
         )
         return clock, landing, chain, None
     assert split.unit_params is not None
@@ -675,7 +675,7 @@ def _build_runners(
         comm=comm,
         clock=clock,
         device=device,
-        heap=heap,
+        after_forward=heap.after_forward,
         recompute=config.activation_checkpointing,
     )
     return clock, landing, None, module

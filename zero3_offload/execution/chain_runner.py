@@ -14,7 +14,7 @@ the next; :class:`GradientLanding` lands them (see its module).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +26,6 @@ from zero3_offload.execution.layer_runner import LayerRunner, check_has_values
 from zero3_offload.execution.pass_result import PassResult
 from zero3_offload.execution.saved_step import SavedStep
 from zero3_offload.gradient.reducer import GradientReducer
-from zero3_offload.memory.heap_trimmer import HeapTrimmer
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import LayerLayout
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
@@ -54,7 +53,8 @@ class ChainRunner:
         landing: lands the reduce-scatters, or abandons a failed backward.
         steps: the loss scale, and the early updates' bookkeeping.
         clock: counts passes and layers' compute.
-        heap: trims the C heap after each training forward (when on).
+        after_forward: called with the phase at the end of every forward (the C heap
+            trimmed after a training one, when ``trim_heap_after_forward`` is on).
     """
 
     def __init__(
@@ -68,7 +68,7 @@ class ChainRunner:
         landing: GradientLanding,
         steps: StepRunner,
         clock: PassClock,
-        heap: HeapTrimmer,
+        after_forward: Callable[[Phase], None],
     ) -> None:
         self._layers = layers
         self._layouts = layouts
@@ -78,7 +78,7 @@ class ChainRunner:
         self._landing = landing
         self._steps = steps
         self._clock = clock
-        self._heap = heap
+        self._after_forward = after_forward
 
     def check_forward(self, x: object, layer_names: Sequence[str]) -> tuple[str, ...]:
         """The layers a forward over ``layer_names`` on ``x`` runs (raises on bad input)."""
@@ -139,7 +139,7 @@ class ChainRunner:
             await self._prefetch.release_all()  # nothing stays in flight
             raise
         self._prefetch.end_pass(phase, names)
-        self._heap.after_forward(phase)
+        self._after_forward(phase)
         result = PassResult(
             phase=phase,
             layers=list(names),

@@ -72,7 +72,6 @@ from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.pass_result import PassResult
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot
-from zero3_offload.memory.heap_trimmer import HeapTrimmer
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
@@ -133,7 +132,8 @@ class ModuleRunner:
         comm: the group's collectives (flushed before the model's code runs).
         clock: counts passes and units' compute.
         device: the compute device (the call's tensors are moved there).
-        heap: trims the C heap after each training forward (when on).
+        after_forward: called with the phase at the end of every forward (the C heap
+            trimmed after a training one, when ``trim_heap_after_forward`` is on).
         recompute: wrap every unit's forward in (non-reentrant) activation
             checkpointing, except units that are one ``nn.Linear`` or ``nn.Embedding``
             (they save only their input anyway: a recomputation would only add their
@@ -154,7 +154,7 @@ class ModuleRunner:
         comm: Collectives,
         clock: PassClock,
         device: torch.device,
-        heap: HeapTrimmer,
+        after_forward: Callable[[Phase], None],
         recompute: bool,
     ) -> None:
         self.model = model
@@ -167,7 +167,7 @@ class ModuleRunner:
         self._comm = comm
         self._clock = clock
         self._device = device
-        self._heap = heap
+        self._after_forward = after_forward
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
         self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
         # A new thread's OpenMP pool ignores torch.set_num_threads of other threads:
@@ -255,7 +255,7 @@ class ModuleRunner:
         args, kwargs = _to_device((args, kwargs), self._device)
         started = self._clock.start(phase)
         out, result = await self._run(phase, self.model, args, kwargs, "forward")
-        self._heap.after_forward(phase)
+        self._after_forward(phase)
         result.samples = _batch_size(args, kwargs)
         self._clock.finish(phase, started, samples=result.samples)
         return out, result
