@@ -220,7 +220,7 @@ async def skipped_collective_body(ctx: RankContext, reported: mp.synchronize.Eve
 async def test_timeout_raises_communication_error_naming_op_and_group():
     reported = mp.get_context("forkserver").Event()
     rank0, rank1 = await run_ranks(skipped_collective_body, 2, reported, timeout_s=60)
-    assert rank0["error_type"] == "CommunicationError"
+    assert rank0["error_type"] == "CollectiveTimeoutError"
     assert "all_reduce" in rank0["error"]
     assert "gloo" in rank0["error"]
     assert "did not complete within 1 s" in rank0["error"]
@@ -245,7 +245,7 @@ async def test_timed_out_rank_reports_while_the_other_rank_stays_alive():
         await run_ranks(abandoned_reduce_scatter_body, 2, timeout_s=60)
     message = str(info.value)
     assert "rank 0 failed" in message
-    assert "CommunicationError" in message
+    assert "CollectiveTimeoutError" in message
     assert "reduce_scatter" in message
     assert "did not complete within 1 s" in message
 

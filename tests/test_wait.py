@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from zero3_offload.comm.heartbeat import Heartbeat
 from zero3_offload.comm.wait import _CONFIRM_S, _POLL_S, CollectiveWait
-from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3Error
+from zero3_offload.errors import (
+    CollectiveTimeoutError,
+    CommunicationError,
+    RankDivergenceError,
+    Zero3Error,
+)
 
 LABEL = "all_reduce of 4 bytes (a test) on the test group"
 BEAT_S = 0.3  # the heartbeat's timeout in these tests: a silent peer is named in ~0.3 s
@@ -147,7 +152,7 @@ def test_timeout_raises_naming_the_collective_and_marks_the_group(driver: str) -
     group = Group()
     future: concurrent.futures.Future = concurrent.futures.Future()  # never settled
     wait = core(group, timeout_s=0.05)
-    with pytest.raises(CommunicationError) as info:
+    with pytest.raises(CollectiveTimeoutError) as info:
         if driver == "blocking":
             wait.until_done_blocking(future, LABEL)
         else:

@@ -28,6 +28,7 @@ from zero3_offload.config import (
 )
 from zero3_offload.errors import (
     CheckpointError,
+    CollectiveTimeoutError,
     CommunicationError,
     ConfigError,
     DiskTierError,
@@ -52,6 +53,7 @@ from zero3_offload.version import __version__
 __all__ = [
     "AutoMemoryStrategy",
     "CheckpointError",
+    "CollectiveTimeoutError",
     "Collectives",
     "CommunicationError",
     "ConfigError",

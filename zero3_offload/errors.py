@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CollectiveTimeoutError",
     "CommunicationError",
     "ConfigError",
     "DiskTierError",
@@ -44,6 +45,11 @@ class LayerNotFoundError(Zero3Error, KeyError):
 class CommunicationError(Zero3Error, RuntimeError):
     """A collective failed or did not complete in time, or a rank stopped answering
     (the message names it and what this rank was waiting for)."""
+
+
+class CollectiveTimeoutError(CommunicationError):
+    """A collective (or the rendezvous) did not complete within its timeout while no rank
+    was known to be silent or failed; the message names what this rank was waiting for."""
 
 
 class RankDivergenceError(CommunicationError):

@@ -45,7 +45,12 @@ import torch.distributed as dist
 
 from zero3_offload.comm.heartbeat import Heartbeat
 from zero3_offload.comm.wait import CollectiveWait
-from zero3_offload.errors import CommunicationError, ConfigError, Zero3Error
+from zero3_offload.errors import (
+    CollectiveTimeoutError,
+    CommunicationError,
+    ConfigError,
+    Zero3Error,
+)
 from zero3_offload.logging import get_logger
 
 __all__ = [
@@ -250,7 +255,7 @@ async def _join(
         absent = beat.absent() if beat is not None else []
         if beat is not None:
             beat.close()
-        if absent and "did not complete within" in str(exc):
+        if absent and isinstance(exc, CollectiveTimeoutError):
             ranks = ", ".join(map(str, absent))
             raise CommunicationError(
                 f"rank(s) {ranks} never reached the rendezvous store at {where} within "

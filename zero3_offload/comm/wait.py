@@ -54,7 +54,12 @@ import attrs
 import torch.distributed as dist
 
 from zero3_offload.comm.heartbeat import Heartbeat
-from zero3_offload.errors import CommunicationError, RankDivergenceError, Zero3Error
+from zero3_offload.errors import (
+    CollectiveTimeoutError,
+    CommunicationError,
+    RankDivergenceError,
+    Zero3Error,
+)
 
 __all__ = ["CollectiveWait", "group_label"]
 
@@ -146,7 +151,7 @@ class CollectiveWait:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self.fail(
-                    CommunicationError(
+                    CollectiveTimeoutError(
                         f"{label} did not complete within {self.timeout_s:g} s: "
                         "a rank may have stopped or skipped this call"
                     )
