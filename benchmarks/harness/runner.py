@@ -40,10 +40,7 @@ def work_directory(prefix: str, keep: bool, parent: Path | None = None) -> Itera
     try:
         yield path
     finally:
-        if keep:
-            progress(f"work directory kept: {path}")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        progress(f"work directory kept: {path}") if keep else shutil.rmtree(path, True)
 
 
 class Processes(contextlib.AbstractContextManager):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import zero3_offload as z
-from harness.workload import lm_loss
+from harness import workload
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -55,6 +55,11 @@ class Torch:
         hyper = {"lr": self.spec["lr"], "weight_decay": self.spec["weight_decay"], **fused}
         return torch.optim.AdamW(params, betas=BETAS, eps=EPS, **hyper)
 
+    async def build(self, spec: dict[str, Any]) -> torch.nn.Module:
+        """The model: built from the seed, or loaded in full from ``spec["pretrained"]``."""
+        path, dims = spec.get("pretrained"), spec["dims"]
+        return workload.load(dims, path, spec["seed"]) if path else workload.build(dims)
+
     async def setup(self, model: torch.nn.Module) -> None:
         if self.spec["kind"] == "fsdp2":
             from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -83,7 +88,7 @@ class Torch:
         out = call(input_ids=x, labels=x) if hf else call(x)
         out = await out if inspect.isawaitable(out) else out
         clock.phase("loss")
-        return out.loss if hf else lm_loss(out, y)
+        return out.loss if hf else workload.lm_loss(out, y)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         clock.phase("forward")
@@ -173,15 +178,26 @@ class Ours(Torch):
     async def start(self) -> None:
         self.lr_in_backward = self.options.pop("lr_in_backward", False)
         self.group = await z.init_process_group_from_env(self.spec.get("backend", "gloo"))
+        wd, device = self.spec["weight_decay"], self.device.type
+        opt = z.OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
+        self.config = z.Zero3CpuOffloadConfig(optimizer=opt, device=device, **self.options)
+
+    async def build(self, spec: dict[str, Any]) -> torch.nn.Module:
+        """Module mode from saved weights: ``from_pretrained`` (each rank reads its slices)."""
+        if not (path := spec.get("pretrained")) or spec["kind"] != "ours-module":
+            return await super().build(spec)
+        lora = {"peft_config": workload.lora_config(r)} if (r := spec["dims"].get("lora")) else {}
+        load = z.Zero3CpuOffloadManager.from_pretrained
+        self.manager = load(self.config, self.group, path, **lora, seed=spec["seed"])
+        return self.manager.model
 
     async def setup(self, model: torch.nn.Module) -> None:
-        wd = self.spec["weight_decay"]
-        opt = z.OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
-        config = z.Zero3CpuOffloadConfig(optimizer=opt, device=self.device.type, **self.options)
         self.names = getattr(model, "layer_names", None)  # chain mode: the children are the layers
+        if hasattr(self, "manager"):  # built from saved weights
+            return
         blocks = [n for n in self.names or [] if n.startswith("block")]  # module mode: units
         units = {"units": blocks} if blocks and self.spec["kind"] == "ours-module" else {}
-        self.manager = z.Zero3CpuOffloadManager(config, self.group, model, **units)
+        self.manager = z.Zero3CpuOffloadManager(self.config, self.group, model, **units)
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         manager, lr = self.manager, self.spec["lr"]
@@ -189,7 +205,7 @@ class Ours(Torch):
         out = await manager.forward_pass(x, self.names)
         clock.phase("loss")
         out.requires_grad_()  # the loss lives outside the manager
-        loss = lm_loss(out, y)
+        loss = workload.lm_loss(out, y)
         loss.backward()
         clock.phase("backward")
         in_backward = lr if self.lr_in_backward else None  # the update inside backward_pass

@@ -58,7 +58,7 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(spec["seed"])  # the same initial weights in every system
-    model = workload.build(spec["dims"])
+    model = await system.build(spec)
     rank.mark("model_built")
     await system.setup(model)
     gc.collect()  # what setup left for the collector goes before the steps' peak
@@ -101,12 +101,17 @@ def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) 
         spec["imports"] = ["deepspeed"] * (system.kind == "deepspeed")
         spec["imports"] += ["transformers"] * (size.get("model") == "llama")
         spec["mmap_threshold"] = get("mmap_threshold")
+        spec["pretrained"] = spec.get("pretrained") and str(workdir / f"weights{e.get('size', '')}")
         run_dir = workdir / f"{e.get('size', 'run')}-{e['key']}-{e['round']}"
         ranks = {"world": system.world, "torchrun": system.kind != "torch"}
         run = launch("harness.train:train", spec, run_dir, **ranks, timeout_s=args.timeout)
         return {**run, "warmup": size["warmup"]}
 
     with work_directory("train-", bool(get("keep"))) as workdir:
+        for name, size in sizes.items() if kw.get("spec", {}).get("pretrained") else ():
+            spec = {"dims": size, "seed": args.seed, "model_dir": str(workdir / f"weights{name}")}
+            if not (saved := launch("harness.workload:save", spec, workdir / "save"))["ok"]:
+                raise RuntimeError(f"saving the weights failed: {saved['error']}")
         entries = plan(list(systems), args.rounds, list(sizes))
         return run_plan(entries, one)
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from zero3_offload.integrations.peft_pretrained import reset_adapters
 from zero3_offload.train.corpus import VOCAB_SIZE, ByteCorpus
 from zero3_offload.train.model import GPT, GPTShape
 
@@ -22,16 +25,47 @@ DIMS += ("lora",)  # LoRA rank of the Llama (peft), 0 or absent: a full fine-tun
 def build(dims: dict[str, Any]) -> torch.nn.Module:
     """The GPT (a vocabulary above 256 leaves rows unused) or the Llama of ``dims``."""
     if r := dims.get("lora"):  # the Llama with LoRA of rank r on every projection, peft's way
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        proj = [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")]
-        return get_peft_model(build({**dims, "lora": 0}), LoraConfig(r=r, target_modules=proj))
+        return get_peft_model(build({**dims, "lora": 0}), lora_config(r))
     if dims.get("model") == "llama":
         from transformers import LlamaForCausalLM
 
-        return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims["seq"]))
+        return LlamaForCausalLM(llama_config(dims, max_position_embeddings=dims.get("seq", 2048)))
     shape = dict(vocab_size=dims.get("vocab") or VOCAB_SIZE, seq_len=dims["seq"], d_model=dims["d"])
     return GPT(GPTShape(**shape, layers=dims["n_layers"], heads=dims["heads"]))
+
+
+def lora_config(r: int) -> Any:
+    """peft's ``LoraConfig`` of rank ``r`` on every attention and MLP projection."""
+    from peft import LoraConfig
+
+    proj = [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")]
+    return LoraConfig(r=r, target_modules=proj)
+
+
+def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Launcher target: the Llama of ``spec["dims"]`` (no LoRA) built from ``spec["seed"]``
+    and saved as one fp32 ``model.safetensors`` in ``spec["model_dir"]``."""
+    torch.manual_seed(spec["seed"])
+    t0 = time.perf_counter()
+    model = build({**spec["dims"], "model": "llama", "lora": 0})
+    built = time.perf_counter()
+    model.save_pretrained(spec["model_dir"], max_shard_size="100GB")
+    files = {p.name: p.stat().st_size for p in sorted(Path(spec["model_dir"]).iterdir())}
+    return {"build_s": built - t0, "save_s": time.perf_counter() - built, "files": files}
+
+
+def load(dims: dict[str, Any], directory: str, seed: int) -> torch.nn.Module:
+    """The Llama saved in ``directory``, loaded in full by transformers; with LoRA, adapters
+    drawn from ``seed`` as ``from_pretrained(..., peft_config=...)`` of the library draws them."""
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    if r := dims.get("lora"):
+        reset_adapters(model := get_peft_model(model, lora_config(r)), seed)
+    return model
 
 
 def llama_config(dims: dict[str, Any], **extra: Any) -> Any:

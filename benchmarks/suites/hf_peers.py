@@ -57,6 +57,8 @@ DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offloa
 QUICK = {"timeout": 300.0}
 TITLE = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
 TITLES = {"gpt": "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"}
+SAVED = "The seeded weights are saved once (fp32 safetensors); each system loads them: ours by "
+SAVED += "from_pretrained (each rank its slices), the others by transformers' (in full)."
 TITLES["lora"] = "LoRA (peft, r=16 on every attention and MLP projection) of the same Llama:"
 
 
@@ -77,6 +79,8 @@ def run(args: Any) -> dict[str, Any] | None:
         dims = {**MODELS[model][args.quick], "global_batch": BATCH}
         threads = {k: args.threads * WORLD // s.world for k, s in systems.items()}  # torch: 2x
         config = dict(world_size=WORLD, malloc_mmap_threshold=args.mmap_threshold)
+        if model != "gpt":  # a fine-tune starts from saved weights: every system loads them
+            config.update(spec={"pretrained": True}, from_saved_weights=True)
         part, runs = train.compare(args, systems, dims, threads, **config)
         ok = [r for r in runs if r["ok"] and r["key"] in ("ours_module", *LORA)]
         ticks = [rk["loop_worst_tick_ms"] for r in ok for rk in r["ranks"]]  # the worse rank's
@@ -109,6 +113,7 @@ def notes(p: dict[str, Any]) -> list[str]:
             )
         size = f"{cfg['model']} d={dims['d']}, {dims['heads']} heads, {dims['n_layers']}"
         lines = peers.notes(part, f"Model: {size} {shape}: {cfg['params']:,} fp32 params")
+        lines += [SAVED] if cfg.get("from_saved_weights") else []
         out += [f"{model}: {n}" if i else n for n in lines if n not in out]
         if ms := part["loop_ms"]:
             ticker = "(a 10 ms ticker's worst lateness per step, first step out, worse rank)"

@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 import torch
+from harness import workload
 from harness.render import Col
 from harness.runner import cases, progress, work_directory
 from harness.workload import llama_config
@@ -23,6 +24,7 @@ FULL = dict(d=1024, ffn=2816, n_layers=24, heads=16, kv_heads=8, vocab=32000)
 TINY = dict(d=64, ffn=176, n_layers=2, heads=4, kv_heads=2, vocab=1000)
 OURS, PLAIN = "zero3_offload from_pretrained", "transformers from_pretrained (each rank)"
 CASES = {OURS: "ours", PLAIN: "plain"}
+save = workload.save  # the launcher's target: the model saved once
 TAKES = ["timeout", "keep", "mmap_threshold"]
 OPTIONS = {"--workdir": {"type": Path, "help": "where the saved model goes (default: a temp dir)"}}
 DEFAULTS = {"repeats": 2, "warmup": 0, "threads": 1, "timeout": 900.0}  # repeats: rounds
@@ -47,19 +49,6 @@ LAYOUT = [([
 
 def check(args: Any) -> str | None:
     return None if importlib.util.find_spec("transformers") else "needs transformers (pip install)"
-
-
-def save(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Launcher target: build the Llama (seeded) and save it as fp32 safetensors."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    t0 = time.perf_counter()
-    model = LlamaForCausalLM(llama_config(spec["dims"], use_cache=True))
-    built = time.perf_counter()
-    model.save_pretrained(spec["model_dir"], max_shard_size="100GB")
-    files = {p.name: p.stat().st_size for p in sorted(Path(spec["model_dir"]).iterdir())}
-    return {"build_s": built - t0, "save_s": time.perf_counter() - built, "files": files}
 
 
 async def ours(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -135,6 +124,7 @@ def run(args: Any) -> dict[str, Any] | None:
     progress(f"Llama of {params:,} parameters ({4 * params / 2**20:,.0f} MiB fp32)")
     with work_directory("pretrained-load-", args.keep, args.workdir) as work:
         spec = {"dims": dims, "model_dir": str(work / "model"), "threads": args.threads}
+        spec["seed"] = SEED
         spec.update(imports=["transformers", "zero3_offload"], mmap_threshold=args.mmap_threshold)
         kw = {"save": {"torchrun": False}, "case": {"world": WORLD, "timeout_s": args.timeout}}
         kw["case"]["sample_s"] = SAMPLE_S
