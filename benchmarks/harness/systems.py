@@ -1,6 +1,6 @@
 """The systems a training benchmark compares, behind one interface: ``SYSTEMS[kind](spec, rank)``
-with ``start``, ``setup(model)``, ``step(x, y, clock)``, ``model_state`` (bytes counted from the
-tensors it exposes), ``info`` and ``close``; docs/benchmarks.md (peers) has their options."""
+with ``start``, ``build(spec)``, ``setup(model)``, ``step(x, y, clock)``, ``model_state`` (bytes
+of the tensors it exposes), ``info`` and ``close``; docs/benchmarks.md (peers) has their options."""
 
 from __future__ import annotations
 
