@@ -11,7 +11,7 @@ checks this file). The manager then only orders their work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -467,7 +467,18 @@ def _build_training(
         owned_parameters=owned_numel(layouts),
     )
     clock, landing, chain_runner, model_runner = _build_runners(
-        config, split, gatherer, prefetch, reducer, grads, steps, comm, stats, timeline, device
+        config,
+        split,
+        gatherer,
+        prefetch,
+        reducer,
+        grads,
+        steps,
+        comm,
+        stats,
+        timeline,
+        device,
+        rss=accounting.process_rss,
     )
     return Engine(
         config=config,
@@ -635,6 +646,8 @@ def _build_runners(
     stats: Zero3PerformanceStats,
     timeline: Timeline,
     device: torch.device,
+    *,
+    rss: Callable[[], int],
 ) -> tuple[PassClock, GradientLanding, ChainRunner | None, ModuleRunner | None]:
     """What both runners share (the passes' clock, the landing of reduce-scatters) and the
     runner of the model's mode: a chain of layers, or the model's own code."""
@@ -642,7 +655,7 @@ def _build_runners(
     landing = GradientLanding(
         reducer=reducer, grads=grads, steps=steps, prefetch=prefetch, timeline=timeline
     )
-    heap = HeapTrimmer(enabled=config.trim_heap_after_forward, timeline=timeline)
+    heap = HeapTrimmer(enabled=config.trim_heap_after_forward, rss=rss, timeline=timeline)
     if split.model is None:
         layer_runner = LayerRunner(
             device=device,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import time
-
-import psutil
+from collections.abc import Callable
 
 from zero3_offload.memory.allocator import trim_heap
 from zero3_offload.stats.phase import Phase
@@ -26,20 +24,22 @@ class HeapTrimmer:
 
     Args:
         enabled: trim (``trim_heap_after_forward``); False does nothing.
+        rss: the process's resident set size now, in bytes
+            (``MemoryAccounting.process_rss``).
         timeline: where the trims are recorded.
     """
 
-    def __init__(self, *, enabled: bool, timeline: Timeline) -> None:
+    def __init__(self, *, enabled: bool, rss: Callable[[], int], timeline: Timeline) -> None:
         self.enabled = enabled
+        self._rss = rss
         self._timeline = timeline
-        self._process = psutil.Process(os.getpid()) if enabled else None
 
     def after_forward(self, phase: Phase) -> None:
         """The forward of ``phase`` ended: trim when it was a training one."""
-        if self._process is None or not phase.trains:
+        if not self.enabled or not phase.trains:
             return
         started = time.perf_counter()
-        before = int(self._process.memory_info().rss)
+        before = self._rss()
         trim_heap()
-        returned = max(0, before - int(self._process.memory_info().rss))
+        returned = max(0, before - self._rss())
         self._timeline.add("heap-trim", "", phase, started, time.perf_counter(), nbytes=returned)
