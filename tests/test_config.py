@@ -51,9 +51,11 @@ EXPECTED_DEFAULTS = {
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
+    "keep_gathered_bytes": 0,
     "activation_checkpointing": False,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
+    "keep_gathered_bytes": 0,
     "shared_memory_collectives": True,
     "offload_optimizer_device": OffloadDevice.CPU,
     "offload_param_device": OffloadDevice.CPU,
@@ -79,6 +81,7 @@ INT_MINIMUM = {
     "cpu_worker_threads": 1,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
+    "keep_gathered_bytes": 0,
 }
 
 BAD_VALUES = (

@@ -57,15 +57,18 @@ def runs() -> dict[str, list[dict]]:
     kept_bytes = sum(sizes[n] for n in backward[:3])
     room = sum(sorted((sizes[n] for n in names if n not in backward[:3]), reverse=True)[:3])
     tight = kept_bytes + room
+    # A byte limit that holds the last two layers of the forward, not three.
+    limited = sizes[backward[0]] + sizes[backward[1]]
     specs = {
         "on": {},
         "off": {"keep_gathered_for_backward": False},
         "tight": {"gpu_param_memory_budget": tight},
+        "limited": {"keep_gathered_bytes": limited},
     }
     results = run_named(
         2, {k: (train, TrainSpec(steps=STEPS, model=MODEL, config=c)) for k, c in specs.items()}
     )
-    return {"names": names, "sizes": sizes, "tight_budget": tight, **results}
+    return {"names": names, "sizes": sizes, "tight_budget": tight, "limit": limited, **results}
 
 
 def gathered_per_step(result: dict, sizes: dict[str, int], names: list[str]) -> float:
@@ -96,9 +99,18 @@ def test_kept_layers_are_not_gathered_again_in_backward(runs: dict) -> None:
     for r in runs["tight"]:
         assert gathered_per_step(r, sizes, names) == 2 * total - sum(sizes[n] for n in kept | last)
         assert r["memory"]["gathered_high_water_bytes"] <= runs["tight_budget"]
+    # keep_gathered_bytes replaces the CPU's pool limit: the last two layers are kept.
+    limited = choose_kept(
+        backward, names, sizes, budget=2 * 2**30, depth=DEPTH, resident=None, limit=runs["limit"]
+    )
+    assert limited == set(backward[:2]) and len(default) > 2
+    for r in runs["limited"]:
+        assert gathered_per_step(r, sizes, names) == 2 * total - sum(
+            sizes[n] for n in limited | last
+        )
 
 
 def test_keeping_changes_no_number(runs: dict) -> None:
-    for other in ("off", "tight"):
+    for other in ("off", "tight", "limited"):
         assert_bitwise(runs["on"][0]["state"], runs[other][0]["state"])
         assert runs["on"][0]["losses"] == runs[other][0]["losses"]

@@ -791,6 +791,12 @@ class Zero3CpuOffloadConfig:
     holds next to the prefetch window (on the CPU device at most ``prefetch_buffer_size +
     2`` largest layers' bytes, the reused buffers); each is released after its backward.
     False releases every layer after its forward."""
+    keep_gathered_bytes: int = int_field(0, 0, "bytes; 0 = the default limit")
+    """Most bytes of layers ``keep_gathered_for_backward`` keeps gathered (the last layers
+    of the forward, whole layers only), still within ``gpu_param_memory_budget`` next to
+    the prefetch window; 0 keeps the default limit (on the CPU device ``prefetch_buffer_size
+    + 2`` largest layers' bytes, else the budget alone). Lower it to trade gathers for peak
+    memory: each kept layer is gathered once per step instead of twice."""
     shared_memory_collectives: bool = bool_field(True)
     """On the CPU device, when every rank runs on the same host, move the data of the
     all-gathers and reduce-scatters through one shared-memory region (32 MiB on 2 ranks:

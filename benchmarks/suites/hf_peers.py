@@ -27,21 +27,17 @@ LLAMA_PEERS = {"fsdp2": FSDP2, "deepspeed": peers.SYSTEMS["deepspeed"]}
 CHAIN = System("zero3_offload chain mode", "zero3_offload", WORLD, {})
 GPT_PEERS = {"fsdp2": peers.SYSTEMS["fsdp2"], "ours_chain": CHAIN, "ours_module": MODULE}
 PARTS = {"llama": {**LLAMA_PEERS, "ours_module": MODULE}, "gpt": GPT_PEERS}
-LORA = {
-    f"ours_{f}{k}": System(
-        f"zero3_offload, {f} frozen{k and ', none kept'}",
-        "ours-module",
-        WORLD,
-        {"frozen_compression": f, "keep_gathered_for_backward": not k},
-    )
-    for f in ("bf16", "nf4")
-    for k in ("", "_lean")
-}  # fmt: skip  (lean: nothing kept for backward)
+LORA = {f"ours_{f}{k}": System(f"zero3_offload, {f} frozen{k and ', none kept'}", "ours-module",
+        WORLD, {"frozen_compression": f, "keep_gathered_for_backward": not k})
+        for f in ("bf16", "nf4") for k in ("", "_lean")}  # fmt: skip
 AC = {"activation_checkpointing": True, "keep_gathered_for_backward": False,
       "frozen_decode_at_use": True, "trim_heap_after_forward": True}  # fmt: skip
 AC_NAME = "zero3_offload, {} frozen, AC, at use, trim"
 LORA.update({f"ours_{f}_ac": System(AC_NAME.format(f), "ours-module", WORLD,
              {"frozen_compression": f, **AC}) for f in ("bf16", "nf4")})  # fmt: skip
+KEEP = {"keep_gathered_for_backward": True, "keep_gathered_bytes": 128 << 20}  # ~5 bf16 layers
+LORA["ours_bf16_ac_keep"] = System(AC_NAME.format("bf16") + ", 128 MiB kept", "ours-module",
+                                   WORLD, {**LORA["ours_bf16_ac"].options, **KEEP})  # fmt: skip
 FSDP2_AC = System("FSDP2 + full AC", "fsdp2", WORLD, {**BY_LAYER, "checkpoint": True})
 PARTS["lora"] = {**LLAMA_PEERS, "fsdp2_ac": FSDP2_AC, **LORA}
 TORCH = peers.SYSTEMS["torch"]

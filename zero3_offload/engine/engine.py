@@ -416,12 +416,21 @@ def _build_parameters(
         rank=comm.rank,
         resident=ROOT_UNIT if ROOT_UNIT in split.layers else None,
         keep_for_backward=config.keep_gathered_for_backward,
-        # On the CPU, kept layers stay within what a pass's window gathers at once
-        # (see the note).
-        keep_limit=gatherer.window_limit if device.type == "cpu" else None,
+        keep_limit=_keep_limit(config, gatherer, device),
         read_ahead=_PARAM_READ_AHEAD if disk.copies is not None else 0,
     )
     return cpu_need, params, gatherer, prefetch
+
+
+def _keep_limit(
+    config: Zero3CpuOffloadConfig, gatherer: ParameterGatherer, device: torch.device
+) -> int | None:
+    """The most bytes kept gathered for a backward (see [Note: kept for backward]):
+    ``keep_gathered_bytes`` when set; on the CPU, what a pass's window gathers at once;
+    else no limit but the budget."""
+    if config.keep_gathered_bytes:
+        return config.keep_gathered_bytes
+    return gatherer.window_limit if device.type == "cpu" else None
 
 
 def _after_initial_values(disk: _DiskTiers) -> None:

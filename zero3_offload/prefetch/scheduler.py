@@ -30,6 +30,8 @@ bytes are also at most what the gather pool may hold (``(prefetch_buffer_size
 + 2)`` largest layers): there the gathered buffers are process memory, and
 within that limit the kept layers take the place of pooled buffers instead of
 adding to the step's peak (and to page faults of fresh buffers every step).
+``keep_gathered_bytes`` replaces that limit on any device when set (a peak
+memory goal below what keeping the pool's bytes costs).
 The plan uses only the order, the sizes, the depth, the budget and the limit,
 so every rank keeps the same layers. A kept layer is released right after its
 backward; one the budget needs back (a larger working set than planned) is

@@ -70,6 +70,7 @@ MAY_DIFFER = frozenset(
         "activation_checkpointing",
         "speculative_step",
         "keep_gathered_for_backward",
+        "keep_gathered_bytes",
         "shared_memory_collectives",
         "offload_optimizer_device",
         "offload_param_device",
