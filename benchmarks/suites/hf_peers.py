@@ -35,9 +35,10 @@ AC = {"activation_checkpointing": True, "keep_gathered_for_backward": False,
 AC_NAME = "zero3_offload, {} frozen, AC, at use, trim"
 LORA.update({f"ours_{f}_ac": System(AC_NAME.format(f), "ours-module", WORLD,
              {"frozen_compression": f, **AC}) for f in ("bf16", "nf4")})  # fmt: skip
-KEEP = {"keep_gathered_for_backward": True, "keep_gathered_bytes": 128 << 20}  # ~5 bf16 layers
-LORA["ours_bf16_ac_keep"] = System(AC_NAME.format("bf16") + ", 128 MiB kept", "ours-module",
-                                   WORLD, {**LORA["ours_bf16_ac"].options, **KEEP})  # fmt: skip
+KEPT = {"bf16": 128, "nf4": 64}  # MiB kept for backward: ~5 bf16 or ~8 nf4 decoder layers
+LORA.update({f"ours_{f}_ac_keep": System(f"{AC_NAME.format(f)}, {mib} MiB kept", "ours-module",
+             WORLD, {**LORA[f"ours_{f}_ac"].options, "keep_gathered_for_backward": True,
+                     "keep_gathered_bytes": mib << 20}) for f, mib in KEPT.items()})  # fmt: skip
 FSDP2_AC = System("FSDP2 + full AC", "fsdp2", WORLD, {**BY_LAYER, "checkpoint": True})
 PARTS["lora"] = {**LLAMA_PEERS, "fsdp2_ac": FSDP2_AC, **LORA}
 TORCH = peers.SYSTEMS["torch"]
