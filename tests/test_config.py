@@ -51,7 +51,6 @@ EXPECTED_DEFAULTS = {
     "cpu_worker_threads": 2,
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
-    "keep_gathered_bytes": 0,
     "activation_checkpointing": False,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
