@@ -35,7 +35,7 @@ AC = {"activation_checkpointing": True, "keep_gathered_for_backward": False,
 AC_NAME = "zero3_offload, {} frozen, AC, at use, trim"
 LORA.update({f"ours_{f}_ac": System(AC_NAME.format(f), "ours-module", WORLD,
              {"frozen_compression": f, **AC}) for f in ("bf16", "nf4")})  # fmt: skip
-KEPT = {"bf16": 128, "nf4": 64}  # MiB kept for backward: ~5 bf16 or ~8 nf4 decoder layers
+KEPT = {"bf16": 128, "nf4": 64}  # MiB kept: the LM head + 2 (bf16) or 6 (nf4) decoder layers
 LORA.update({f"ours_{f}_ac_keep": System(f"{AC_NAME.format(f)}, {mib} MiB kept", "ours-module",
              WORLD, {**LORA[f"ours_{f}_ac"].options, "keep_gathered_for_backward": True,
                      "keep_gathered_bytes": mib << 20}) for f, mib in KEPT.items()})  # fmt: skip
