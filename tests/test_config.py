@@ -165,6 +165,16 @@ def test_cpu_budget_must_fit_max_cpu_memory():
         Zero3CpuOffloadConfig().evolve(max_cpu_memory_mb=1024)
 
 
+def test_keep_limit_needs_keeping():
+    config = Zero3CpuOffloadConfig(keep_gathered_bytes=2**20)
+    assert config.keep_gathered_for_backward and config.keep_gathered_bytes == 2**20
+    assert not Zero3CpuOffloadConfig(keep_gathered_for_backward=False).keep_gathered_bytes
+    with pytest.raises(ConfigError, match=r"keep_gathered_bytes=1048576 .*=False"):
+        Zero3CpuOffloadConfig(keep_gathered_bytes=2**20, keep_gathered_for_backward=False)
+    with pytest.raises(ConfigError, match="keep_gathered_bytes"):
+        config.evolve(keep_gathered_for_backward=False)
+
+
 def test_config_is_frozen():
     config = Zero3CpuOffloadConfig()
     with pytest.raises(AttributeError):

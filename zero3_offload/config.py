@@ -796,7 +796,8 @@ class Zero3CpuOffloadConfig:
     of the forward, whole layers only), still within ``gpu_param_memory_budget`` next to
     the prefetch window; 0 keeps the default limit (on the CPU device ``prefetch_buffer_size
     + 2`` largest layers' bytes, else the budget alone). Lower it to trade gathers for peak
-    memory: each kept layer is gathered once per step instead of twice."""
+    memory: each kept layer is gathered once per step instead of twice. Setting it with
+    ``keep_gathered_for_backward=False`` is refused."""
     shared_memory_collectives: bool = bool_field(True)
     """On the CPU device, when every rank runs on the same host, move the data of the
     all-gathers and reduce-scatters through one shared-memory region (32 MiB on 2 ranks:
@@ -877,6 +878,12 @@ class Zero3CpuOffloadConfig:
             raise ConfigError(
                 "speculative_step=True is invalid with offload_optimizer_device='nvme': "
                 "the pre-update copies need the state in memory; set one of them back"
+            )
+        if self.keep_gathered_bytes and not self.keep_gathered_for_backward:
+            raise ConfigError(
+                f"keep_gathered_bytes={self.keep_gathered_bytes} is invalid with "
+                "keep_gathered_for_backward=False: it limits the layers kept for backward, "
+                "and none are kept; set keep_gathered_for_backward=True or leave it at 0"
             )
         if self.cpu_compression is CpuCompressionMethod.NF4:
             raise ConfigError(
