@@ -148,3 +148,12 @@ def test_qlora_decoded_at_use_trains_alike_with_fewer_gathered_bytes(run) -> Non
     # fp32 compute, nf4 frozen copies: the frozen weights gathered as about 9/16 byte
     # per element instead of 4 (the adapters and norms stay fp32).
     assert 0 < 3 * gathered["at use"] < gathered["at gather"]
+    # Keeping the last units for the recomputing backward changes no number and
+    # gathers them once per step instead of twice.
+    kept = [float(v) for v in re.search(r"decoded at use, 2 MiB kept: losses (.*)", out)[1].split()]
+    assert kept == at_use
+    total = {
+        how: int(re.search(rf"decoded {how}: gathered (\d+) bytes in all", out)[1])
+        for how in ("at use", "at use, 2 MiB kept")
+    }
+    assert 0 < total["at use, 2 MiB kept"] < total["at use"]
