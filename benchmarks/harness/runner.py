@@ -40,7 +40,10 @@ def work_directory(prefix: str, keep: bool, parent: Path | None = None) -> Itera
     try:
         yield path
     finally:
-        progress(f"work directory kept: {path}") if keep else shutil.rmtree(path, True)
+        if keep:
+            progress(f"work directory kept: {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class Processes(contextlib.AbstractContextManager):
