@@ -14,7 +14,10 @@ the same; the gathered parameter bytes at their highest are not. A third run dec
 at use and keeps the forward's last units gathered for the recomputing backward, up
 to ``keep_gathered_bytes`` (2 MiB here: the LM head and the last two decoder layers), so
 those are gathered once per step instead of twice: the same losses again, fewer bytes
-gathered. How it works: docs/fine_tuning.md.
+gathered. A fourth run also has the last two decoder layers save their matrix
+products' outputs (``selective_checkpointing_units=2``; LoRA's low-rank products are
+recomputed), so their recomputation skips the projections: the same losses, more bytes
+saved for backward. How it works: docs/fine_tuning.md.
 """
 
 from __future__ import annotations
@@ -53,17 +56,25 @@ def batch(step: int, rows: int, seq: int) -> torch.Tensor:
     return torch.randint(0, 4096, (rows, seq), generator=g)
 
 
-RUNS = {"at gather": (False, 0), "at use": (True, 0), "at use, 2 MiB kept": (True, 2 * 2**20)}
+KEEP = 2 * 2**20
+# run -> (decoded at use, bytes kept for backward, units that save their products)
+RUNS = {
+    "at gather": (False, 0, 0),
+    "at use": (True, 0, 0),
+    "at use, 2 MiB kept": (True, KEEP, 0),
+    "at use, 2 MiB kept, 2 saving products": (True, KEEP, 2),
+}
 
 
 async def rank_main(
-    ctx: RankContext, at_use: bool, keep: int, steps: int
-) -> tuple[list[float], int, int]:
+    ctx: RankContext, at_use: bool, keep: int, selective: int, steps: int
+) -> tuple[list[float], int, int, int]:
     config = Zero3CpuOffloadConfig(
         optimizer=OptimizerConfig(kind="adamw", weight_decay=0.0),
         frozen_compression="nf4",
         frozen_decode_at_use=at_use,
         activation_checkpointing=True,
+        selective_checkpointing_units=selective,
         keep_gathered_for_backward=keep > 0,
         keep_gathered_bytes=keep,
     )
@@ -73,11 +84,13 @@ async def rank_main(
         for step in range(steps):
             x = batch(step, 4, 64).chunk(ctx.world_size)[ctx.rank]  # this rank's rows
             out = await manager.forward(input_ids=x, labels=x)
+            saved = manager.get_memory_stats().activation_bytes  # kept for this backward
             await manager.backward(out.loss)
             await manager.optimizer_step(1e-3)
             losses.append(out.loss.item())
         performance = manager.get_performance_stats()
-    return losses, performance.gathered_high_water_bytes, performance.prefetch["gathered_bytes"]
+    high_water = performance.gathered_high_water_bytes
+    return losses, high_water, performance.prefetch["gathered_bytes"], saved
 
 
 def main() -> None:
@@ -85,12 +98,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
-    for how, (at_use, keep) in RUNS.items():
-        results = asyncio.run(run_ranks(rank_main, args.world_size, at_use, keep, args.steps))
-        losses, high_water, gathered = results[0]
+    for how, run in RUNS.items():
+        results = asyncio.run(run_ranks(rank_main, args.world_size, *run, args.steps))
+        losses, high_water, gathered, saved = results[0]
         print(f"decoded {how}: losses {' '.join(f'{v!r}' for v in losses)}")
         print(f"decoded {how}: gathered high-water {high_water} bytes")
         print(f"decoded {how}: gathered {gathered} bytes in all")
+        print(f"decoded {how}: saved for backward {saved} bytes")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def setups(draw: st.DrawFn, collective_timeout_s: float = 20.0) -> Setup:
     # 64 MiB of "CPU memory": a rank's RSS is far above it, so the pressure policy
     # releases gathered layers and shrinks the prefetch at every update.
     max_cpu_mb = draw(st.sampled_from([65536, 64]))
+    checkpointing = draw(st.booleans())
     config = {
         "offload_params": draw(st.booleans()),
         "offload_grads": draw(st.booleans()),
@@ -74,7 +75,8 @@ def setups(draw: st.DrawFn, collective_timeout_s: float = 20.0) -> Setup:
         "gpu_param_memory_budget": budget,
         "cpu_compression": draw(st.sampled_from(["none", "fp16", "bf16", "int8"])),
         "compression_block_size": draw(st.sampled_from([256, 16])),
-        "activation_checkpointing": draw(st.booleans()),
+        "activation_checkpointing": checkpointing,
+        "selective_checkpointing_units": draw(st.integers(0, 3)) if checkpointing else 0,
         "auto_memory_management": draw(
             st.sampled_from(["balanced", "conservative", "aggressive", "extreme"])
         ),

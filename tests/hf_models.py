@@ -285,6 +285,9 @@ class HfSpec:
     save_dir: str | None = None  # saved after the last micro-step
     fail_first: bool = False  # a forward that raises (ids out of range) before training
     stats: bool = False  # also return stats, memory figures and log events
+    # Called without use_cache (the model's config has it on) and with eager attention,
+    # which attends to every key it is given.
+    model_cache: bool = False
 
 
 async def train_hf(ctx: RankContext, spec: HfSpec) -> dict[str, Any]:
@@ -296,6 +299,9 @@ async def train_hf(ctx: RankContext, spec: HfSpec) -> dict[str, Any]:
     model = build(spec.kind)
     if spec.model_ckpt is not None:
         enable_model_checkpointing(model, reentrant=spec.model_ckpt == "reentrant")
+    if spec.model_cache:
+        assert model.config.use_cache
+        model.set_attn_implementation("eager")
     out: dict[str, Any] = {"numel": sum(p.numel() for p in model.parameters())}
     with structlog.testing.capture_logs() as logs:
         manager = Zero3CpuOffloadManager(
@@ -318,7 +324,10 @@ async def train_hf(ctx: RankContext, spec: HfSpec) -> dict[str, Any]:
         losses, stepped, scales = [], [], []
         for i in range(spec.first_micro, spec.first_micro + spec.micro_steps):
             x = local(batch(i, spec.kind), ctx)
-            result = await manager.forward(**call_kwargs(spec.kind, x))
+            kwargs = call_kwargs(spec.kind, x)
+            if spec.model_cache:
+                del kwargs["use_cache"]
+            result = await manager.forward(**kwargs)
             loss = loss_of(result)
             await manager.backward(loss)
             losses.append(await global_mean(ctx, loss))
@@ -462,6 +471,20 @@ async def probe_eval(ctx: RankContext) -> dict[str, Any]:
         "gathered_bytes": status.gathered_bytes,
         "state": state,
     }
+
+
+async def probe_saved_products(ctx: RankContext) -> list[int]:
+    """Activation bytes after a training forward of the Llama with checkpointing, when
+    0, 1 and 2 of its units save their products (each forward then backpropagated)."""
+    saved = []
+    for units in range(3):
+        config = {"activation_checkpointing": True, "selective_checkpointing_units": units}
+        model = build("llama")
+        async with Zero3CpuOffloadManager(make_config(config), ctx.group, model) as manager:
+            result = await manager.forward(**call_kwargs("llama", local(batch(0, "llama"), ctx)))
+            saved.append(manager.get_memory_stats().activation_bytes)
+            await manager.backward(result.loss)
+    return saved
 
 
 def prompt(rank: int) -> torch.Tensor:

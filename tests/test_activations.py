@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     SEQ,
+    VOCAB,
     TrainSpec,
     assert_bitwise,
     eval_probe,
@@ -24,7 +25,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zero3_offload.errors import StateError
 from zero3_offload.execution.layer_runner import LayerRunner
 
-MODES = {"kept": False, "recompute": True}
+# mode -> its config; "selective": the last 4 layers (2 blocks, ln_f, the head) also save
+# their products (see [Note: saved products])
+MODES = {
+    "kept": {"activation_checkpointing": False},
+    "recompute": {"activation_checkpointing": True},
+    "selective": {"activation_checkpointing": True, "selective_checkpointing_units": 4},
+}
 
 
 def _layer() -> nn.Module:
@@ -113,9 +120,7 @@ def one_rank_dropout() -> dict[str, dict]:
 
 
 def dropout_spec(mode: str) -> TrainSpec:
-    return TrainSpec(
-        steps=4, seed=100, model={"dropout": 0.2}, config={"activation_checkpointing": MODES[mode]}
-    )
+    return TrainSpec(steps=4, seed=100, model={"dropout": 0.2}, config=MODES[mode])
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -141,8 +146,7 @@ def two_ranks() -> dict[str, list[dict]]:
     """The 2-rank runs of this file, in one rank run: training with dropout and a memory
     probe in each mode, an evaluation probe and the training it interrupts."""
     calls = {}
-    for mode, flag in MODES.items():
-        config = {"activation_checkpointing": flag}
+    for mode, config in MODES.items():
         calls[f"train-{mode}"] = (train, TrainSpec(config=config, **MODES_AGREE))
         calls[f"probe-{mode}"] = (memory_probe, TrainSpec(config=config, **PROBE))
     calls["eval"] = (eval_probe, EVAL)
@@ -152,10 +156,11 @@ def two_ranks() -> dict[str, list[dict]]:
 
 def test_modes_agree_on_two_ranks_with_dropout(two_ranks: dict[str, list[dict]]) -> None:
     """With dropout, recompute reproduces the kept forward bitwise (same masks, same math)."""
-    kept, recompute = two_ranks["train-kept"], two_ranks["train-recompute"]
-    for a, b in zip(kept, recompute, strict=True):
-        assert a["losses"] == b["losses"]
-    assert_bitwise(kept[0]["state"], recompute[0]["state"])
+    kept = two_ranks["train-kept"]
+    for mode in ("recompute", "selective"):
+        for a, b in zip(kept, two_ranks[f"train-{mode}"], strict=True):
+            assert a["losses"] == b["losses"]
+        assert_bitwise(kept[0]["state"], two_ranks[f"train-{mode}"][0]["state"])
 
 
 def test_activation_bytes_are_counted(two_ranks: dict[str, list[dict]]) -> None:
@@ -167,6 +172,13 @@ def test_activation_bytes_are_counted(two_ranks: dict[str, list[dict]]) -> None:
     inputs = 8 * (SEQ + 1) * 8 + (layers - 1) * local_batch * SEQ * d * 4
     assert probes["recompute"]["after_forward"]["activation_bytes"] == inputs
     assert probes["kept"]["after_forward"]["activation_bytes"] > 3 * inputs
+    # Selective: the inputs and the products' outputs, fewer than all the activations.
+    # Of the products, at least the blocks' qkv (3d columns) and fc2 (d) and the head's
+    # (VOCAB) outputs are saved.
+    selective = probes["selective"]["after_forward"]["activation_bytes"]
+    tokens = local_batch * SEQ
+    assert selective >= inputs + tokens * (2 * (3 * d + d) + VOCAB) * 4
+    assert selective < probes["kept"]["after_forward"]["activation_bytes"]
     for probe in probes.values():
         assert probe["after_backward"]["activation_bytes"] == 0
         # Activations count towards the memory of their device (CPU here).

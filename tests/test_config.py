@@ -52,6 +52,7 @@ EXPECTED_DEFAULTS = {
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
     "activation_checkpointing": False,
+    "selective_checkpointing_units": 0,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "keep_gathered_bytes": 0,
@@ -81,6 +82,7 @@ INT_MINIMUM = {
     "prefetch_bucket_size": 0,
     "param_persistence_threshold": 0,
     "keep_gathered_bytes": 0,
+    "selective_checkpointing_units": 0,
 }
 
 BAD_VALUES = (
@@ -173,6 +175,15 @@ def test_keep_limit_needs_keeping():
         Zero3CpuOffloadConfig(keep_gathered_bytes=2**20, keep_gathered_for_backward=False)
     with pytest.raises(ConfigError, match="keep_gathered_bytes"):
         config.evolve(keep_gathered_for_backward=False)
+
+
+def test_selective_checkpointing_needs_checkpointing():
+    config = Zero3CpuOffloadConfig(activation_checkpointing=True, selective_checkpointing_units=3)
+    assert config.selective_checkpointing_units == 3
+    with pytest.raises(ConfigError, match=r"selective_checkpointing_units=3 .*=False"):
+        Zero3CpuOffloadConfig(selective_checkpointing_units=3)
+    with pytest.raises(ConfigError, match="selective_checkpointing_units"):
+        config.evolve(activation_checkpointing=False)
 
 
 def test_config_is_frozen():

@@ -24,6 +24,7 @@ STEPS = 20
 TINY = ("examples/train_tiny.py", "--steps", str(STEPS), "--gradient-clipping", "0.5")
 FINETUNE = ("examples/finetune_transformers.py", "--steps", "20")
 QLORA = ("examples/qlora_decode_at_use.py", "--steps", "4")
+SELECTIVE = "at use, 2 MiB kept, 2 saving products"  # the QLoRA example's fourth run
 # Every run of an example below; DISK stands for a fresh directory.
 RUNS = (
     TINY,
@@ -135,9 +136,9 @@ def test_finetune_transformers_trains_and_exports(run) -> None:
 def test_qlora_decoded_at_use_trains_alike_with_fewer_gathered_bytes(run) -> None:
     pytest.importorskip("peft")
     out, _ = run(*QLORA)
-    eager, at_use, kept = (
+    eager, at_use, kept, selective = (
         [float(v) for v in re.search(rf"decoded {how}: losses (.*)", out)[1].split()]
-        for how in ("at gather", "at use", "at use, 2 MiB kept")
+        for how in ("at gather", "at use", "at use, 2 MiB kept", SELECTIVE)
     )
     assert len(eager) == 4
     assert max(abs(a - b) for a, b in zip(eager, at_use, strict=True)) < 1e-5
@@ -156,3 +157,14 @@ def test_qlora_decoded_at_use_trains_alike_with_fewer_gathered_bytes(run) -> Non
         for how in ("at use", "at use, 2 MiB kept")
     }
     assert 0 < total["at use, 2 MiB kept"] < total["at use"]
+    # The last two decoder layers saving their products change no number either; they
+    # save more for backward: each one's projection outputs, 2 x 64 tokens x (256 q +
+    # 128 k + 128 v + 256 o + 688 gate + 688 up + 256 down) fp32 values, and LoRA's
+    # down-projections (2 x 64 tokens x 8 values for each of the 7).
+    assert selective == kept
+    saved = {
+        how: int(re.search(rf"decoded {how}: saved for backward (\d+) bytes", out)[1])
+        for how in ("at use, 2 MiB kept", SELECTIVE)
+    }
+    per_layer = 2 * 64 * (256 + 128 + 128 + 256 + 688 + 688 + 256 + 7 * 8) * 4
+    assert saved[SELECTIVE] - saved["at use, 2 MiB kept"] == 2 * per_layer

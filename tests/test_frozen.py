@@ -65,6 +65,13 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None]] = {
     # Frozen weights decoded at use, under our checkpointing and the model's own.
     "lora-nf4-at-use": ("llama", "lora", {"frozen_compression": "nf4", **AT_USE}, None),
     "lora-bf16-at-use": ("qwen2", "lora", {"frozen_compression": "bf16", **AT_USE}, "reentrant"),
+    # Both decoder layers also save their products (LoRA's low-rank ones recomputed).
+    "lora-nf4-selective": (
+        "llama",
+        "lora",
+        {"frozen_compression": "nf4", **AT_USE, "selective_checkpointing_units": 2},
+        None,
+    ),
     "lora-plus": ("llama", "lora", {}, None),
     "frozen-embedding": ("llama", "embedding", {"keep_gathered_for_backward": False}, None),
     "last-two-layers": ("llama4", "last-two", {"keep_gathered_for_backward": False}, None),

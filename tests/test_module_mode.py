@@ -18,12 +18,13 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from helpers import run_named
+from helpers import assert_bitwise, run_named
 from hf_models import (
     ACC,
     ARCHS,
     LR,
     MICRO_STEPS,
+    SEQ,
     HfSpec,
     KwBlock,
     batch,
@@ -35,6 +36,7 @@ from hf_models import (
     probe_errors,
     probe_eval,
     probe_generate,
+    probe_saved_products,
     prompt,
     train_hf,
     unwrap,
@@ -48,6 +50,8 @@ OFFLOAD = [
     (p, g, o) for p in (True, False) for g in (True, False) for o in (True, False)
 ]  # (offload_params, offload_grads, offload_optimizer_states)
 OFFLOAD_STEPS = 6
+# the last unit saves its products (see [Note: saved products])
+SELECTIVE = {"activation_checkpointing": True, "selective_checkpointing_units": 1}
 
 
 def offload_name(combo: tuple[bool, bool, bool]) -> str:
@@ -84,6 +88,9 @@ def runs2(checkpoint_root: Path) -> dict[str, list[Any]]:
     calls: dict[str, tuple[Any, ...]] = {
         **exact_calls(),
         "recompute": (train_hf, HfSpec(config={"activation_checkpointing": True})),
+        "selective": (train_hf, HfSpec(config=SELECTIVE)),
+        "recompute-cache": (train_hf, HfSpec(config=SELECTIVE, model_cache=True)),
+        "saved-products": (probe_saved_products,),
         "model-ckpt": (train_hf, HfSpec(model_ckpt="non-reentrant")),
         "model-ckpt-reentrant": (train_hf, HfSpec(model_ckpt="reentrant")),
         "bf16": (train_hf, HfSpec(config={"compute_dtype": torch.bfloat16})),
@@ -199,6 +206,8 @@ def test_transformers_model_trains_like_plain_transformers(
 
 CHECKPOINTING = {
     "recompute": None,
+    "selective": None,
+    "recompute-cache": None,
     "model-ckpt": "non-reentrant",
     "model-ckpt-reentrant": "reentrant",
 }
@@ -211,6 +220,29 @@ def test_activation_checkpointing_trains_exactly(runs2: dict[str, list[Any]], na
     # Reentrant checkpointing hides the unit's parameters from the graph walk: those
     # units complete at the end of backward.
     assert_trains_like(get(runs2, name), plain("llama", model_ckpt=CHECKPOINTING[name]))
+
+
+def test_selective_checkpointing_is_bitwise_full_recomputation(
+    runs2: dict[str, list[Any]],
+) -> None:
+    """Saving the last unit's products changes no number. (``recompute-cache``, checked
+    against plain training above, runs with the KV cache the model's config turns on and
+    eager attention: the runner calls it with use_cache=False, else eager attention
+    attends to the keys a recomputation appends a second time and raises.)"""
+    for a, b in zip(get(runs2, "recompute"), get(runs2, "selective"), strict=True):
+        assert a["losses"] == b["losses"]
+        assert_bitwise(a["state"], b["state"])
+
+
+def test_selective_checkpointing_counts_the_saved_products(
+    runs2: dict[str, list[Any]],
+) -> None:
+    """A training forward's activation bytes grow by exactly the products the last
+    unit saves: every projection's output (q 32, k 16, v 16, o 32, gate 64, up 64, down
+    32 columns of fp32 per token; none is low-rank) for this rank's 3 x 16 tokens."""
+    for r in get(runs2, "saved-products"):
+        assert r[1] - r[0] == 3 * SEQ * (32 + 16 + 16 + 32 + 64 + 64 + 32) * 4
+        assert r[2] - r[0] == 2 * (r[1] - r[0])  # both units
 
 
 def test_bf16_compute_trains_close_to_fp32(runs2: dict[str, list[Any]]) -> None:

@@ -771,6 +771,17 @@ class Zero3CpuOffloadConfig:
     """Save only each layer's input between the passes and recompute the layer's forward
     in backward (about a third more compute, far fewer activations saved); False saves
     every layer's activations for backward, as plain PyTorch does."""
+    selective_checkpointing_units: int = int_field(0, 0, "units")
+    """With ``activation_checkpointing``, the last this-many checkpointed layers (in the
+    chain's order, or module mode's units in the model's order) also save the outputs of
+    their matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``) for backward, except
+    low-rank ones (output rows over 4x the contracted dimension, e.g. a LoRA adapter's
+    up-projection); backward then recomputes only the rest of their forward: norms,
+    activations, attention, the low-rank products. That is most of the recomputation's
+    cost, for those outputs' bytes per layer (about half of what a transformer layer saves
+    without checkpointing); results are bitwise those of full recomputation. 0: every
+    checkpointed layer recomputes its whole forward. Setting it without
+    ``activation_checkpointing`` is refused."""
     speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
     update during backward anyway, from a saved copy of its master shard and optimizer
@@ -884,6 +895,13 @@ class Zero3CpuOffloadConfig:
                 f"keep_gathered_bytes={self.keep_gathered_bytes} is invalid with "
                 "keep_gathered_for_backward=False: it limits the layers kept for backward, "
                 "and none are kept; set keep_gathered_for_backward=True or leave it at 0"
+            )
+        if self.selective_checkpointing_units and not self.activation_checkpointing:
+            raise ConfigError(
+                f"selective_checkpointing_units={self.selective_checkpointing_units} is "
+                "invalid with activation_checkpointing=False: it picks checkpointed layers "
+                "that save their products, and none are checkpointed; set "
+                "activation_checkpointing=True or leave it at 0"
             )
         if self.cpu_compression is CpuCompressionMethod.NF4:
             raise ConfigError(

@@ -38,6 +38,7 @@ from zero3_offload.execution.chain_runner import ChainRunner
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.execution.module_runner import ModuleRunner
+from zero3_offload.execution.product_saving import ProductSaving
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
@@ -665,12 +666,15 @@ def _build_runners(
         reducer=reducer, grads=grads, steps=steps, prefetch=prefetch, timeline=timeline
     )
     heap = HeapTrimmer(enabled=config.trim_heap_after_forward, rss=rss, timeline=timeline)
+    units = config.selective_checkpointing_units
+    products = ProductSaving(units) if units else None
     if split.model is None:
         layer_runner = LayerRunner(
             device=device,
             compute_dtype=config.compute_dtype,
             recompute=config.activation_checkpointing,
             gathered_flat=gatherer.gathered_flat,
+            products=products,
         )
         chain = ChainRunner(
             layers=split.layers,  # type: ignore[arg-type]
@@ -699,6 +703,7 @@ def _build_runners(
         device=device,
         after_forward=heap.after_forward,
         recompute=config.activation_checkpointing,
+        products=products,
     )
     return clock, landing, None, module
 

@@ -126,12 +126,15 @@ class ChainRunner:
             await self._prefetch.begin_pass(phase, names)
             next_order = self._prefetch.next_after_forward(names) if training else ()
             no_backward: set[str] = set()
+            selective = self._runner.saving_products(names) if training else frozenset()
             for i, name in enumerate(names):
                 module = await self._prefetch.acquire(names, i)
                 t0 = time.perf_counter()
                 if i == 0 and not h.is_floating_point() and not self._reducer.has_gradients(name):
                     no_backward.add(name)  # frozen, on token ids: no gradient goes through
-                h, saved = self._runner.forward(name, module, h, keep=training)
+                h, saved = self._runner.forward(
+                    name, module, h, keep=training, save_products=name in selective
+                )
                 steps.append(saved)
                 self._clock.compute(name, phase, t0)
                 self._prefetch.finish(names, i, next_order=next_order)

@@ -27,13 +27,15 @@ only layer inputs are saved between the passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from zero3_offload.errors import InputError, LayerExecutionError, StateError, Zero3Error
 from zero3_offload.execution.buffer_slot import BufferSlot
+from zero3_offload.execution.product_saving import ProductSaving
 from zero3_offload.execution.saved_step import RngState, SavedStep
 from zero3_offload.stats.tensor_bytes import storage_bytes
 
@@ -50,6 +52,9 @@ class LayerRunner:
             [Note: saved activations].
         gathered_flat: layer name -> its gathered flat buffer now (raises
             KeyError when the layer is not gathered).
+        products: with ``recompute``, picks the layers (the last ones of a chain) that
+            also save their products (but low-rank ones); see [Note: saved products] in
+            ``execution.product_saving``. None: every layer recomputes its whole forward.
     """
 
     def __init__(
@@ -59,11 +64,19 @@ class LayerRunner:
         compute_dtype: torch.dtype,
         recompute: bool,
         gathered_flat: Callable[[str], torch.Tensor],
+        products: ProductSaving | None = None,
     ) -> None:
         self.device = device
         self.compute_dtype = compute_dtype
         self.recompute = recompute
         self._gathered_flat = gathered_flat
+        self._products = products
+
+    def saving_products(self, names: Sequence[str]) -> frozenset[str]:
+        """The layers of a training forward over ``names`` that save their products."""
+        if not self.recompute or self._products is None:
+            return frozenset()
+        return self._products.chosen(names)
 
     def to_compute(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` on the device; floating tensors in the compute dtype.
@@ -82,9 +95,16 @@ class LayerRunner:
     # ---------------------------------------------------------------- forward
 
     def forward(
-        self, name: str, module: nn.Module, x: torch.Tensor, *, keep: bool = True
+        self,
+        name: str,
+        module: nn.Module,
+        x: torch.Tensor,
+        *,
+        keep: bool = True,
+        save_products: bool = False,
     ) -> tuple[torch.Tensor, SavedStep | None]:
-        """Run ``module(x)``.
+        """Run ``module(x)``; with recomputation and ``save_products`` the outputs of the
+        layer's products are saved for backward too (see [Note: saved products]).
 
         Returns:
             The output (without autograd history) and what backward needs (None
@@ -93,6 +113,8 @@ class LayerRunner:
         Raises:
             LayerExecutionError: when the layer raises or returns no Tensor.
         """
+        if self.recompute and keep and save_products:
+            return self._forward_saving_products(name, module, x)
         if self.recompute or not keep:
             rng = self.rng_state() if keep else None
             inp = x.detach()
@@ -115,6 +137,26 @@ class LayerRunner:
         _check_output(name, out)
         saved.update(storage_bytes(leaf))
         return out.detach(), SavedStep(inp=leaf, out=out, rng=None, saved=saved)
+
+    def _forward_saving_products(
+        self, name: str, module: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, SavedStep]:
+        """Run ``module(x)`` as its recomputation will (autograd on, from a leaf), saving
+        its products; the graph is dropped, only the input and products stay."""
+        assert self._products is not None
+        rng = self.rng_state()
+        inp = x.detach()
+        saved = storage_bytes(inp)
+        forward, recompute = self._products.contexts(lambda t: saved.update(storage_bytes(t)))
+        try:
+            # The same grad mode and leaf as the recomputation: ops dispatch the same way.
+            with torch.enable_grad(), forward:
+                out = module(inp.detach().requires_grad_(inp.is_floating_point()))
+        except Exception as exc:
+            raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
+        _check_output(name, out)
+        step = SavedStep(inp=inp, out=None, rng=rng, saved=saved, products=recompute)
+        return out.detach(), step
 
     def _param_hooks(
         self, name: str
@@ -206,7 +248,7 @@ class LayerRunner:
                 torch.set_rng_state(step.rng.cpu)
                 if step.rng.cuda is not None:
                     torch.cuda.set_rng_state(step.rng.cuda, self.device)
-                with torch.enable_grad():
+                with torch.enable_grad(), step.products or contextlib.nullcontext():
                     out = module(leaf)
         except Exception as exc:
             raise LayerExecutionError(f"layer {name!r} raised in backward: {exc}") from exc

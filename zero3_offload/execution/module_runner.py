@@ -71,6 +71,7 @@ from zero3_offload.errors import InputError, LayerExecutionError, StateError, Ze
 from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.pass_result import PassResult
+from zero3_offload.execution.product_saving import ProductSaving
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
@@ -137,7 +138,14 @@ class ModuleRunner:
         recompute: wrap every unit's forward in (non-reentrant) activation
             checkpointing, except units that are one ``nn.Linear`` or ``nn.Embedding``
             (they save only their input anyway: a recomputation would only add their
-            output, an LM head's logits, to the backward's peak, and its compute).
+            output, an LM head's logits, to the backward's peak, and its compute). A
+            training forward of a model whose ``config.use_cache`` is on is then called
+            with ``use_cache=False`` unless the call sets it, as transformers does under
+            its own checkpointing: a recomputed attention layer would otherwise append
+            its keys and values to the KV cache a second time and attend to both.
+        products: with ``recompute``, picks the checkpointed units (the last ones) that
+            also save their products (but low-rank ones); see [Note: saved products] in
+            ``execution.product_saving``. None: every one recomputes its whole forward.
     """
 
     def __init__(
@@ -156,6 +164,7 @@ class ModuleRunner:
         device: torch.device,
         after_forward: Callable[[Phase], None],
         recompute: bool,
+        products: ProductSaving | None = None,
     ) -> None:
         self.model = model
         self._units = units
@@ -168,6 +177,8 @@ class ModuleRunner:
         self._clock = clock
         self._device = device
         self._after_forward = after_forward
+        config = getattr(model, "config", None)
+        self._no_cache = recompute and bool(getattr(config, "use_cache", False))
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
         self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
         # A new thread's OpenMP pool ignores torch.set_num_threads of other threads:
@@ -193,8 +204,18 @@ class ModuleRunner:
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._unit_post, name))
             )
-            if recompute and not isinstance(module, nn.Linear | nn.Embedding):
-                module.forward = functools.partial(_checkpointed, module.forward)
+        checkpointed = [
+            name
+            for name, module in unit_modules.items()
+            if recompute and not isinstance(module, nn.Linear | nn.Embedding)
+        ]
+        selective = products.chosen(checkpointed) if products is not None else frozenset()
+        for name in checkpointed:
+            context_fn = torch.utils.checkpoint.noop_context_fn
+            if products is not None and name in selective:
+                context_fn = functools.partial(products.contexts, self._saved_product)
+            forward = unit_modules[name].forward
+            unit_modules[name].forward = functools.partial(_checkpointed, forward, context_fn)
         for unit in units.values():
             for param in unit.parameters():
                 if param.requires_grad:  # frozen parameters get no gradient
@@ -253,6 +274,8 @@ class ModuleRunner:
             LayerExecutionError: when the model's code raised (the cause is chained).
         """
         args, kwargs = _to_device((args, kwargs), self._device)
+        if self._no_cache and phase is Phase.FORWARD:
+            kwargs.setdefault("use_cache", False)  # see ``recompute`` in the class docstring
         started = self._clock.start(phase)
         out, result = await self._run(phase, self.model, args, kwargs, "forward")
         self._after_forward(phase)
@@ -647,6 +670,11 @@ class ModuleRunner:
                 p.result.saved.update(storage_bytes(t))
         return t
 
+    def _saved_product(self, t: torch.Tensor) -> None:
+        """Count a product's output a selectively checkpointed unit saved."""
+        if self._current is not None:
+            self._current.result.saved.update(storage_bytes(t))
+
     def _unpack(self, saved: object) -> torch.Tensor:
         if not isinstance(saved, BufferSlot):
             assert isinstance(saved, torch.Tensor)
@@ -696,8 +724,16 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return 1
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``forward`` under non-reentrant activation checkpointing (recomputed in backward)."""
+def _checkpointed(
+    forward: Callable[..., Any],
+    context_fn: Callable[[], tuple[Any, Any]],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``forward`` under non-reentrant activation checkpointing (recomputed in backward),
+    its forward and recomputation in the contexts ``context_fn`` makes."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+    )

@@ -6,6 +6,9 @@ See [Note: saved activations] and [Note: backward by recomputation] in
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import Any
+
 import attrs
 import torch
 
@@ -26,10 +29,14 @@ class SavedStep:
 
     ``inp`` is the layer input (detached; with saved activations a leaf that
     requires grad when floating). ``out`` is the output with its graph (saved
-    activations) or None (recomputation, then ``rng`` is set).
+    activations) or None (recomputation, then ``rng`` is set, and ``products`` when
+    the layer saved its products).
     """
 
     inp: torch.Tensor
     out: torch.Tensor | None
     rng: RngState | None
     saved: dict[int, int]  # storage pointer -> bytes, of what this step saves for backward
+    # the recomputation's context that hands back the products the forward saved
+    # (see [Note: saved products] in ``execution.product_saving``), or None
+    products: AbstractContextManager[Any] | None = None

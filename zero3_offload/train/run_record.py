@@ -68,6 +68,7 @@ MAY_DIFFER = frozenset(
         "prefetch_bucket_size",
         "param_persistence_threshold",
         "activation_checkpointing",
+        "selective_checkpointing_units",
         "speculative_step",
         "keep_gathered_for_backward",
         "keep_gathered_bytes",
