@@ -667,7 +667,7 @@ def _build_runners(
     )
     heap = HeapTrimmer(enabled=config.trim_heap_after_forward, rss=rss, timeline=timeline)
     units = config.selective_checkpointing_units
-    products = ProductSaving(units) if units else None
+    products = ProductSaving(count=units) if units else None
     if split.model is None:
         layer_runner = LayerRunner(
             device=device,
