@@ -1,6 +1,4 @@
-"""zero3_offload's module mode on a transformers Llama vs plain torch, FSDP2 and DeepSpeed.
-
-peers' method on a ~300M Llama (GQA); ``--models gpt``: module vs chain mode on the GPT."""
+"""Module mode vs torch, FSDP2, DeepSpeed on a ~300M HF Llama (peers' method); gpt: vs chain."""
 
 from __future__ import annotations
 
@@ -35,10 +33,12 @@ AC = {"activation_checkpointing": True, "keep_gathered_for_backward": False,
 AC_NAME = "zero3_offload, {} frozen, AC, at use, trim"
 LORA.update({f"ours_{f}_ac": System(AC_NAME.format(f), "ours-module", WORLD,
              {"frozen_compression": f, **AC}) for f in ("bf16", "nf4")})  # fmt: skip
-KEPT = {"bf16": 128, "nf4": 64}  # MiB kept: the LM head + 2 (bf16) or 6 (nf4) decoder layers
-LORA.update({f"ours_{f}_ac_keep": System(f"{AC_NAME.format(f)}, {mib} MiB kept", "ours-module",
-             WORLD, {**LORA[f"ours_{f}_ac"].options, "keep_gathered_for_backward": True,
-                     "keep_gathered_bytes": mib << 20}) for f, mib in KEPT.items()})  # fmt: skip
+KEPT = {"bf16_ac_keep": (128, 0), "nf4_ac_keep": (64, 0), "bf16_ac_sel": (64, 6)}  # MiB, units
+for k, (mib, n) in KEPT.items():  # 128 / 64 MiB: the LM head + 2 (bf16) / 6 (nf4) layers
+    f, saving = k.split("_")[0], f", last {n} units save their products" if n else ""
+    LORA[f"ours_{k}"] = System(f"{AC_NAME.format(f)}, {mib} MiB kept{saving}", "ours-module", WORLD,
+        {**LORA[f"ours_{f}_ac"].options, "keep_gathered_for_backward": True,
+         "keep_gathered_bytes": mib << 20, "selective_checkpointing_units": n})  # fmt: skip
 FSDP2_AC = System("FSDP2 + full AC", "fsdp2", WORLD, {**BY_LAYER, "checkpoint": True})
 PARTS["lora"] = {**LLAMA_PEERS, "fsdp2_ac": FSDP2_AC, **LORA}
 TORCH = peers.SYSTEMS["torch"]
