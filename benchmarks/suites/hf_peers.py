@@ -34,7 +34,7 @@ AC_NAME = "zero3_offload, {} frozen, AC, at use, trim"
 LORA.update({f"ours_{f}_ac": System(AC_NAME.format(f), "ours-module", WORLD,
              {"frozen_compression": f, **AC}) for f in ("bf16", "nf4")})  # fmt: skip
 KEPT = {"bf16_ac_keep": (128, 0), "nf4_ac_keep": (64, 0), "bf16_ac_sel": (64, 6)}  # MiB, units
-for k, (mib, n) in KEPT.items():  # 128 / 64 MiB: the LM head + 2 (bf16) / 6 (nf4) layers
+for k, (mib, n) in KEPT.items():  # the LM head + 2 bf16 / 6 nf4 layers; sel: the head alone
     f, saving = k.split("_")[0], f", last {n} units save their products" if n else ""
     LORA[f"ours_{k}"] = System(f"{AC_NAME.format(f)}, {mib} MiB kept{saving}", "ours-module", WORLD,
         {**LORA[f"ours_{f}_ac"].options, "keep_gathered_for_backward": True,
