@@ -77,12 +77,16 @@ def test_configuration_reference_lists_every_field() -> None:
 def test_readme_is_a_front_page() -> None:
     assert README.stat().st_size <= 16 * 1024
     text = _text(README)
-    for command in (
-        'python -m pip install torch==2.13.0 && python -m pip install -e ".[dev]"',
-        "ruff check . && ruff format --check . && python -m pytest",
-    ):
-        assert f"```bash\n{command}\n```" in text  # what .ci/run runs
-        assert command in _text(ROOT / ".ci" / "run")
+    setup, test = (
+        re.search(rf"^## {section}\n.*?```bash\n(.*?)\n```", text, re.M | re.S)[1]
+        for section in ("Setup", "Test")
+    )
+    assert setup.startswith("python -m venv .venv && . .venv/bin/activate && ")
+    assert "python -m pip install torch==2.13.0" in setup  # the CPU wheel, not CUDA's
+    assert test == "ruff check . && ruff format --check . && python -m pytest"
+    # .ci/run: a fresh environment, then exactly the two commands, in that order.
+    ci = _text(ROOT / ".ci" / "run").splitlines()
+    assert ci.index("rm -rf .venv") < ci.index(setup) < ci.index(test)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -506,8 +506,8 @@ class Collectives:
             self.filled += 1
 
     def close(self) -> None:
-        """Stop the heartbeat and the divergence check, and unmap the shared-memory
-        region (after the last collective)."""
+        """Stop the heartbeat and the divergence check, unmap the shared-memory region
+        (after the last collective) and end the launcher and waiter threads."""
         if self.heartbeat is not None:
             self.heartbeat.close()
         if self.shared_memory is not None:
@@ -518,6 +518,10 @@ class Collectives:
             # (After a failure the launcher may be stuck with a silent peer: the
             # side group is then left to the process's exit.)
             self._launcher.submit(check.close).result(timeout=self.timeout_s)
+        # After a failure either thread may be stuck with a silent peer: not waited for.
+        join_s = self.timeout_s if self._broken is None else 0
+        self._launcher.stop(join_s)
+        self._waiter.stop(join_s)
 
     @property
     def context(self) -> str:

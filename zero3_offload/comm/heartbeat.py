@@ -43,11 +43,44 @@ is the ranks' meeting after it and :meth:`Heartbeat.advance_epoch` ends it.
 A group's heartbeat starts with :meth:`Heartbeat.open`, a collective: rank 0
 draws the keys' prefix and broadcasts it, every rank publishes its pid, and the
 ranks agree that every one of them reached the store before any starts beating.
+
+[Note: leaving cleanly]
+A process whose training succeeded must end with status 0 and print nothing.
+Two things stood in the way, both from beat threads that outlive their use:
+
+1. A beat thread is a daemon, and most of its time is spent inside the store's
+   calls, which release the GIL. When the interpreter finalizes while such a
+   call is in flight, the thread's return into Python ends it with
+   ``pthread_exit``, whose unwinding meets pybind11's ``gil_scoped_release``
+   destructor (``noexcept``) and calls ``std::terminate``: the process aborts
+   ("terminate called without an active exception", SIGABRT) after its work
+   is done. It happens to scripts that never call ``destroy_process_group``
+   (the process heartbeat beats until then) or never close a manager.
+   So every heartbeat still beating is closed when the process ends, before
+   finalization: at ``atexit`` (an interpreter's normal end, ``spawn``
+   children included) and by a ``multiprocessing`` finalizer (children of
+   ``fork`` and ``forkserver``, which end with ``os._exit`` after their
+   target, skip ``atexit`` but run those). ``close`` joins the thread.
+2. The store lives in its host's process (rank 0 under a ``tcp://``
+   rendezvous). A host that ends first cuts a peer's beat thread mid-call,
+   and torch's client logs the broken read ("recvValue failed ... Connection
+   reset by peer", with a C++ stack) on the peer. So the host's
+   :meth:`Heartbeat.close` waits until every peer that arrived has closed
+   its heartbeat too (its counter marked closed), or has exited, is stopped or
+   was already silent, for ``timeout_s`` at most: the store's host leaves last.
+   So that it need not wait for a peer that still has work to do, the host
+   first sets a *leaving* key; a peer's beat thread looks for it between beats (every
+   ``_FAILURE_POLL_S``), acknowledges by marking its own counter closed, takes
+   the host as closed (what :meth:`Heartbeat.silent` then reports) and makes
+   no more calls to the store. A peer still working is so released within a
+   tenth of a second.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
+import multiprocessing.util
 import os
 import random
 import socket
@@ -71,6 +104,7 @@ _CLOSED = -(1 << 60)  # added to a counter by close(): a deliberate end, not sil
 _ROUNDS_PER_TIMEOUT = 5
 _FAILURE_POLL_S = 0.1  # how often the beat thread looks for a failure report
 _MEET_POLL_S = 0.01  # how often a meeting looks for the other ranks' records
+_LEAVE_POLL_S = 0.01  # how often the store's host looks for the others' ends
 
 
 def default_store() -> dist.Store | None:
@@ -121,6 +155,42 @@ def _drop_client(address: tuple[str, int] | None) -> None:
     if address is not None:
         with _CLIENTS_LOCK:
             _CLIENTS.pop(address, None)
+
+
+# The heartbeats beating in this process, closed when it ends (see [Note: leaving
+# cleanly]); the pid whose exit hooks are registered (a forked child registers its own).
+_BEATING: set[Heartbeat] = set()
+_BEATING_LOCK = threading.Lock()
+_EXIT_HOOKS_PID: int | None = None
+
+
+def _forget_parent_heartbeats() -> None:
+    """In a forked child: none of the parent's beat threads run here."""
+    global _BEATING_LOCK
+    _BEATING_LOCK = threading.Lock()  # the parent's may have been held at the fork
+    _BEATING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_heartbeats)
+
+
+def _close_at_exit() -> None:
+    """Close every heartbeat still beating in this process (at its end)."""
+    with _BEATING_LOCK:
+        beating = list(_BEATING)
+    for beat in beating:
+        beat.close()
+
+
+def _register_exit_hooks() -> None:
+    """Have :func:`_close_at_exit` run when this process ends, however it ends cleanly
+    (see [Note: leaving cleanly])."""
+    global _EXIT_HOOKS_PID
+    if os.getpid() == _EXIT_HOOKS_PID:
+        return
+    _EXIT_HOOKS_PID = os.getpid()
+    atexit.register(_close_at_exit)
+    multiprocessing.util.Finalize(None, _close_at_exit, exitpriority=100)
 
 
 def _pid_space() -> str:
@@ -197,6 +267,8 @@ class Heartbeat:
         self._peers = {r: _Peer(r) for r in range(world_size) if r != rank}
         self._last_round = time.monotonic()
         self._store_error: str | None = None
+        self._leaving_key = f"{key}/leaving"  # set by the store's host when it closes
+        self._acknowledged_leaving = False  # this rank saw it (its counter marked closed)
         self._thread: threading.Thread | None = None
         self.epoch = 0  # failures recovered from so far (see [Note: failure channel])
         self._failure: FailureReport | None = None  # the current epoch's report, once seen
@@ -280,6 +352,9 @@ class Heartbeat:
         self._thread = threading.Thread(
             target=self._run, name=f"zero3-heartbeat-{self.rank}", daemon=True
         )
+        with _BEATING_LOCK:
+            _register_exit_hooks()
+            _BEATING.add(self)
         self._thread.start()
 
     def _learn(self, peer: _Peer) -> None:
@@ -330,6 +405,19 @@ class Heartbeat:
                 if self.epoch == epoch and self._failure is None:
                     self._failure = report
 
+    def _host_leaving(self) -> bool:
+        """Whether the store's host has begun to leave; the first time this rank sees it,
+        it acknowledges (its counter marked closed) and takes the host as closed (see
+        [Note: leaving cleanly]). Called by the beat thread between beats."""
+        host = self.store_host_rank
+        if host is None or host == self.rank or not self._store.check([self._leaving_key]):
+            return False
+        self._store.add(self._counter(self.rank), _CLOSED)
+        with self._lock:
+            self._acknowledged_leaving = True
+            self._peers[host].closed = True
+        return True
+
     def _run(self) -> None:
         try:
             next_beat = time.monotonic()
@@ -341,6 +429,8 @@ class Heartbeat:
                         with self._rounds:
                             self._rounds.notify_all()
                     self._poll_failure()
+                    if self._host_leaving():
+                        return  # acknowledged: no more calls to a store that may be gone
                 except Exception as exc:
                     # The store's host is gone or stopped: a TCP store client does not
                     # recover its connection, so beating ends here and silent() reports
@@ -485,15 +575,55 @@ class Heartbeat:
             return [p.rank for p in self._peers.values() if p.value is None]
 
     def close(self) -> None:
-        """Stop beating and tell the others this rank ended on purpose."""
+        """Stop beating and tell the others this rank ended on purpose. The store's host
+        then waits for the others to end theirs, or to see it leave (see [Note: leaving
+        cleanly])."""
+        with _BEATING_LOCK:
+            _BEATING.discard(self)
         if self._thread is None or self._stop.is_set():
             self._stop.set()
             return
         self._stop.set()
         self._thread.join(timeout=self.interval_s + self.timeout_s)
-        if self._store_error is not None:
-            return  # nobody can be told
+        if self._store_error is not None or self._acknowledged_leaving:
+            return  # nobody can be told, or the others know (the store's host has left)
         try:
+            if self.rank == self.store_host_rank:
+                self._store.set(self._leaving_key, "")
             self._store.add(self._counter(self.rank), _CLOSED)
+            if self.rank == self.store_host_rank:
+                self._await_peers_leaving()
         except Exception as exc:  # the store is gone with its host: nobody is left to tell
             log.debug("heartbeat_close_unreported", rank=self.rank, error=str(exc))
+
+    def _await_peers_leaving(self) -> None:
+        """Wait, ``timeout_s`` at most, until every peer that arrived (its counter
+        exists) has closed its heartbeat, acknowledged this rank's leaving, or exited
+        (this rank serves the store); one that is stopped, or that this rank's rounds
+        found silent already, is not waited for."""
+        with self._lock:
+            silent = {
+                p.rank
+                for p in self._peers.values()
+                if p.value is not None and self._last_round - p.changed_at > self.timeout_s
+            }
+        waiting = [
+            r for r in self._peers if r not in silent and self._store.check([self._counter(r)])
+        ]
+        for rank in waiting:
+            self._learn(self._peers[rank])  # its pid, to see it exit
+        deadline = time.monotonic() + self.timeout_s
+        while waiting := [r for r in waiting if not self._gone(r)]:
+            values = self._store.multi_get([self._counter(r) for r in waiting])
+            waiting = [r for r, value in zip(waiting, values, strict=True) if int(value) >= 0]
+            if waiting and time.monotonic() > deadline:
+                log.debug("heartbeat_left_before_peers", rank=self.rank, peers=waiting)
+                return
+            if waiting:
+                time.sleep(_LEAVE_POLL_S)  # polls the store for the others' ends
+
+    def _gone(self, rank: int) -> bool:
+        """Whether ``rank``'s process, on this host, has exited or is stopped (it will
+        not answer while this rank waits)."""
+        peer = self._peers[rank]
+        return peer.same_host and peer.pid is not None and process_state(peer.pid) is not None

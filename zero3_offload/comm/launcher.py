@@ -43,7 +43,7 @@ class Launcher:
     """
 
     def __init__(self, name: str, check: DivergenceCheck | None) -> None:
-        self._queue: queue.SimpleQueue[_Entry] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()  # None: stop
         self.submitted = 0  # functions queued so far (from any thread, under the lock)
         self.finished = 0  # functions called so far (by the launcher thread only)
         self.check = check
@@ -58,7 +58,9 @@ class Launcher:
         self.cancelled = False
         self._running = False  # a queued function is being called now
         self._lock = threading.Lock()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._stopped = False  # stop() was called: nothing more is queued
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def record(self, recipe: Recipe) -> None:
         """Count a collective (or check) started, with its recipe."""
@@ -107,8 +109,8 @@ class Launcher:
         return f"the start of {current}" if current else "the start of the queued collectives"
 
     def _run(self) -> None:
-        while True:
-            fn, description, segment, recipe, what, future = self._queue.get()
+        while (entry := self._queue.get()) is not None:
+            fn, description, segment, recipe, what, future = entry
             self._current = description or what
             self._running = True
             if future.set_running_or_notify_cancel():
@@ -117,7 +119,7 @@ class Launcher:
                 except BaseException as exc:  # handed to whoever waits for the launch
                     future.set_exception(exc)
             # The launch's closure holds its tensors: not until the next launch.
-            del fn, future
+            del fn, future, entry
             self._current = None
             self._running = False
             self.finished += 1
@@ -135,6 +137,11 @@ class Launcher:
         own, never checked) may be named by ``what``, for errors."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
+            if self._stopped:
+                raise CommunicationError(
+                    f"{description or what or 'a launch'} was asked for after the group's "
+                    "collectives were closed"
+                )
             self.submitted += 1
             self._queue.put((fn, description, segment, recipe, what, future))
         return future
@@ -154,6 +161,16 @@ class Launcher:
         self._since, self._count = hashlib.blake2b(digest_size=8), 0
         self.diverged = self.failed_at = None
         self.cancelled = False
+
+    def stop(self, timeout_s: float | None) -> None:
+        """End the launcher thread once everything queued so far has been called, waiting
+        ``timeout_s`` for it at most (0: not at all; a launch stuck on a silent peer is
+        left to the process's exit, the thread being a daemon)."""
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
+        if timeout_s != 0:
+            self._thread.join(timeout_s)
 
     def idle(self) -> bool:
         """Whether everything queued so far has been called."""

@@ -23,7 +23,8 @@ named within the heartbeat's timeout instead of ending the wait only at
    ``comm.wait``) with that heartbeat: a rank that arrived and then exited or
    stopped is named within the heartbeat's timeout; ranks that never arrived are
    named when ``timeout_s`` passes.
-5. The process heartbeat beats until ``destroy_process_group``. A manager built on
+5. The process heartbeat beats until ``destroy_process_group`` (or the process's
+   end: see [Note: leaving cleanly] in ``comm.heartbeat``). A manager built on
    the default group waits with it for its own heartbeat's start (the one window of
    its construction its own heartbeat cannot watch): ``joined_heartbeat``.
 
@@ -35,7 +36,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime as _dt
+import ipaddress
 import os
+import socket
 import threading
 
 import anyio.to_thread
@@ -64,6 +67,7 @@ log = get_logger(__name__)
 
 _BACKENDS = ("gloo", "nccl")
 _DEFAULT_HEARTBEAT_S = 5.0
+_LISTEN_BACKLOG = 4096  # as torch's own store listens
 
 
 @attrs.frozen
@@ -116,16 +120,46 @@ def _check(backend: str | None, rank: int, world_size: int) -> str:
     return backend
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _store(host: str, port: int, *, hosted: bool, world_size: int, timeout_s: float) -> dist.Store:
-    """This rank's connection to the rendezvous store (``hosted``: this process serves it)."""
-    return dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=hosted,
-        timeout=_dt.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    """This rank's connection to the rendezvous store (``hosted``: this process serves it).
+
+    torch's store listens on every interface of its host whatever ``host`` is; a
+    store for a loopback ``host`` is served on a socket bound to that address only,
+    so no other machine can reach a local run's store (see docs/security.md).
+    """
+    listen_fd = None
+    if hosted and _loopback(host):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1" if host == "localhost" else host, port))
+            listener.listen(_LISTEN_BACKLOG)
+        except OSError:
+            listener.close()
+            raise
+        listen_fd = listener.detach()  # the store's from now on
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=hosted,
+            timeout=_dt.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
+        )
+    except BaseException:
+        if listen_fd is not None:
+            os.close(listen_fd)
+        raise
 
 
 async def init_process_group(
@@ -142,7 +176,10 @@ async def init_process_group(
     its store), watched by a heartbeat (see [Note: watched rendezvous]).
 
     The rendezvous blocks until every rank has arrived, so it runs on a thread of its
-    own and the event loop stays free.
+    own and the event loop stays free. The group is the caller's to end with
+    :func:`destroy_process_group`; a process that ends without calling it has its
+    process heartbeat closed at its end, and torch's group torn down by torch (see
+    [Note: leaving cleanly] in ``comm.heartbeat``).
 
     Args:
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); ``None`` picks NCCL when
@@ -325,7 +362,10 @@ async def init_process_group_from_env(
 
 
 def destroy_process_group() -> None:
-    """Leave the default process group, if one exists, and stop its process heartbeat."""
+    """Stop the process heartbeat of the group :func:`init_process_group` built (the
+    store's host waits for the other ranks to stop theirs: see [Note: leaving
+    cleanly] in ``comm.heartbeat``), then destroy the default process group, if one
+    exists."""
     global _JOINED
     joined, _JOINED = _JOINED, None
     if joined is not None and joined.heartbeat is not None:

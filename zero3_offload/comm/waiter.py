@@ -26,12 +26,13 @@ class Waiter:
     """
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]]]
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[[BaseException | None], None]] | None]
+        self._queue = queue.SimpleQueue()  # None: stop
         # op -> whether the backend's Work objects for it offer get_future()
         # (gloo's reduce-scatter does not); learned on first use.
         self._has_future: dict[str, bool] = {}
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def when_done(self, op: str, work: Any, settle: Callable[[BaseException | None], None]) -> None:
         """Call ``settle(None)``, or ``settle(exc)`` on failure, from a backend thread or
@@ -53,11 +54,19 @@ class Waiter:
                 return future
         return None
 
+    def stop(self, timeout_s: float | None) -> None:
+        """End the waiter thread once the works queued so far completed, waiting
+        ``timeout_s`` for it at most (0: not at all; a work that never completes is left
+        to the process's exit, the thread being a daemon)."""
+        self._queue.put(None)
+        if timeout_s != 0:
+            self._thread.join(timeout_s)
+
     def _run(self) -> None:
-        while True:
-            work, settle = self._queue.get()
+        while (entry := self._queue.get()) is not None:
+            work, settle = entry
             _report(work.wait, settle)
-            del work, settle  # the work holds the op's buffers
+            del work, settle, entry  # the work holds the op's buffers
 
 
 def _report(wait: Callable[[], object], settle: Callable[[BaseException | None], None]) -> None:

@@ -1,12 +1,15 @@
 """Run an async function on N real ranks on this machine (for tests and examples).
 
 Each rank is a separate process joined to a gloo group on 127.0.0.1 (a free
-port is picked). Processes come from a ``forkserver`` that has already imported
+port is picked; the store and gloo listen on the loopback interface only).
+Processes come from a ``forkserver`` that has already imported
 torch (and ``torch._dynamo``, which its optimizers import), so starting a rank
 costs a fork, not an interpreter start, and no rank inherits the parent's
 thread pools. A failure in any rank stops all of them
 and raises :class:`RankFailedError` with that rank's traceback; no process is
-left behind, also on timeout or cancellation.
+left behind, also on timeout or cancellation. A successful run also waits for
+every rank to exit by itself, and a rank that ends with a status other than 0
+after returning its result fails the run too.
 
 Usage (the function must be importable, i.e. defined at module level)::
 
@@ -25,6 +28,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -33,6 +37,7 @@ from typing import Any
 
 import anyio
 import attrs
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -45,6 +50,7 @@ __all__ = [
     "RankContext",
     "RankFailedError",
     "free_port",
+    "keep_gloo_on_loopback",
     "process_context",
     "rank_pids_alive",
     "run_ranks",
@@ -62,6 +68,18 @@ class RankContext:
     rank: int
     world_size: int
     group: dist.ProcessGroup
+
+
+def keep_gloo_on_loopback() -> None:
+    """Have this process's gloo groups listen on the loopback interface only (local ranks;
+    by default gloo binds the address the host name resolves to), unless
+    ``GLOO_SOCKET_IFNAME`` is set already."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,6 +105,8 @@ def _rank_main(
     torch.set_num_threads(threads)
     if mmap_threshold is not None:
         set_mmap_threshold(mmap_threshold)
+    if backend == "gloo":
+        keep_gloo_on_loopback()
 
     async def main() -> Any:
         group = await init_process_group(
@@ -162,6 +182,40 @@ def _supervise(
     return [out[r] for r in range(world_size)]
 
 
+def _await_clean_exits(procs: list[Any], may_die: frozenset[int]) -> None:
+    """Wait for ranks that returned their results to end by themselves; one that ends
+    with a status other than 0 (an abort at exit, say) fails the run."""
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0))
+    unclean = {
+        rank: p.exitcode
+        for rank, p in enumerate(procs)
+        if rank not in may_die and p.exitcode not in (0, None)
+    }
+    if unclean:
+        raise RankFailedError(
+            "; ".join(
+                f"rank {rank} returned its result, then {_exit_status(code)}"
+                for rank, code in sorted(unclean.items())
+            )
+        )
+    running = [rank for rank, p in enumerate(procs) if rank not in may_die and p.exitcode is None]
+    if running:
+        raise RankFailedError(
+            f"ranks {running} returned their results, then did not exit within {_EXIT_GRACE_S:g} s"
+        )
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 async def run_ranks(
     fn: Callable[..., Awaitable[Any]],
     world_size: int,
@@ -194,7 +248,9 @@ async def run_ranks(
         Each rank's return value, in rank order.
 
     Raises:
-        RankFailedError: when a rank raises, crashes or the run times out.
+        RankFailedError: when a rank raises, crashes or the run times out, or a rank
+            that returned its result does not then exit with status 0 (an abort at
+            the interpreter's exit, say).
     """
     attempt = 1
     while True:
@@ -222,6 +278,7 @@ async def run_ranks(
 # binding the same just-freed port, so a third collision means something else.
 _PORT_ATTEMPTS = 3
 _TERMINATE_GRACE_S = 10.0
+_EXIT_GRACE_S = 30.0  # how long ranks that returned their results may take to exit
 
 
 async def _run_once(
@@ -261,9 +318,11 @@ async def _run_once(
     try:
         for p in procs:
             p.start()
-        return await anyio.to_thread.run_sync(
+        out = await anyio.to_thread.run_sync(
             _supervise, procs, results, world_size, timeout_s, may_die, abandon_on_cancel=True
         )
+        await anyio.to_thread.run_sync(_await_clean_exits, procs, may_die, abandon_on_cancel=True)
+        return out
     finally:
         # A failed start leaves later processes unstarted: skip them (pid is None).
         started = [p for p in procs if p.pid is not None]
