@@ -1,10 +1,11 @@
 """The pytest plugin (``@pytest.mark.ranks``) on inner pytest sessions (``pytester``).
 
 - Under pytest-xdist (``-n 2``): a failing assert on rank 1 (the report names rank 1 and
-  shows the rewritten assertion), a hang (timeout with stacks), ``os._exit`` and SIGKILL in
-  one rank, ``ranks([1, 2, 3])``, fixtures (``tmp_path``, parameters, rank fixtures of a
-  conftest), the manager fixture, pool reuse, pytest-asyncio alongside.
-- Ctrl-C in the middle of a test.
+  shows the rewritten assertion, explained as pytest explains it in its own process), a
+  hang (timeout with stacks), ``os._exit`` and SIGKILL in one rank, ``ranks([1, 2, 3])``,
+  fixtures (``tmp_path``, parameters, rank fixtures of a conftest), the manager fixture,
+  pool reuse, pytest-asyncio alongside.
+- Ctrl-C while the first ranks start and while a test runs: the session ends within 10 s.
 - ``-x``, ``--lf``, ``-k``, ``-m``, pytest-asyncio's strict and auto modes, the ``cuda``
   mark and ``backend="nccl"``.
 - The ``pytest11`` entry point and ``-p no:zero3_offload``.
@@ -17,6 +18,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+
+# pytester's in-process sessions forget the modules they imported, the forkserver's among them,
+# and each would start a forkserver of its own (torch imported again), left running until this
+# process ends: imported here, the module stays and they share one.
+import multiprocessing.forkserver  # noqa: F401
 import os
 import re
 import signal
@@ -124,10 +130,12 @@ def test_name(request):
 @rank_fixture
 def pid_file(rank, test_name):
     """A rank-side fixture of a conftest that uses an ordinary fixture: writes this rank's
-    pid and start time to pids/<test>@<rank>.pid."""
+    pid and start time to pids/<test>@<rank>.pid (whole: a file renamed into place)."""
     started = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
     Path("pids").mkdir(exist_ok=True)
-    Path("pids", f"{test_name}@{rank.rank}.pid").write_text(f"{os.getpid()} {started}")
+    written = Path("pids", f"{test_name}@{rank.rank}.part")
+    written.write_text(f"{os.getpid()} {started}")
+    written.replace(Path("pids", f"{test_name}@{rank.rank}.pid"))
     return os.getpid()
 '''
 
@@ -163,6 +171,11 @@ async def test_assert_on_rank_1(rank, pid_file):
     if rank.rank == 0:
         await Collectives(rank.group, device=CPU).all_reduce_sum(torch.ones(1))  # waits for 1
     seen = [rank.rank, rank.world_size]
+    assert seen == [0, 2]
+
+
+def test_assert_in_the_pytest_process():
+    seen = [1, 2]
     assert seen == [0, 2]
 
 
@@ -303,14 +316,20 @@ def test_failures_timeouts_crashes_and_fixtures_under_xdist(
         timeout=600,
     )  # fmt: skip
     out = result.stdout.str()
-    result.assert_outcomes(passed=11, failed=5)
+    result.assert_outcomes(passed=11, failed=6)
     assert "created: 2/2 workers" in out
 
     # A failing assert on rank 1: named, rewritten as pytest shows it, and where rank 0 was.
     report = section(out, "test_assert_on_rank_1")
     assert ">       assert seen == [0, 2]" in report
     assert "E       assert [1, 2] == [0, 2]" in report
-    assert "E         At index 0 diff: 1 != 0" in report  # pytest's own comparison
+    # The comparison explained as pytest explains the same assertion in its own process,
+    # whatever its wording in the installed pytest.
+    explained = [line for line in report.splitlines() if line.startswith("E")]
+    expected = section(out, "test_assert_in_the_pytest_process").splitlines()
+    expected = [line for line in expected if line.startswith("E")]
+    assert expected[0] == "E       assert [1, 2] == [0, 2]" and len(expected) > 1, expected
+    assert explained == expected
     assert "rank 1 of 2 failed (the traceback above is its own)" in report
     assert re.search(r"rank 0: had not finished; where it was:\n(.*\n)*.*all_reduce_sum", report)
     summary = "FAILED test_failures.py::test_assert_on_rank_1 - [rank 1] assert [1, 2] == [0, 2]"
@@ -378,36 +397,127 @@ async def test_waits_for_ever(rank, pid_file):
     await asyncio.sleep(3600)
 """
 
+# A terminal's Ctrl-C signals its foreground job, whose SIGINT is at its default; a pytest that a
+# shell without job control started in the background (``pytest &`` in a script) has SIGINT
+# ignored, and its subprocesses inherit that. The inner sessions start with the default.
+DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+CTRL_C_LIMIT_S = 10.0
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*(\w+)$", status, re.M)[1], 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def commands(pids: list[int]) -> dict[int, str]:
+    """The command line of each of ``pids`` that still exists."""
+    found = {}
+    for pid in pids:
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return found
+
+
+class InterruptedSession:
+    """An inner pytest session in a directory and process group of its own, running ``HANG``,
+    that gets SIGINT at ``moment``: ``"starting"`` once its forkserver exists (it is importing
+    torch for the first ranks), ``"running"`` once its 2 ranks run the test."""
+
+    def __init__(self, pytester: pytest.Pytester, moment: str) -> None:
+        self.moment = moment
+        self.token = uuid.uuid4().hex
+        self.path = pytester.mkdir(moment)
+        (self.path / "pytest.ini").write_text(INI)
+        (self.path / "conftest.py").write_text(CONFTEST)
+        (self.path / "test_hang.py").write_text(HANG)
+        self.output = self.path / "output.txt"
+        self.interrupted: float | None = None
+        self.ended_s: float | None = None
+        env = {**os.environ, "ZERO3_PLUGIN_RUN": self.token}
+        env["PYTHONPATH"] = os.pathsep.join([str(self.path), env.get("PYTHONPATH", "")])
+        # hypothesis' plugin imports hypothesis as a session ends (seconds of CPU where bytecode
+        # is not cached), which is not this plugin's to answer for.
+        cmd = [
+            sys.executable, "-c", DEFAULT_SIGINT, "-m", "pytest", *plugin_args(),
+            "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+        ]  # fmt: skip
+        with self.output.open("w") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.path, env=env, start_new_session=True, stdout=out,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def ranks(self) -> dict[str, dict[int, str]]:
+        return recorded(self.path / "pids")
+
+    def step(self) -> bool:
+        """Interrupt the session when its moment has come, and note when it ended; True once
+        it ended after the interrupt. Fails when it ended before, or did not end in time."""
+        if self.ended_s is not None:
+            return True
+        now = time.monotonic()
+        if self.interrupted is None:
+            assert self.proc.poll() is None, self.output.read_text()
+            if self.moment == "starting":
+                ready = any("multiprocessing.forkserver" in c for c in self.processes().values())
+            else:
+                ready = len(self.ranks().get("test_waits_for_ever", {})) == 2
+            if ready:
+                assert catches(self.proc.pid, signal.SIGINT)
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.interrupted = now
+            return False
+        if self.proc.poll() is not None:
+            self.ended_s = now - self.interrupted
+            return True
+        if now - self.interrupted > CTRL_C_LIMIT_S:
+            left = "\n".join(f"{pid}: {c[:120]}" for pid, c in self.processes().items())
+            pytest.fail(
+                f"{self.moment}: the session did not end within {CTRL_C_LIMIT_S:g} s of SIGINT;"
+                f" its processes:\n{left}\n{self.output.read_text()}"
+            )
+        return False
+
+    def processes(self) -> dict[int, str]:
+        return commands(with_token(self.token))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
 
 @pytest.mark.slow
-def test_ctrl_c_leaves_no_process(pytester: pytest.Pytester) -> None:
-    token = uuid.uuid4().hex
-    pytester.makeini(INI)
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_hang=HANG)
-    env = {**os.environ, "ZERO3_PLUGIN_RUN": token}
-    env["PYTHONPATH"] = os.pathsep.join([str(pytester.path), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "pytest", *plugin_args(), "-p", "no:cacheprovider"]
-    # A session of its own, as a terminal's Ctrl-C signals every process of the foreground.
-    proc = subprocess.Popen(
-        cmd, cwd=pytester.path, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+def test_ctrl_c_ends_the_session_and_leaves_no_process(pytester: pytest.Pytester) -> None:
+    """Two sessions at once, one interrupted while its first ranks start, one while a test
+    runs: each ends, interrupted, within 10 s of the SIGINT, and no process of it is left."""
+    sessions = [InterruptedSession(pytester, moment) for moment in ("starting", "running")]
     try:
         deadline = time.monotonic() + 300
-        while len(recorded(pytester.path / "pids").get("test_waits_for_ever", {})) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never ran"
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        while not all([s.step() for s in sessions]):
+            assert time.monotonic() < deadline, "a session never came to its moment"
+            time.sleep(0.02)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
-    assert "KeyboardInterrupt" in out
-    ranks = recorded(pytester.path / "pids")["test_waits_for_ever"]
+        for session in sessions:
+            session.kill()
+    for session in sessions:
+        print(f"ctrl-c ({session.moment}): the session ended {session.ended_s:.2f} s after SIGINT")
+        out = session.output.read_text()
+        assert session.proc.returncode == pytest.ExitCode.INTERRUPTED, out
+        assert "KeyboardInterrupt" in out
+    starting, running = sessions
+    assert starting.ranks() == {}, starting.output.read_text()  # no rank had started a test
+    ranks = running.ranks()["test_waits_for_ever"]
     assert left_after(lambda: live(ranks)) == []
-    assert left_after(lambda: with_token(token)) == []
+    for session in sessions:
+        assert left_after(lambda s=session: with_token(s.token)) == []
 
 
 OPTIONS = """

@@ -34,6 +34,7 @@ import pytest
 
 from zero3_offload.testing.code_location import CodeLocation
 from zero3_offload.testing.manager_fixture import ManagerSpec, zero3_manager
+from zero3_offload.testing.rank_assertions import assertion_settings
 from zero3_offload.testing.rank_fixture import RankSide
 from zero3_offload.testing.rank_pool import PoolRun
 from zero3_offload.testing.rank_report import RankTestFailed, failure_repr
@@ -285,19 +286,9 @@ def _task(item: pytest.Function) -> RankTask:
             fulltrace=bool(config.getoption("fulltrace", False)),
             abspath=abspath,
             verbosity=config.get_verbosity(),
-            assertion_verbosity=config.get_verbosity(pytest.Config.VERBOSITY_ASSERTIONS),
-            truncation_lines=_ini_int(config, "truncation_limit_lines"),
-            truncation_chars=_ini_int(config, "truncation_limit_chars"),
+            assertions=assertion_settings(config),
         ),
     )
-
-
-def _ini_int(config: pytest.Config, name: str) -> int | None:
-    try:
-        value = config.getini(name)
-    except ValueError:  # a pytest without the option
-        return None
-    return None if value in (None, "") else int(value)
 
 
 def _pickled(values: dict[str, Any]) -> bytes:

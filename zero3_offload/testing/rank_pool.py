@@ -141,9 +141,11 @@ class RankPool:
             self._procs.append(proc)
             self._tasks.append(ours)
             self._lifelines.append(lifeline)
-            proc.start()
-            theirs.close()
-            watched.close()
+            try:
+                proc.start()  # an interrupt here leaves it unstarted (see kill())
+            finally:
+                theirs.close()
+                watched.close()
 
     def run(self, task: RankTask, timeout_s: float) -> PoolRun:
         """Run ``task`` on every rank and wait for their outcomes.
@@ -244,7 +246,7 @@ class RankPool:
             with contextlib.suppress(OSError):  # a rank that is gone already
                 conn.send_bytes(b"")
         deadline = time.monotonic() + _JOIN_S
-        for proc in self._procs:
+        for proc in self._started():
             proc.join(max(deadline - time.monotonic(), 0))
         self.kill()
 
@@ -253,16 +255,23 @@ class RankPool:
         if self._closed:
             return
         self._closed = True
-        for proc in self._procs:
+        started = self._started()
+        for proc in started:
             if proc.exitcode is None:
                 proc.kill()
-        for proc in self._procs:
+        for proc in started:
             proc.join(_JOIN_S)
         for conn in self._tasks + self._lifelines:
             conn.close()
         self._store = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _started(self) -> list[Any]:
+        """The processes whose start returned. One whose start was interrupted (Ctrl-C while
+        the forkserver was still starting) has no pid to signal; if the forkserver forks it
+        after all, it ends once it finds its lifeline closed (``rank_worker``)."""
+        return [proc for proc in self._procs if proc.pid is not None]
 
 
 def _exit_reason(code: int) -> str:

@@ -8,22 +8,38 @@ import attrs
 
 from zero3_offload.testing.code_location import CodeLocation
 
-__all__ = ["RankOutcome", "RankTask", "ReportStyle"]
+__all__ = ["AssertionSettings", "RankOutcome", "RankTask", "ReportStyle"]
+
+
+@attrs.frozen
+class AssertionSettings:
+    """What pytest's explanation of a failed comparison reads from its config, as the pytest
+    process has it (see ``testing.rank_assertions``).
+
+    ``verbosity`` is the assertion verbosity; ``ini`` the ini options it reads, as
+    ``(name, value)`` pairs, those the running pytest has; ``plugins`` which of the
+    plugins it asks about are registered; ``markup`` and ``code_highlight`` those of
+    the terminal writer.
+    """
+
+    verbosity: int = 0
+    ini: tuple[tuple[str, Any], ...] = ()
+    plugins: frozenset[str] = frozenset()
+    markup: bool = False
+    code_highlight: bool = False
 
 
 @attrs.frozen
 class ReportStyle:
     """How the pytest process shows a failure (``--tb``, ``-l``, ``--full-trace``, ``-v``,
-    the assertion verbosity and the truncation ini options)."""
+    and what its explanation of a failed comparison reads)."""
 
     tbstyle: str = "auto"
     showlocals: bool = False
     fulltrace: bool = False
     abspath: bool = False
     verbosity: int = 0
-    assertion_verbosity: int = 0
-    truncation_lines: int | None = None
-    truncation_chars: int | None = None
+    assertions: AssertionSettings = attrs.field(factory=AssertionSettings)
 
 
 @attrs.frozen
