@@ -379,6 +379,10 @@ class Heartbeat:
         values = [int(v) for v in self._store.multi_get(keys)] if keys else []
         for rank in arrived:
             self._learn(self._peers[rank])
+        # A rank publishes its failed call before it closes or exits: the report is read
+        # before a close this round found becomes visible to silent(), so that a wait
+        # names the failure rather than the silence.
+        self._poll_failure()
         now = time.monotonic()
         with self._lock:
             for rank, value in zip(arrived, values, strict=True):

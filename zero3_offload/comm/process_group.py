@@ -61,6 +61,7 @@ __all__ = [
     "init_process_group",
     "init_process_group_from_env",
     "joined_heartbeat",
+    "rendezvous_store",
 ]
 
 log = get_logger(__name__)
@@ -128,8 +129,11 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _store(host: str, port: int, *, hosted: bool, world_size: int, timeout_s: float) -> dist.Store:
-    """This rank's connection to the rendezvous store (``hosted``: this process serves it).
+def rendezvous_store(
+    host: str, port: int, *, hosted: bool, world_size: int, timeout_s: float
+) -> dist.TCPStore:
+    """A connection to the TCP rendezvous store at ``host:port`` (``hosted``: this process
+    serves it; ``port`` 0 then picks a free one, the store's ``port``).
 
     torch's store listens on every interface of its host whatever ``host`` is; a
     store for a loopback ``host`` is served on a socket bound to that address only,
@@ -232,7 +236,9 @@ async def _join(
     hosted = rank == store_host_rank
     try:  # a client waits for the store's host: off the event loop
         store = await anyio.to_thread.run_sync(
-            lambda: _store(host, port, hosted=hosted, world_size=world_size, timeout_s=timeout_s)
+            lambda: rendezvous_store(
+                host, port, hosted=hosted, world_size=world_size, timeout_s=timeout_s
+            )
         )
     except Exception as exc:  # DistNetworkError: the port is taken, the host never came
         raise CommunicationError(

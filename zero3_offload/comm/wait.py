@@ -18,7 +18,10 @@ written once in :class:`CollectiveWait`:
    epoch (some rank's call failed: see [Note: failure channel] in
    ``comm.failure_report``) ends the wait at its next look, without
    confirmation, with the report's error class naming that rank and its
-   error; a wait that starts once a report is known ends at once.
+   error; a wait that starts once a report is known ends at once. A wait
+   about to name a silent rank (rules 3 and 5) looks for a report once more:
+   a rank that failed a call and then closed is named by its failure (the beat
+   thread reads the reports before the counters of its round take effect).
 5. *Blame*: when the collective fails, a ``RankDivergenceError`` is raised as it
    is; a known failure report is raised as in rule 4; any other error is first
    explained by the heartbeat, waited for over its
@@ -165,6 +168,7 @@ class CollectiveWait:
             yield _CONFIRM_S
             silent = beat.silent()
             if silent is not None:
+                self._raise_failure(label)  # a failed call, then a close, is the failure
                 raise self.fail(CommunicationError(self._silence(silent, label)))
 
     def _failure(self, exc: Exception, label: str) -> tuple[Zero3Error, BaseException | None]:
@@ -182,6 +186,9 @@ class CollectiveWait:
         silent = None
         if beat is not None:
             silent = beat.wait_silent(time.monotonic() + beat.timeout_s + 2 * beat.interval_s)
+        report = beat.failure() if beat is not None else None
+        if report is not None:  # a rank failed a call, then closed or exited
+            return self.fail(report.peer_error(self.rank, self.waiting_for(label))), exc
         if silent is not None:
             return self.fail(CommunicationError(self._silence(silent, label))), exc
         if isinstance(exc, Zero3Error):

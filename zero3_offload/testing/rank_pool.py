@@ -3,7 +3,8 @@
 The processes come from the same ``forkserver`` as ``run_ranks``' (torch
 imported once, one torch thread each); they rendezvous at a TCP store that this
 process holds on a port the OS picked, so pools in other processes (pytest-xdist
-workers) never compete for a port. A test is written to a file of the pool's
+workers) never compete for a port. The store and the ranks' gloo groups listen on
+the loopback interface only. A test is written to a file of the pool's
 directory and its path sent to every rank; each rank answers with a
 :class:`~zero3_offload.testing.rank_task.RankOutcome`.
 
@@ -22,7 +23,6 @@ The stacks are read once the mark is there, or after a second at most.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
 import pickle
 import shutil
@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import torch.distributed as dist
 
+from zero3_offload.comm.process_group import rendezvous_store
 from zero3_offload.testing.rank_stacks import format_stacks
 from zero3_offload.testing.rank_task import RankOutcome, RankTask
 from zero3_offload.testing.rank_worker import STACKS_END, rank_files, serve
@@ -110,14 +111,12 @@ class RankPool:
         """Start the rank processes; they join the group while the first test is sent."""
         ctx = process_context()
         self._dir = tempfile.mkdtemp(prefix="zero3-ranks-")
-        timeout = _dt.timedelta(seconds=self.group_timeout_s)
-        self._store = dist.TCPStore(
+        self._store = rendezvous_store(  # on the loopback interface only
             "127.0.0.1",
             0,
-            self.world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,
+            hosted=True,
+            world_size=self.world_size,
+            timeout_s=self.group_timeout_s,
         )
         for rank in range(self.world_size):
             ours, theirs = ctx.Pipe()

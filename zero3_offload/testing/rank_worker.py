@@ -39,7 +39,7 @@ from zero3_offload.testing.rank_assertions import explain_comparisons
 from zero3_offload.testing.rank_fixture import RankSide, rank_function
 from zero3_offload.testing.rank_stacks import write_frames
 from zero3_offload.testing.rank_task import RankOutcome, RankTask, ReportStyle
-from zero3_offload.testing.run_ranks import RankContext
+from zero3_offload.testing.run_ranks import RankContext, keep_gloo_on_loopback
 
 __all__ = ["STACKS_END", "rank_files", "serve"]
 
@@ -105,6 +105,8 @@ def serve(
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
     signal.signal(signal.SIGUSR2, lambda *_: _write_task_stacks(stacks))
     torch.set_num_threads(threads)
+    if backend == "gloo":
+        keep_gloo_on_loopback()
     try:
         group = _join(rank, world_size, store_port, backend, group_timeout_s)
     except BaseException:
