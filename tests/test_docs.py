@@ -83,7 +83,7 @@ def test_readme_is_a_front_page() -> None:
     )
     assert setup.startswith("python -m venv .venv && . .venv/bin/activate && ")
     assert "python -m pip install torch==2.13.0" in setup  # the CPU wheel, not CUDA's
-    assert test == "ruff check . && ruff format --check . && python -m pytest"
+    assert test == "ruff check . && ruff format --check . && python -m pytest -n 2"
     # .ci/run: a fresh environment, then exactly the two commands, in that order.
     ci = _text(ROOT / ".ci" / "run").splitlines()
     assert ci.index("rm -rf .venv") < ci.index(setup) < ci.index(test)

@@ -45,7 +45,10 @@ __all__ = ["STACKS_END", "rank_files", "serve"]
 
 STACKS_END = "--- end of stacks ---"
 _EXIT_PARENT_GONE = 70  # the pytest process is gone: nobody reads this rank's result
-_AGREE_S = 10.0  # how long the ranks of a reused group may take to check it before a test
+# How long the ranks of a reused group may take to check it before a test: a check that
+# does not complete in time (a collective a passing test left unmatched) sends the test
+# to new processes, which is all a slow check costs.
+_AGREE_S = 3.0
 
 
 def rank_files(directory: str, rank: int) -> tuple[Path, Path, Path]:
