@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import multiprocessing as mp
 import threading
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 from zero3_offload.comm import Collectives, init_process_group, init_process_group_from_env
 from zero3_offload.errors import CommunicationError, ConfigError
@@ -299,3 +302,18 @@ async def test_init_from_env_validates_the_values_it_read(monkeypatch):
     with pytest.raises(ConfigError) as info:
         await init_process_group_from_env("gloo")
     assert str(info.value).startswith("rank=5 is invalid")
+
+
+async def listening_addresses(ctx: RankContext) -> list[str]:
+    """The addresses this rank's process listens on (TCP), once every rank has joined."""
+    dist.barrier(ctx.group)
+    sockets = psutil.Process().net_connections("tcp")
+    return sorted({c.laddr.ip for c in sockets if c.status == psutil.CONN_LISTEN})
+
+
+async def test_local_ranks_listen_on_the_loopback_interface_only():
+    # Rank 0 serves the rendezvous store (torch's own listens on every interface), and
+    # every rank's gloo group listens for its peers: docs/security.md.
+    addresses = await run_ranks(listening_addresses, 2)
+    assert all(addresses), addresses
+    assert all(ipaddress.ip_address(a).is_loopback for ranks in addresses for a in ranks)

@@ -122,11 +122,11 @@ def _check(backend: str | None, rank: int, world_size: int) -> str:
 
 
 def _loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface."""
+    """Whether ``host`` is a loopback address (127.0.0.1, ::1; a name is not resolved)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        return False
 
 
 def rendezvous_store(
@@ -144,7 +144,7 @@ def rendezvous_store(
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.bind(("127.0.0.1" if host == "localhost" else host, port))
+            listener.bind((host, port))
             listener.listen(_LISTEN_BACKLOG)
         except OSError:
             listener.close()
