@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 # Reproducible in CI: the same examples every run, no example database.
 CI_PROFILE = settings(
-    max_examples=20,
+    max_examples=10,
     stateful_step_count=20,
     deadline=None,
     derandomize=True,
