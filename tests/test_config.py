@@ -11,6 +11,7 @@ from zero3_offload.config import (
     AutoMemoryStrategy,
     CpuCompressionMethod,
     GatherCompressionMethod,
+    OffloadActivations,
     OffloadDevice,
     OptimizerConfig,
     ReduceDtype,
@@ -53,6 +54,8 @@ EXPECTED_DEFAULTS = {
     "param_persistence_threshold": 0,
     "activation_checkpointing": False,
     "selective_checkpointing_units": 0,
+    "offload_activations": OffloadActivations.NONE,
+    "mlp_chunk_tokens": 0,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "keep_gathered_bytes": 0,
@@ -83,6 +86,7 @@ INT_MINIMUM = {
     "param_persistence_threshold": 0,
     "keep_gathered_bytes": 0,
     "selective_checkpointing_units": 0,
+    "mlp_chunk_tokens": 0,
 }
 
 BAD_VALUES = (
@@ -184,6 +188,19 @@ def test_selective_checkpointing_needs_checkpointing():
         Zero3CpuOffloadConfig(selective_checkpointing_units=3)
     with pytest.raises(ConfigError, match="selective_checkpointing_units"):
         config.evolve(activation_checkpointing=False)
+
+
+def test_activation_offload_needs_checkpointing_and_a_path_for_nvme(tmp_path):
+    config = Zero3CpuOffloadConfig(activation_checkpointing=True, offload_activations="CPU")
+    assert config.offload_activations is OffloadActivations.CPU
+    with pytest.raises(ConfigError, match=r"offload_activations='cpu' .*=False"):
+        Zero3CpuOffloadConfig(offload_activations="cpu")
+    with pytest.raises(ConfigError, match="offload_activations='nvme' needs nvme_path"):
+        Zero3CpuOffloadConfig(activation_checkpointing=True, offload_activations="nvme")
+    with pytest.raises(ConfigError, match="offload_activations='disk' is invalid"):
+        Zero3CpuOffloadConfig(activation_checkpointing=True, offload_activations="disk")
+    on_disk = config.evolve(offload_activations="nvme", nvme_path=str(tmp_path))
+    assert on_disk.offload_activations is OffloadActivations.NVME
 
 
 def test_config_is_frozen():

@@ -40,6 +40,7 @@ __all__ = [
     "AutoMemoryStrategy",
     "CpuCompressionMethod",
     "GatherCompressionMethod",
+    "OffloadActivations",
     "OffloadDevice",
     "OptimizerConfig",
     "ReduceDtype",
@@ -304,6 +305,15 @@ class GatherCompressionMethod(_ChoiceEnum):
 class OffloadDevice(_ChoiceEnum):
     """Where an offloaded tier lives: CPU memory, or files under ``nvme_path``."""
 
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class OffloadActivations(_ChoiceEnum):
+    """Where checkpointed units' saved inputs live between the forward and their
+    recomputation: the compute device, host memory, or a file under ``nvme_path``."""
+
+    NONE = "none"
     CPU = "cpu"
     NVME = "nvme"
 
@@ -782,6 +792,25 @@ class Zero3CpuOffloadConfig:
     without checkpointing); results are bitwise those of full recomputation. 0: every
     checkpointed layer recomputes its whole forward. Setting it without
     ``activation_checkpointing`` is refused."""
+    offload_activations: OffloadActivations = attrs.field(
+        default=OffloadActivations.NONE,
+        converter=functools.partial(OffloadActivations.parse, field="offload_activations"),
+    )
+    """With ``activation_checkpointing`` (module mode), where each checkpointed unit's saved
+    inputs (a decoder layer's hidden states, its positional tensor arguments) stay until
+    its recomputation: ``"none"`` keeps them on the compute device; ``"cpu"`` copies them
+    to host memory (pinned, on a side stream, on an accelerator; on the CPU device it is
+    a copy into other host memory that saves nothing); ``"nvme"`` writes them to a file
+    under ``nvme_path`` as the forward goes, removed after the backward, and reads them
+    back at least one unit ahead of the backward. Bitwise the results of ``"none"``.
+    Needs ``activation_checkpointing``; ``"nvme"`` needs ``nvme_path``."""
+    mlp_chunk_tokens: int = int_field(0, 0, "tokens; 0 = off")
+    """Tiled MLP (module mode): each unit's ``mlp`` submodule (a transformers decoder
+    layer's) runs over chunks of this many tokens (the batch's rows flattened) and
+    recomputes each chunk in backward, so its intermediate activations exist for one
+    chunk at a time, never for the whole sequence; it saves only its input. Costs one more
+    MLP forward per step (none more under ``activation_checkpointing``: the recomputation
+    runs it tiled too). Results equal untiled training to rounding. 0: off."""
     speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
     update during backward anyway, from a saved copy of its master shard and optimizer
@@ -903,6 +932,7 @@ class Zero3CpuOffloadConfig:
                 "that save their products, and none are checkpointed; set "
                 "activation_checkpointing=True or leave it at 0"
             )
+        self._check_activation_offload()
         if self.cpu_compression is CpuCompressionMethod.NF4:
             raise ConfigError(
                 "cpu_compression='nf4' is invalid: NF4 (4-bit NormalFloat) stores the copies "
@@ -917,6 +947,23 @@ class Zero3CpuOffloadConfig:
                 f"{self.cpu_compression.value!r}: the all-gather sends the compute copies as "
                 f"they are stored, so cpu_compression must be 'none' (they are then stored as "
                 f"{wire.value}) or {wire.value!r}"
+            )
+
+    def _check_activation_offload(self) -> None:
+        where = self.offload_activations
+        if where is OffloadActivations.NONE:
+            return
+        if not self.activation_checkpointing:
+            raise ConfigError(
+                f"offload_activations={where.value!r} is invalid with "
+                "activation_checkpointing=False: it moves the inputs checkpointed units "
+                "save, and none are checkpointed; set activation_checkpointing=True or "
+                "offload_activations='none'"
+            )
+        if where is OffloadActivations.NVME and self.nvme_path is None:
+            raise ConfigError(
+                "offload_activations='nvme' needs nvme_path: the directory the per-rank "
+                "activation files are written in"
             )
 
     def compute_copy_compression(self) -> CpuCompressionMethod:

@@ -27,6 +27,7 @@ from zero3_offload.comm.process_group import joined_heartbeat
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.config import (
     GatherCompressionMethod,
+    OffloadActivations,
     OffloadDevice,
     ReduceDtype,
     Zero3CpuOffloadConfig,
@@ -39,6 +40,7 @@ from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.execution.product_saving import ProductSaving
+from zero3_offload.execution.tiled_mlp import TiledMlp
 from zero3_offload.gradient.buffers import GradientBuffers
 from zero3_offload.gradient.reducer import GradientReducer
 from zero3_offload.gradient.store import GradientStore
@@ -669,6 +671,7 @@ def _build_runners(
     units = config.selective_checkpointing_units
     products = ProductSaving(count=units) if units else None
     if split.model is None:
+        _refuse_module_mode_only(config)
         layer_runner = LayerRunner(
             device=device,
             compute_dtype=config.compute_dtype,
@@ -689,6 +692,8 @@ def _build_runners(
         )
         return clock, landing, chain, None
     assert split.unit_params is not None
+    if config.mlp_chunk_tokens:
+        TiledMlp(config.mlp_chunk_tokens, split.unit_modules)  # tiles the units' MLPs
     module = ModuleRunner(
         model=split.model,
         units=split.unit_params,
@@ -706,6 +711,25 @@ def _build_runners(
         products=products,
     )
     return clock, landing, None, module
+
+
+def _refuse_module_mode_only(config: Zero3CpuOffloadConfig) -> None:
+    """Chain mode has neither a tiled MLP nor activation offload: refuse them there."""
+    for field, on, shown, off in (
+        ("mlp_chunk_tokens", config.mlp_chunk_tokens != 0, config.mlp_chunk_tokens, 0),
+        (
+            "offload_activations",
+            config.offload_activations is not OffloadActivations.NONE,
+            config.offload_activations.value,
+            "none",
+        ),
+    ):
+        if on:
+            raise ConfigError(
+                f"{field}={shown!r} applies to module mode (a model run through "
+                "`await manager.forward(...)`), and this model runs as a chain of layers "
+                f"(forward_pass/backward_pass): leave it at {off!r}"
+            )
 
 
 def _pins(config: Zero3CpuOffloadConfig, device: torch.device) -> bool:

@@ -75,6 +75,7 @@ MAY_DIFFER = frozenset(
         "shared_memory_collectives",
         "offload_optimizer_device",
         "offload_param_device",
+        "offload_activations",
         "nvme_path",
         "nvme_replace_stale",
         "max_consecutive_nonfinite",
