@@ -657,6 +657,7 @@ class Zero3CpuOffloadManager:
             memory_pressure=pressure,
             loss_scale=self.loss_scale,
             tokens=engine.steps.last_tokens,
+            **engine.activation_step_figures(),
         )
         engine.steps.close_step(updated=stepped)
 
@@ -740,7 +741,7 @@ class Zero3CpuOffloadManager:
             gathered_high_water_bytes=engine.gatherer.high_water_bytes,
             speculative_rollbacks=engine.steps.rollbacks,
             nonfinite_skips=0 if engine.steps.guard is None else engine.steps.guard.skips,
-            disk=disk_transfers(engine.disk_files()),
+            disk={**disk_transfers(engine.disk_files()), **engine.activation_transfers()},
         )
 
     def get_memory_stats(self) -> Zero3MemoryStats:

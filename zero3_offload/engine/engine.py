@@ -35,6 +35,7 @@ from zero3_offload.config import (
 from zero3_offload.engine.model_layers import split_layers
 from zero3_offload.engine.model_units import UnitSpec, default_unit_classes, split_units
 from zero3_offload.errors import ConfigError, DiskTierError
+from zero3_offload.execution.activation_offload import ActivationOffload
 from zero3_offload.execution.chain_runner import ChainRunner
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.layer_runner import LayerRunner
@@ -78,7 +79,7 @@ from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
 from zero3_offload.stats.pass_clock import PassClock
-from zero3_offload.stats.performance import Zero3PerformanceStats
+from zero3_offload.stats.performance import OperationStats, Zero3PerformanceStats
 from zero3_offload.stats.step_counter import StepCounter
 from zero3_offload.stats.step_log import StepLog
 from zero3_offload.stats.timeline import Timeline
@@ -102,6 +103,9 @@ _DISK_TIER_IO_THREADS = 2
 # Compute copies on disk are read this many layers beyond the gather window (see
 # [Note: compute copies on disk]).
 _PARAM_READ_AHEAD = 2
+# Offloaded activations on disk are read back this many bytes ahead of the backward at
+# most (one unit's at least; see [Note: activation offload]).
+_ACTIVATION_READ_AHEAD_BYTES = 256 * 2**20
 # The gather pool holds buffers for the layer in use, the look-ahead and one being
 # released: prefetch_buffer_size + this many of the largest layer.
 _POOL_EXTRA_LAYERS = 2
@@ -145,6 +149,18 @@ class Engine:
     def disk_files(self) -> list[RecordFile]:
         """The disk tiers' files: the optimizer's, then the compute copies'."""
         return self.disk.files()
+
+    def activation_transfers(self) -> dict[str, OperationStats]:
+        """Offloaded activations' totals (``activation_offload`` / ``activation_restore``;
+        empty without ``offload_activations``)."""
+        offload = self.model_runner.activations if self.model_runner is not None else None
+        return offload.transfers() if offload is not None else {}
+
+    def activation_step_figures(self) -> dict[str, dict[str, Any]]:
+        """``{"activations": figures}``, the field of a ``step`` event (since the previous
+        step; empty without ``offload_activations``)."""
+        offload = self.model_runner.activations if self.model_runner is not None else None
+        return {"activations": offload.step_figures()} if offload is not None else {}
 
     def close(self) -> None:
         """Release what outlives the event loop: the model thread, the disk tiers' files,
@@ -491,6 +507,7 @@ def _build_training(
         timeline,
         device,
         rss=accounting.process_rss,
+        activations=_activation_offload(config, disk, device),
     )
     return Engine(
         config=config,
@@ -660,6 +677,7 @@ def _build_runners(
     device: torch.device,
     *,
     rss: Callable[[], int],
+    activations: ActivationOffload | None,
 ) -> tuple[PassClock, GradientLanding, ChainRunner | None, ModuleRunner | None]:
     """What both runners share (the passes' clock, the landing of reduce-scatters) and the
     runner of the model's mode: a chain of layers, or the model's own code."""
@@ -709,8 +727,23 @@ def _build_runners(
         after_forward=heap.after_forward,
         recompute=config.activation_checkpointing,
         products=products,
+        activations=activations,
     )
     return clock, landing, None, module
+
+
+def _activation_offload(
+    config: Zero3CpuOffloadConfig, disk: _DiskTiers, device: torch.device
+) -> ActivationOffload | None:
+    """Where checkpointed units' saved inputs go (None: they stay on the device)."""
+    if config.offload_activations is OffloadActivations.NONE:
+        return None
+    return ActivationOffload(
+        place=config.offload_activations,
+        device=device,
+        directory=disk.directory.path if disk.directory is not None else None,
+        read_ahead_bytes=_ACTIVATION_READ_AHEAD_BYTES,
+    )
 
 
 def _refuse_module_mode_only(config: Zero3CpuOffloadConfig) -> None:
@@ -758,7 +791,8 @@ def _open_disk_tiers(
     every rank raises when one could not open its tiers)."""
     optimizer = config.offload_optimizer_device is OffloadDevice.NVME
     params = config.offload_param_device is OffloadDevice.NVME
-    if not (optimizer or params):
+    activations = config.offload_activations is OffloadActivations.NVME
+    if not (optimizer or params or activations):
         return _DiskTiers()
     assert config.nvme_path is not None
     shards = {name: lay.shard_numel for name, lay in layouts.items() if lay.numel}

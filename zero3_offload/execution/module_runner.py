@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.errors import InputError, LayerExecutionError, StateError, Zero3Error
+from zero3_offload.execution.activation_offload import ActivationOffload
 from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.pass_result import PassResult
@@ -146,6 +147,9 @@ class ModuleRunner:
         products: with ``recompute``, picks the checkpointed units (the last ones) that
             also save their products (but low-rank ones); see [Note: saved products] in
             ``execution.product_saving``. None: every one recomputes its whole forward.
+        activations: with ``recompute``, where checkpointed units' saved inputs go
+            between a training forward and its backward (see [Note: activation offload]
+            in ``execution.activation_offload``). None: they stay on the device.
     """
 
     def __init__(
@@ -165,8 +169,10 @@ class ModuleRunner:
         after_forward: Callable[[Phase], None],
         recompute: bool,
         products: ProductSaving | None = None,
+        activations: ActivationOffload | None = None,
     ) -> None:
         self.model = model
+        self.activations = activations
         self._units = units
         self._gatherer = gatherer
         self._prefetch = prefetch
@@ -210,12 +216,15 @@ class ModuleRunner:
             if recompute and not isinstance(module, nn.Linear | nn.Embedding)
         ]
         selective = products.chosen(checkpointed) if products is not None else frozenset()
+        saving = activations.saving if activations is not None else contextlib.nullcontext
         for name in checkpointed:
             context_fn = torch.utils.checkpoint.noop_context_fn
             if products is not None and name in selective:
                 context_fn = functools.partial(products.contexts, self._saved_product)
             forward = unit_modules[name].forward
-            unit_modules[name].forward = functools.partial(_checkpointed, forward, context_fn)
+            unit_modules[name].forward = functools.partial(
+                _checkpointed, forward, context_fn, saving
+            )
         for unit in units.values():
             for param in unit.parameters():
                 if param.requires_grad:  # frozen parameters get no gradient
@@ -277,7 +286,16 @@ class ModuleRunner:
         if self._no_cache and phase is Phase.FORWARD:
             kwargs.setdefault("use_cache", False)  # see ``recompute`` in the class docstring
         started = self._clock.start(phase)
+        offload = self.activations if phase is Phase.FORWARD else None
+        if offload is not None:
+            offload.begin_forward()
         out, result = await self._run(phase, self.model, args, kwargs, "forward")
+        if offload is not None:
+            try:
+                offload.end_forward()  # raises when a write failed (its file deleted)
+            except BaseException:
+                await self.abandon()
+                raise
         self._after_forward(phase)
         result.samples = _batch_size(args, kwargs)
         self._clock.finish(phase, started, samples=result.samples)
@@ -410,6 +428,8 @@ class ModuleRunner:
                 raise
             except Exception as exc:
                 raise LayerExecutionError(f"the model raised in backward: {exc}") from exc
+            if self.activations is not None:
+                self.activations.end_backward()
             # Units whose gradients were not counted complete now, in forward order
             # (the root last): the same collectives in the same order on every rank.
             last = [self._root] if self._root in forward_units else []
@@ -433,6 +453,8 @@ class ModuleRunner:
         through the landing, and the parameters' gradients it left are dropped.
         """
         self._current = None
+        if self.activations is not None:
+            self.activations.end_backward()  # nothing offloaded outlives a failed pass
         if result is None:
             await self._prefetch.release_all()
             return
@@ -695,11 +717,13 @@ class ModuleRunner:
     # -------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Remove the hooks and stop the model thread."""
+        """Remove the hooks, stop the model thread, delete offloaded activations."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._executor.shutdown(wait=True)
+        if self.activations is not None:
+            self.activations.close()
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -727,13 +751,16 @@ def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 def _checkpointed(
     forward: Callable[..., Any],
     context_fn: Callable[[], tuple[Any, Any]],
+    saving: Callable[[], contextlib.AbstractContextManager[Any]],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
     """``forward`` under non-reentrant activation checkpointing (recomputed in backward),
-    its forward and recomputation in the contexts ``context_fn`` makes."""
+    its forward and recomputation in the contexts ``context_fn`` makes; the inputs the
+    checkpoint saves go through the hooks of ``saving()``."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(
-        forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs
-    )
+    with saving():
+        return torch.utils.checkpoint.checkpoint(
+            forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+        )
