@@ -137,6 +137,7 @@ def test_the_bytes_counted_are_the_saved_inputs_bytes(
         assert (out_ops, out_bytes) == (units, total)
         assert (in_ops, in_bytes) == (units, total)
         assert out_s > 0
+        assert in_s > 0 or name == "cpu"  # on the CPU device "cpu" hands its copy back
     assert "activation_offload" not in results(runs2, "none")[0]["transfers"]
 
 

@@ -55,6 +55,7 @@ EXPECTED_DEFAULTS = {
     "activation_checkpointing": False,
     "selective_checkpointing_units": 0,
     "offload_activations": OffloadActivations.NONE,
+    "activation_read_ahead_bytes": 0,
     "mlp_chunk_tokens": 0,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
@@ -86,6 +87,7 @@ INT_MINIMUM = {
     "param_persistence_threshold": 0,
     "keep_gathered_bytes": 0,
     "selective_checkpointing_units": 0,
+    "activation_read_ahead_bytes": 0,
     "mlp_chunk_tokens": 0,
 }
 
@@ -201,6 +203,9 @@ def test_activation_offload_needs_checkpointing_and_a_path_for_nvme(tmp_path):
         Zero3CpuOffloadConfig(activation_checkpointing=True, offload_activations="disk")
     on_disk = config.evolve(offload_activations="nvme", nvme_path=str(tmp_path))
     assert on_disk.offload_activations is OffloadActivations.NVME
+    assert on_disk.evolve(activation_read_ahead_bytes=2**20).activation_read_ahead_bytes
+    with pytest.raises(ConfigError, match=r"activation_read_ahead_bytes=1048576 .*'cpu'"):
+        config.evolve(activation_read_ahead_bytes=2**20)
 
 
 def test_config_is_frozen():

@@ -803,14 +803,19 @@ class Zero3CpuOffloadConfig:
     a copy into other host memory that saves nothing); ``"nvme"`` writes them to a file
     under ``nvme_path`` as the forward goes, removed after the backward, and reads them
     back at least one unit ahead of the backward. Bitwise the results of ``"none"``.
-    Needs ``activation_checkpointing``; ``"nvme"`` needs ``nvme_path``."""
+    Needs ``activation_checkpointing`` (module mode); ``"nvme"`` needs ``nvme_path``."""
+    activation_read_ahead_bytes: int = int_field(0, 0, "bytes; 0 = one unit")
+    """With ``offload_activations="nvme"``, most bytes of offloaded inputs read back ahead
+    of the backward and not used yet: the backward reads one unit ahead whatever this
+    is, and further units while their bytes fit. More read-ahead hides a slow disk's
+    latency at the cost of holding those inputs in memory again. 0: one unit ahead."""
     mlp_chunk_tokens: int = int_field(0, 0, "tokens; 0 = off")
     """Tiled MLP (module mode): each unit's ``mlp`` submodule (a transformers decoder
     layer's) runs over chunks of this many tokens (the batch's rows flattened) and
     recomputes each chunk in backward, so its intermediate activations exist for one
     chunk at a time, never for the whole sequence; it saves only its input. Costs one more
-    MLP forward per step (none more under ``activation_checkpointing``: the recomputation
-    runs it tiled too). Results equal untiled training to rounding. 0: off."""
+    MLP forward per step. Results equal untiled training to rounding. Refused in chain
+    mode and for a model whose units have no ``mlp``. 0: off."""
     speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
     update during backward anyway, from a saved copy of its master shard and optimizer
@@ -951,6 +956,12 @@ class Zero3CpuOffloadConfig:
 
     def _check_activation_offload(self) -> None:
         where = self.offload_activations
+        if self.activation_read_ahead_bytes and where is not OffloadActivations.NVME:
+            raise ConfigError(
+                f"activation_read_ahead_bytes={self.activation_read_ahead_bytes} is invalid "
+                f"with offload_activations={where.value!r}: only activations on disk are read "
+                "ahead; set offload_activations='nvme' or leave it at 0"
+            )
         if where is OffloadActivations.NONE:
             return
         if not self.activation_checkpointing:

@@ -103,9 +103,6 @@ _DISK_TIER_IO_THREADS = 2
 # Compute copies on disk are read this many layers beyond the gather window (see
 # [Note: compute copies on disk]).
 _PARAM_READ_AHEAD = 2
-# Offloaded activations on disk are read back this many bytes ahead of the backward at
-# most (one unit's at least; see [Note: activation offload]).
-_ACTIVATION_READ_AHEAD_BYTES = 256 * 2**20
 # The gather pool holds buffers for the layer in use, the look-ahead and one being
 # released: prefetch_buffer_size + this many of the largest layer.
 _POOL_EXTRA_LAYERS = 2
@@ -710,8 +707,8 @@ def _build_runners(
         )
         return clock, landing, chain, None
     assert split.unit_params is not None
-    if config.mlp_chunk_tokens:
-        TiledMlp(config.mlp_chunk_tokens, split.unit_modules)  # tiles the units' MLPs
+    if config.mlp_chunk_tokens:  # replaces each unit's mlp forward on the instance
+        TiledMlp(chunk_tokens=config.mlp_chunk_tokens, unit_modules=split.unit_modules)
     module = ModuleRunner(
         model=split.model,
         units=split.unit_params,
@@ -742,7 +739,7 @@ def _activation_offload(
         place=config.offload_activations,
         device=device,
         directory=disk.directory.path if disk.directory is not None else None,
-        read_ahead_bytes=_ACTIVATION_READ_AHEAD_BYTES,
+        read_ahead_bytes=config.activation_read_ahead_bytes,
     )
 
 

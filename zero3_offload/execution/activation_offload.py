@@ -25,10 +25,10 @@ starts):
   waits for the writes (a failure raises there), then a reader thread reads the last
   units back into buffers of their own, and each unit's unpack starts the reads of the
   units before it: one unit ahead at least, more while the bytes read and not yet used
-  stay within the read-ahead budget, so a read overlaps the backward of the units
-  after it. The file is deleted at the end of the backward, when a new training
-  forward starts (the earlier forward's graph can no longer be backpropagated through
-  the manager), on a failure and at ``close()``.
+  stay within the read-ahead budget (``activation_read_ahead_bytes``), so a read
+  overlaps the backward of the unit after it. The file is deleted at the end of the
+  backward, when a new training forward starts (the earlier forward's graph can no
+  longer be backpropagated through the manager), on a failure and at ``close()``.
 
 The bytes come back as they left (the same values in a tensor of the same shape and
 dtype, contiguous), so the results are bitwise those of keeping them. Counted per
@@ -172,7 +172,7 @@ class ActivationOffload:
             forward=self._forward, shape=data.shape, dtype=data.dtype, nbytes=nbytes
         )
         if self.place is OffloadActivations.CPU:
-            host, ready = self._to_host(data, pin_aligned=False)
+            host, ready = self._to_host(data, None)
             return attrs.evolve(handle, host=host, ready=ready)
         if self._spool is None:
             assert self._directory is not None
@@ -182,23 +182,26 @@ class ActivationOffload:
                 pin=self._cuda,
                 on_transfer=self._count_io,
             )
-        if self._cuda:
-            host, ready = self._to_host(data, pin_aligned=True)
-            index = self._spool.put(host.view(-1).view(torch.uint8), ready=ready.synchronize)
+        if self._cuda:  # into a buffer direct I/O writes as it is
+            buffer = aligned_buffer(nbytes, pin=True)
+            _, ready = self._to_host(data, buffer)
+            index = self._spool.put(buffer, nbytes=nbytes, ready=ready.synchronize)
         else:
             index = self._spool.put(data.contiguous().view(-1).view(torch.uint8))
         return attrs.evolve(handle, index=index)
 
-    def _to_host(self, data: torch.Tensor, *, pin_aligned: bool) -> tuple[torch.Tensor, Any]:
-        """A host copy of ``data`` (contiguous) and, on CUDA, the event after it."""
+    def _to_host(self, data: torch.Tensor, buffer: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """A host copy of ``data`` (contiguous; on CUDA page-locked, in the uint8
+        ``buffer`` when one is given, else counted as offloaded) and, on CUDA, the event
+        after the copy."""
         if not self._cuda:
             start = time.perf_counter()
             host = data.clone(memory_format=torch.contiguous_format)
             self._count(_OUT, time.perf_counter() - start, host.numel() * host.element_size())
             return host, None
         nbytes = data.numel() * data.element_size()
-        if pin_aligned:  # direct I/O writes it as it is
-            host = aligned_buffer(nbytes, pin=True)[:nbytes].view(data.dtype).view(data.shape)
+        if buffer is not None:
+            host = buffer[:nbytes].view(data.dtype).view(data.shape)
         else:
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
         assert self._stream is not None
@@ -209,7 +212,7 @@ class ActivationOffload:
             host.copy_(data, non_blocking=True)
             end.record()
         data.record_stream(self._stream)  # its memory is reused only after the copy
-        if not pin_aligned:
+        if buffer is None:  # to the file: the write is what is counted
             self._timing(_OUT, start, end, nbytes)
         return host, end
 

@@ -85,11 +85,20 @@ class ActivationSpool:
         """The file."""
         return self._file.path
 
-    def put(self, data: torch.Tensor, ready: Callable[[], None] | None = None) -> int:
-        """Queue the write of ``data`` (uint8, contiguous, on the CPU) as the next record;
-        its index. ``ready`` is called on the writer thread before the write (it waits for
-        a device-to-host copy that fills ``data``)."""
-        record = _Record(offset=self._end, nbytes=data.numel())
+    def put(
+        self,
+        data: torch.Tensor,
+        *,
+        nbytes: int | None = None,
+        ready: Callable[[], None] | None = None,
+    ) -> int:
+        """Queue the write of the first ``nbytes`` (default: all) of ``data`` (uint8,
+        contiguous, on the CPU) as the next record; its index. ``data`` from
+        :func:`aligned_buffer` is written as it is, anything else through a staging
+        buffer when the file takes direct I/O. ``ready`` is called on the writer thread
+        before the write (it waits for a device-to-host copy that fills ``data``)."""
+        nbytes = data.numel() if nbytes is None else nbytes
+        record = _Record(offset=self._end, nbytes=nbytes)
         self._end += aligned(record.nbytes)
         record.written = self._writer.submit(self._write, record, data, ready)
         self._records.append(record)
@@ -101,10 +110,11 @@ class ActivationSpool:
         if record.nbytes == 0:
             return
         length = aligned(record.nbytes) if self._file.direct else record.nbytes
-        if length != record.nbytes or data.data_ptr() % ALIGN:
+        if data.numel() < length or data.data_ptr() % ALIGN:
             staged = aligned_buffer(record.nbytes, pin=False)
-            staged[: record.nbytes].copy_(data)
-            data = staged[:length]
+            staged[: record.nbytes].copy_(data[: record.nbytes])
+            data = staged
+        data = data[:length]
         start = time.perf_counter()
         self._file.write(memoryview(data.numpy()), record.offset)
         self._on_transfer("write", time.perf_counter() - start, record.nbytes)

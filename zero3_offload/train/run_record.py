@@ -76,6 +76,7 @@ MAY_DIFFER = frozenset(
         "offload_optimizer_device",
         "offload_param_device",
         "offload_activations",
+        "activation_read_ahead_bytes",
         "nvme_path",
         "nvme_replace_stale",
         "max_consecutive_nonfinite",
