@@ -31,10 +31,11 @@ from hf_models import (
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from zero3_offload import Zero3CpuOffloadManager
 from zero3_offload.errors import ConfigError
+from zero3_offload.execution.product_saving import ProductSaving
 from zero3_offload.execution.tiled_mlp import TiledMlp
 from zero3_offload.testing import RankContext
 
@@ -197,3 +198,36 @@ def test_tiled_mlp_never_holds_the_whole_sequences_intermediate() -> None:
 def test_a_model_without_mlp_submodules_is_refused() -> None:
     with pytest.raises(ConfigError, match="no unit with an `mlp` submodule"):
         TiledMlp(4, {"block": nn.Sequential(nn.Linear(2, 2))})
+
+
+def _layer_grads(*, tiled: bool, selective: bool) -> list[torch.Tensor]:
+    """The input's and parameters' gradients of one checkpointed decoder layer, its MLP
+    tiled by 5 tokens or not, its products saved (selective checkpointing) or not."""
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(config, layer_idx=0)
+    if tiled:
+        TiledMlp(5, {"layer": layer})
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    rope = LlamaRotaryEmbedding(config)(x, torch.arange(16)[None])
+    context = torch.utils.checkpoint.noop_context_fn
+    if selective:
+        context = functools.partial(ProductSaving(1).contexts, lambda t: None)
+    y = torch.utils.checkpoint.checkpoint(
+        layer, x, position_embeddings=rope, use_reentrant=False, context_fn=context
+    )
+    loss = y.square().sum()
+    assert _tiled_nodes(loss) == int(tiled)
+    loss.backward()
+    assert x.grad is not None
+    return [x.grad, *(p.grad for p in layer.parameters())]
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_tiled_mlp_composes_with_checkpointing_and_saved_products(selective: bool) -> None:
+    plain_grads = _layer_grads(tiled=False, selective=False)
+    for a, b in zip(_layer_grads(tiled=True, selective=selective), plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
