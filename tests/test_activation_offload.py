@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import structlog
 import torch
 from helpers import assert_bitwise, run_named
 from hf_models import (
@@ -62,6 +63,15 @@ async def train_offload(ctx: RankContext, name: str, root: str) -> dict[str, Any
     if nvme:
         fields = {**fields, "nvme_path": str(Path(root) / name)}
     model = build("llama")
+    with structlog.testing.capture_logs() as logs:
+        out = await _train(ctx, name, root, fields, model, nvme)
+    out["events"] = [e["activations"] for e in logs if e["event"] == "step" and "activations" in e]
+    return out
+
+
+async def _train(
+    ctx: RankContext, name: str, root: str, fields: dict[str, Any], model: nn.Module, nvme: bool
+) -> dict[str, Any]:
     manager = Zero3CpuOffloadManager(make_config(fields), ctx.group, model)
     rank_dir = Path(root) / name / f"rank{ctx.rank}"
     saved_bytes = []  # each checkpointed layer's hidden states, counted from the tensor
@@ -138,6 +148,13 @@ def test_the_bytes_counted_are_the_saved_inputs_bytes(
         assert (in_ops, in_bytes) == (units, total)
         assert out_s > 0
         assert in_s > 0 or name == "cpu"  # on the CPU device "cpu" hands its copy back
+        # The step events' figures add up to the totals, step by step.
+        events = r["events"]
+        assert len(events) == MICRO_STEPS // 2
+        assert {e["place"] for e in events} == {"cpu" if name == "cpu" else "nvme"}
+        assert [e["offload_bytes"] for e in events] == [total // len(events)] * len(events)
+        assert sum(e["restore_bytes"] for e in events) == total
+        assert sum(e["offload_seconds"] for e in events) == pytest.approx(out_s)
     assert "activation_offload" not in results(runs2, "none")[0]["transfers"]
 
 
@@ -156,8 +173,8 @@ def test_the_file_lives_from_forward_to_backward_and_nothing_outlives_close(
 
 async def failures(ctx: RankContext, root: str) -> dict[str, Any]:
     """A missing directory and a full disk (the file size limit) fail the forward with
-    DiskTierError and leave no file; the manager trains on after each. Chain mode refuses
-    both fields."""
+    DiskTierError and leave no file; the manager trains on after each; close deletes the
+    file of a forward without its backward. Chain mode refuses both fields."""
     out: dict[str, Any] = {}
     config = make_config({**CKPT, "offload_activations": "nvme", "nvme_path": root})
     manager = Zero3CpuOffloadManager(config, ctx.group, build("llama"))
@@ -192,6 +209,8 @@ async def failures(ctx: RankContext, root: str) -> dict[str, Any]:
         signal.signal(signal.SIGXFSZ, handler)
     out["full_left"] = sorted(os.listdir(rank_dir))
     out["after_full"] = await step()
+    await manager.forward(**call_kwargs("llama", x))  # no backward: close deletes its file
+    out["before_close"] = sorted(os.listdir(rank_dir))
     await manager.close()
     out["closed_left"] = sorted(os.listdir(root))
 
@@ -211,6 +230,7 @@ def test_disk_failures_raise_and_leave_nothing(tmp_path: Path) -> None:
     assert "failed" in r["full"] and "activations.bin" in r["full"]
     assert r["full_left"] == []
     assert r["after_missing"] > 0 and r["after_full"] > 0
+    assert r["before_close"] == ["activations.bin"]
     assert r["closed_left"] == []
     assert len(r["chain"]) == 2
     assert "offload_activations='cpu' applies to module mode" in r["chain"][0]
