@@ -132,6 +132,12 @@ class ActivationSpool:
     def __len__(self) -> int:
         return len(self._records)
 
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes of the records read or being read and not taken yet."""
+        with self._lock:
+            return self._ahead
+
     def start_reads(self, below: int) -> None:
         """Start reading the records before ``below``, nearest first: the nearest one not
         taken, and more while the bytes read ahead stay within the budget."""
