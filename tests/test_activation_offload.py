@@ -82,12 +82,16 @@ async def _train(
         for layer in model.model.layers
     ]
     out: dict[str, Any] = {"losses": [], "after_forward": [], "after_backward": []}
+    out["offloaded"] = []  # memory stats: (offloaded, activation_bytes) after each pass
     for i in range(MICRO_STEPS):
         x = local(batch(i, "llama"), ctx)
         loss = loss_of(await manager.forward(**call_kwargs("llama", x)))
         out["after_forward"].append(_files(rank_dir) if nvme else [])
+        memory = manager.get_memory_stats()
+        out["offloaded"].append((memory.offloaded_activation_bytes, memory.activation_bytes))
         await manager.backward(loss)
         out["after_backward"].append(_files(rank_dir) if nvme else [])
+        out["offloaded"].append((manager.get_memory_stats().offloaded_activation_bytes, 0))
         out["losses"].append(await global_mean(ctx, loss))
         await manager.optimizer_step(LR)
     for hook in hooks:
@@ -148,6 +152,12 @@ def test_the_bytes_counted_are_the_saved_inputs_bytes(
         assert (in_ops, in_bytes) == (units, total)
         assert out_s > 0
         assert in_s > 0 or name == "cpu"  # on the CPU device "cpu" hands its copy back
+        # Memory stats: each forward's inputs offloaded until its backward, and no longer
+        # among the activations kept on the device.
+        per_forward = total // MICRO_STEPS
+        kept = results(runs2, VARIANTS[name][1])[0]["offloaded"]
+        assert r["offloaded"][::2] == [(per_forward, a - per_forward) for _, a in kept[::2]]
+        assert r["offloaded"][1::2] == [(0, 0)] * MICRO_STEPS
         # The step events' figures add up to the totals, step by step.
         events = r["events"]
         assert len(events) == MICRO_STEPS // 2

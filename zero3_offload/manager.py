@@ -751,6 +751,7 @@ class Zero3CpuOffloadManager:
             activation_bytes=forward.saved_bytes() if forward is not None else 0,
             pressure=pressure.last_pressure,
             pressure_checks=pressure.checks,
+            **self._engine.offloaded_activations(),
         )
 
     def get_prefetch_status(self) -> PrefetchQueueStatus:

@@ -159,6 +159,17 @@ class Engine:
         offload = self.model_runner.activations if self.model_runner is not None else None
         return {"activations": offload.step_figures()} if offload is not None else {}
 
+    def offloaded_activations(self) -> dict[str, Any]:
+        """The memory stats' arguments for the offloaded activations (empty without
+        ``offload_activations``)."""
+        offload = self.model_runner.activations if self.model_runner is not None else None
+        if offload is None:
+            return {}
+        return {
+            "offloaded_activation_bytes": offload.offloaded_bytes(),
+            "offloaded_to_host": offload.place is OffloadActivations.CPU,
+        }
+
     def close(self) -> None:
         """Release what outlives the event loop: the model thread, the disk tiers' files,
         the group's threads."""

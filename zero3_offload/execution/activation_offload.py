@@ -111,6 +111,7 @@ class ActivationOffload:
         # direction -> [operations, seconds, bytes]; the backward's wait for reads
         self._totals: dict[str, list[float]] = {_OUT: [0, 0.0, 0], _IN: [0, 0.0, 0]}
         self._wait_seconds = 0.0
+        self._pending = 0  # bytes of the pending forward's inputs offloaded, not back yet
         self._seen: dict[str, float] = self._figures()
         self._timings: list[tuple[str, Any, Any]] = []  # CUDA copies: (direction, start, end)
 
@@ -154,7 +155,15 @@ class ActivationOffload:
         """Delete what is left (the file of a forward without its backward)."""
         self.end_backward()
 
+    def offloaded_bytes(self) -> int:
+        """Bytes of the pending forward's checkpointed inputs that are offloaded now (in
+        host memory with ``"cpu"``, in the file with ``"nvme"``), not yet brought back."""
+        with self._lock:
+            return self._pending
+
     def _drop(self) -> None:
+        with self._lock:
+            self._pending = 0
         spool, self._spool = self._spool, None
         if spool is not None:
             spool.close()
@@ -171,6 +180,8 @@ class ActivationOffload:
         handle = _Offloaded(
             forward=self._forward, shape=data.shape, dtype=data.dtype, nbytes=nbytes
         )
+        with self._lock:
+            self._pending += nbytes
         if self.place is OffloadActivations.CPU:
             host, ready = self._to_host(data, None)
             return attrs.evolve(handle, host=host, ready=ready)
@@ -226,6 +237,8 @@ class ActivationOffload:
                 "offloaded inputs were dropped when the next forward (or close) began; run "
                 "each backward through `await manager.backward(loss)` of the last forward"
             )
+        with self._lock:
+            self._pending -= saved.nbytes
         if self.place is OffloadActivations.CPU:
             assert saved.host is not None
             if not self._cuda:

@@ -100,12 +100,21 @@ class MemoryAccounting:
         return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
     def stats(
-        self, *, activation_bytes: int = 0, pressure: float = 0.0, pressure_checks: int = 0
+        self,
+        *,
+        activation_bytes: int = 0,
+        pressure: float = 0.0,
+        pressure_checks: int = 0,
+        offloaded_activation_bytes: int = 0,
+        offloaded_to_host: bool = False,
     ) -> Zero3MemoryStats:
         """Count what is held now.
 
         Args:
             activation_bytes: what the pending forward keeps for its backward.
+            offloaded_activation_bytes: its checkpointed inputs moved off the device
+                (``offload_activations``), in host memory when ``offloaded_to_host``
+                (counted in ``cpu_memory_used``), else in a file.
             pressure: the pressure agreed at the last check.
             pressure_checks: pressure checks run so far.
         """
@@ -124,6 +133,7 @@ class MemoryAccounting:
             (device, self._gradient_buffer_bytes()),
             (device, self._shared_memory_bytes()),
             (self._optimizer.device, self._disk_tier_buffer_bytes()),
+            (torch.device("cpu"), offloaded_activation_bytes if offloaded_to_host else 0),
         ]
         cpu = sum(n for dev, n in parts if dev.type == "cpu")
         return Zero3MemoryStats(
@@ -151,5 +161,6 @@ class MemoryAccounting:
             frozen_param_bytes=self._params.frozen_bytes(),
             owned_parameters=self._owned,
             activation_bytes=activation_bytes,
+            offloaded_activation_bytes=offloaded_activation_bytes,
             pressure_checks=pressure_checks,
         )

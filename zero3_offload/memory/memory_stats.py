@@ -71,6 +71,11 @@ class Zero3MemoryStats:
     activation_bytes: int = 0
     """Layer inputs and activations the last training forward saved for its backward (distinct
     storages of the tensors autograd saved, gathered parameters excluded)."""
+    offloaded_activation_bytes: int = 0
+    """The last training forward's checkpointed inputs held off the device until its
+    backward brings them back (``offload_activations``): in host memory with ``"cpu"``
+    (counted in ``cpu_memory_used``), in the disk tier's file with ``"nvme"`` (not
+    memory); 0 without it."""
     pressure_checks: int = 0
     """Memory-pressure checks run so far (one per optimizer update)."""
 
