@@ -32,11 +32,12 @@ from hf_models import (
     max_diff,
     plain_train,
     unwrap,
+    vocab_size,
 )
 from torch import nn
 
 from zero3_offload import Zero3CpuOffloadManager
-from zero3_offload.errors import ConfigError, DiskTierError
+from zero3_offload.errors import ConfigError, DiskTierError, LayerExecutionError
 from zero3_offload.testing import RankContext
 
 MICRO_STEPS = 4  # 2 AdamW steps
@@ -173,7 +174,9 @@ def test_the_file_lives_from_forward_to_backward_and_nothing_outlives_close(
     runs2: dict[str, list[Any]], name: str
 ) -> None:
     for r in results(runs2, name):
-        assert r["after_forward"] == [["activations.bin"]] * MICRO_STEPS
+        # one file per forward, the two names in turn (forwards 1, 2, ...)
+        names = [[f"activations-{(i + 1) % 2}.bin"] for i in range(MICRO_STEPS)]
+        assert r["after_forward"] == names
         assert r["after_backward"] == [[]] * MICRO_STEPS
         assert r["after_close"] == []  # the rank directories and their lock files
 
@@ -183,8 +186,9 @@ def test_the_file_lives_from_forward_to_backward_and_nothing_outlives_close(
 
 async def failures(ctx: RankContext, root: str) -> dict[str, Any]:
     """A missing directory and a full disk (the file size limit) fail the forward with
-    DiskTierError and leave no file; the manager trains on after each; close deletes the
-    file of a forward without its backward. Chain mode refuses both fields."""
+    DiskTierError and leave no file; the manager trains on after each; a failed forward
+    leaves the pending forward's file to its backward; close deletes the file of a
+    forward without its backward. Chain mode refuses the tiled MLP."""
     out: dict[str, Any] = {}
     config = make_config({**CKPT, "offload_activations": "nvme", "nvme_path": root})
     manager = Zero3CpuOffloadManager(config, ctx.group, build("llama"))
@@ -219,6 +223,18 @@ async def failures(ctx: RankContext, root: str) -> dict[str, Any]:
         signal.signal(signal.SIGXFSZ, handler)
     out["full_left"] = sorted(os.listdir(rank_dir))
     out["after_full"] = await step()
+
+    # A forward that fails leaves the pending forward's offloaded inputs to its backward.
+    loss = loss_of(await manager.forward(**call_kwargs("llama", x)))
+    pending = sorted(os.listdir(rank_dir))
+    try:
+        await manager.forward(**call_kwargs("llama", x + vocab_size("llama")))
+    except LayerExecutionError as exc:
+        out["failed_forward"] = type(exc.__cause__).__name__
+    out["pending_kept"] = pending == sorted(os.listdir(rank_dir)) and len(pending) == 1
+    await manager.backward(loss)
+    await manager.optimizer_step(LR)
+    out["after_pending"] = sorted(os.listdir(rank_dir))
     await manager.forward(**call_kwargs("llama", x))  # no backward: close deletes its file
     out["before_close"] = sorted(os.listdir(rank_dir))
     await manager.close()
@@ -235,12 +251,14 @@ async def failures(ctx: RankContext, root: str) -> dict[str, Any]:
 
 def test_disk_failures_raise_and_leave_nothing(tmp_path: Path) -> None:
     (r,) = run_named(1, {"failures": (failures, str(tmp_path))})["failures"]
-    assert "activations.bin" in r["missing"]
+    assert "activations-1.bin" in r["missing"]
     assert r["missing_left"] == ["rank0.lock"]  # the lock is the manager's until close
-    assert "failed" in r["full"] and "activations.bin" in r["full"]
+    assert "failed" in r["full"] and "activations-" in r["full"]
     assert r["full_left"] == []
     assert r["after_missing"] > 0 and r["after_full"] > 0
-    assert r["before_close"] == ["activations.bin"]
+    assert r["failed_forward"] == "IndexError"
+    assert r["pending_kept"] and r["after_pending"] == []
+    assert len(r["before_close"]) == 1 and r["before_close"][0].startswith("activations-")
     assert r["closed_left"] == []
     assert len(r["chain"]) == 2
     assert "offload_activations='cpu' applies to module mode" in r["chain"][0]

@@ -22,6 +22,7 @@ def _records() -> list[torch.Tensor]:
 def _spool(directory: Path, budget: int, seen: list[tuple[str, int]]) -> ActivationSpool:
     return ActivationSpool(
         directory,
+        name="activations-0.bin",
         read_ahead_bytes=budget,
         pin=False,
         on_transfer=lambda what, _s, nbytes: seen.append((what, nbytes)),
@@ -75,7 +76,7 @@ def test_reads_run_one_record_ahead_and_more_within_the_budget(tmp_path: Path) -
 
 
 def test_a_missing_directory_raises_a_disk_tier_error(tmp_path: Path) -> None:
-    with pytest.raises(DiskTierError, match=r"activations\.bin"):
+    with pytest.raises(DiskTierError, match=r"activations-0\.bin"):
         _spool(tmp_path / "gone", 0, [])
 
 

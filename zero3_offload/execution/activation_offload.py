@@ -19,16 +19,18 @@ starts):
   on the compute stream after the side stream's event. On the CPU device the device is
   host memory: the input is copied once into a tensor of its own (the original is freed;
   nothing is saved, a memcpy is spent) and handed back as it is.
-- ``"nvme"``: appended to one file per training pass, ``activations.bin`` in the rank's
-  disk-tier directory, by a writer thread while the forward goes on (on a CUDA device
+- ``"nvme"``: appended to one file per training forward, ``activations-<0|1>.bin`` in
+  the rank's disk-tier directory, by a writer thread while the forward goes on (on a CUDA device
   after a copy into a page-locked buffer on the side stream); the end of the forward
   waits for the writes (a failure raises there), then a reader thread reads the last
   units back into buffers of their own, and each unit's unpack starts the reads of the
   units before it: one unit ahead at least, more while the bytes read and not yet used
   stay within the read-ahead budget (``activation_read_ahead_bytes``), so a read
   overlaps the backward of the unit after it. The file is deleted at the end of the
-  backward, when a new training forward starts (the earlier forward's graph can no
-  longer be backpropagated through the manager), on a failure and at ``close()``.
+  backward (or its failure), when the forward fails, when a later training forward
+  completes (it becomes the pending forward: the earlier one can no longer be
+  backpropagated through the manager; one that fails leaves the pending forward's
+  file, hence two names), and at ``close()``.
 
 The bytes come back as they left (the same values in a tensor of the same shape and
 dtype, contiguous), so the results are bitwise those of keeping them. Counted per
@@ -56,6 +58,14 @@ from zero3_offload.storage.activation_spool import ActivationSpool, aligned_buff
 __all__ = ["ActivationOffload"]
 
 _OUT, _IN = "activation_offload", "activation_restore"
+
+
+@attrs.define
+class _Pass:
+    """What one training forward offloaded."""
+
+    spool: ActivationSpool | None = None  # "nvme": its file
+    pending: int = 0  # bytes offloaded and not brought back yet
 
 
 @attrs.frozen
@@ -104,14 +114,13 @@ class ActivationOffload:
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._directory = directory
         self._read_ahead_bytes = read_ahead_bytes
-        self._spool: ActivationSpool | None = None
-        self._forward = 0  # training forwards begun
-        self._saving = False  # a training forward is running
+        self._passes: dict[int, _Pass] = {}  # training forward -> what it offloaded
+        self._forwards = 0  # training forwards begun
+        self._current: int | None = None  # the training forward running
         self._lock = threading.Lock()
         # direction -> [operations, seconds, bytes]; the backward's wait for reads
         self._totals: dict[str, list[float]] = {_OUT: [0, 0.0, 0], _IN: [0, 0.0, 0]}
         self._wait_seconds = 0.0
-        self._pending = 0  # bytes of the pending forward's inputs offloaded, not back yet
         self._seen: dict[str, float] = self._figures()
         self._timings: list[tuple[str, Any, Any]] = []  # CUDA copies: (direction, start, end)
 
@@ -120,86 +129,105 @@ class ActivationOffload:
     def saving(self) -> AbstractContextManager[None]:
         """The saved-tensor hooks a checkpointed unit's checkpoint call runs in: what it
         saves (its positional inputs) is offloaded during a training forward."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.offload, self.restore)
 
     def begin_forward(self) -> None:
-        """A training forward starts: the previous one's offloaded inputs are dropped."""
-        self._drop()
-        self._forward += 1
-        self._saving = True
+        """A training forward starts (what it saves is offloaded until it ends)."""
+        self._forwards += 1
+        self._current = self._forwards
+        self._passes[self._current] = _Pass()
 
     def end_forward(self) -> None:
-        """The training forward ended: its writes are waited for and the reads of the
-        last units start.
+        """The training forward ended and is now the pending one: its writes are waited
+        for, the earlier forward's offloaded inputs dropped, the last units' reads start.
 
         Raises:
-            DiskTierError: a write failed (the file is deleted).
+            DiskTierError: a write failed (this forward's file is deleted; the earlier
+                forward stays).
         """
-        self._saving = False
-        spool = self._spool
-        if spool is None:
-            return
-        try:
-            spool.finish_writes()
-        except BaseException:
-            self._drop()
-            raise
-        spool.start_reads(len(spool))
+        current, self._current = self._current, None
+        assert current is not None
+        spool = self._passes[current].spool
+        if spool is not None:
+            try:
+                spool.finish_writes()
+            except BaseException:
+                self._drop(current)
+                raise
+        for earlier in [n for n in self._passes if n != current]:
+            self._drop(earlier)
+        if spool is not None:
+            spool.start_reads(len(spool))
+
+    def abandon_forward(self) -> None:
+        """The training forward failed: what it offloaded is dropped (the pending forward
+        before it stays)."""
+        current, self._current = self._current, None
+        if current is not None:
+            self._drop(current)
 
     def end_backward(self) -> None:
-        """The backward ended (or failed): the pass's file is deleted, copies released."""
-        self._saving = False
-        self._drop()
+        """The backward ended (or failed): every offloaded input is dropped, files deleted."""
+        self._current = None
+        for number in list(self._passes):
+            self._drop(number)
+        self._resolve_timings()
 
     def close(self) -> None:
         """Delete what is left (the file of a forward without its backward)."""
         self.end_backward()
 
     def offloaded_bytes(self) -> int:
-        """Bytes of the pending forward's checkpointed inputs that are offloaded now (in
-        host memory with ``"cpu"``, in the file with ``"nvme"``), not yet brought back."""
+        """Bytes of checkpointed inputs offloaded now (in host memory with ``"cpu"``, in
+        the file with ``"nvme"``), not yet brought back."""
         with self._lock:
-            return self._pending
+            return sum(p.pending for p in self._passes.values())
 
-    def _drop(self) -> None:
-        with self._lock:
-            self._pending = 0
-        spool, self._spool = self._spool, None
-        if spool is not None:
-            spool.close()
-        self._forward += 1  # handles of the dropped pass are refused when unpacked
-        self._resolve_timings()
+    def _drop(self, number: int) -> None:
+        done = self._passes.pop(number, None)
+        if done is not None and done.spool is not None:
+            done.spool.close()
 
     # ------------------------------------------------------------------ hooks
 
-    def _pack(self, t: torch.Tensor) -> object:
-        if not self._saving:
+    def offload(self, t: torch.Tensor) -> object:
+        """Move ``t`` (a checkpointed input, saved during a training forward) to its
+        place; what stands for it until :meth:`restore`. Outside a training forward
+        ``t`` itself.
+
+        Raises:
+            DiskTierError: the pass's file cannot be created.
+        """
+        current = self._current
+        if current is None:
             return t  # not a training forward's save (nothing to offload)
         data = t.detach()
         nbytes = data.numel() * data.element_size()
-        handle = _Offloaded(
-            forward=self._forward, shape=data.shape, dtype=data.dtype, nbytes=nbytes
-        )
-        with self._lock:
-            self._pending += nbytes
+        handle = _Offloaded(forward=current, shape=data.shape, dtype=data.dtype, nbytes=nbytes)
+        record = self._passes[current]
         if self.place is OffloadActivations.CPU:
             host, ready = self._to_host(data, None)
-            return attrs.evolve(handle, host=host, ready=ready)
-        if self._spool is None:
-            assert self._directory is not None
-            self._spool = ActivationSpool(
-                self._directory,
-                read_ahead_bytes=self._read_ahead_bytes,
-                pin=self._cuda,
-                on_transfer=self._count_io,
-            )
-        if self._cuda:  # into a buffer direct I/O writes as it is
-            buffer = aligned_buffer(nbytes, pin=True)
-            _, ready = self._to_host(data, buffer)
-            index = self._spool.put(buffer, nbytes=nbytes, ready=ready.synchronize)
+            handle = attrs.evolve(handle, host=host, ready=ready)
         else:
-            index = self._spool.put(data.contiguous().view(-1).view(torch.uint8))
-        return attrs.evolve(handle, index=index)
+            if record.spool is None:
+                assert self._directory is not None
+                record.spool = ActivationSpool(
+                    self._directory,
+                    name=f"activations-{current % 2}.bin",  # the pending forward's is the other
+                    read_ahead_bytes=self._read_ahead_bytes,
+                    pin=self._cuda,
+                    on_transfer=self._count_io,
+                )
+            if self._cuda:  # into a buffer direct I/O writes as it is
+                buffer = aligned_buffer(nbytes, pin=True)
+                _, ready = self._to_host(data, buffer)
+                index = record.spool.put(buffer, nbytes=nbytes, ready=ready.synchronize)
+            else:
+                index = record.spool.put(data.contiguous().view(-1).view(torch.uint8))
+            handle = attrs.evolve(handle, index=index)
+        with self._lock:
+            record.pending += nbytes
+        return handle
 
     def _to_host(self, data: torch.Tensor, buffer: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
         """A host copy of ``data`` (contiguous; on CUDA page-locked, in the uint8
@@ -227,25 +255,34 @@ class ActivationOffload:
             self._timing(_OUT, start, end, nbytes)
         return host, end
 
-    def _unpack(self, saved: object) -> torch.Tensor:
+    def restore(self, saved: object) -> torch.Tensor:
+        """The tensor :meth:`offload` returned ``saved`` for, back on the device (bitwise
+        its values; contiguous).
+
+        Raises:
+            StateError: its forward's offloaded inputs were dropped (a later forward
+                became the pending one, or its backward ran already).
+            DiskTierError: its write or read failed.
+        """
         if not isinstance(saved, _Offloaded):
             assert isinstance(saved, torch.Tensor)
             return saved
-        if saved.forward != self._forward:
+        record = self._passes.get(saved.forward)
+        if record is None:
             raise StateError(
                 "an offloaded activation of an earlier training forward was asked for: its "
-                "offloaded inputs were dropped when the next forward (or close) began; run "
-                "each backward through `await manager.backward(loss)` of the last forward"
+                "offloaded inputs were dropped when a later forward completed or its backward "
+                "ended; run one backward of the last training forward"
             )
         with self._lock:
-            self._pending -= saved.nbytes
+            record.pending -= saved.nbytes
         if self.place is OffloadActivations.CPU:
             assert saved.host is not None
             if not self._cuda:
                 self._count(_IN, 0.0, saved.nbytes)  # host memory already: handed back
                 return saved.host
             return self._to_device(saved.host, saved.ready, count=True)
-        spool = self._spool
+        spool = record.spool
         assert spool is not None
         data, waited = spool.take(saved.index)
         spool.start_reads(saved.index)

@@ -289,7 +289,12 @@ class ModuleRunner:
         offload = self.activations if phase is Phase.FORWARD else None
         if offload is not None:
             offload.begin_forward()
-        out, result = await self._run(phase, self.model, args, kwargs, "forward")
+        try:
+            out, result = await self._run(phase, self.model, args, kwargs, "forward")
+        except BaseException:
+            if offload is not None:
+                offload.abandon_forward()  # the pending forward before it stays
+            raise
         if offload is not None:
             try:
                 offload.end_forward()  # raises when a write failed (its file deleted)
@@ -441,6 +446,8 @@ class ModuleRunner:
             self._gatherer.release_scratch()
             await self._landing.land(result, tokens=tokens)
         except BaseException:
+            if self.activations is not None:
+                self.activations.end_backward()  # nothing offloaded outlives its backward
             await self.abandon(result)
             raise
         self._clock.finish(Phase.BACKWARD, started)
@@ -453,8 +460,6 @@ class ModuleRunner:
         through the landing, and the parameters' gradients it left are dropped.
         """
         self._current = None
-        if self.activations is not None:
-            self.activations.end_backward()  # nothing offloaded outlives a failed pass
         if result is None:
             await self._prefetch.release_all()
             return

@@ -17,8 +17,6 @@ from zero3_offload.storage.record_file import ALIGN, RecordFile, aligned
 
 __all__ = ["ActivationSpool", "aligned_buffer"]
 
-FILE_NAME = "activations.bin"
-
 
 def aligned_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     """A uint8 CPU tensor of ``aligned(nbytes)`` bytes starting at a multiple of
@@ -39,7 +37,7 @@ class _Record:
 
 
 class ActivationSpool:
-    """A file under ``directory`` that holds one pass's records, appended in order.
+    """A file ``name`` under ``directory`` that holds one pass's records, appended in order.
 
     :meth:`put` queues a record's write on a writer thread and returns at once;
     :meth:`start_reads` reads records on a reader thread into buffers of their own,
@@ -52,6 +50,7 @@ class ActivationSpool:
 
     Args:
         directory: the rank's directory of the disk tiers.
+        name: the file's name (it must not exist).
         read_ahead_bytes: most bytes read ahead and not taken yet (one record is always
             read ahead, whatever its size).
         pin: page-locked read buffers (a CUDA device copies them to the device).
@@ -65,11 +64,12 @@ class ActivationSpool:
         self,
         directory: Path,
         *,
+        name: str,
         read_ahead_bytes: int,
         pin: bool,
         on_transfer: Callable[[str, float, int], None],
     ) -> None:
-        self._file = RecordFile(directory / FILE_NAME, 0, holds="checkpointed activations")
+        self._file = RecordFile(directory / name, 0, holds="checkpointed activations")
         self._read_ahead_bytes = read_ahead_bytes
         self._pin = pin
         self._on_transfer = on_transfer

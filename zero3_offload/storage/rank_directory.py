@@ -16,7 +16,7 @@ __all__ = ["RankDirectory"]
 log = get_logger(__name__)
 
 # What a run leaves in the directory: the disk tiers' files (nothing else is removed).
-_FILES = frozenset({"state.bin", "params.bin", "activations.bin"})
+_FILES = frozenset({"state.bin", "params.bin", "activations-0.bin", "activations-1.bin"})
 
 
 class RankDirectory:
