@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 import structlog
 import torch
-from helpers import assert_bitwise, run_named
+from helpers import assert_bitwise, lm_loss, make_batches, make_model, run_named
 from hf_models import (
     LR,
     batch,
@@ -51,6 +51,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "tiled": (TILED, "tiled"),
     "tiled-nvme": ({**TILED, "offload_activations": "nvme"}, "tiled"),
 }
+
+
+def _own_entries(root: Path, rank: int) -> list[str]:
+    """This rank's entries under ``root``: its directory and its lock file (the other
+    rank may not have closed yet)."""
+    if not root.exists():
+        return []
+    return sorted(p for p in os.listdir(root) if p in (f"rank{rank}", f"rank{rank}.lock"))
 
 
 def _files(directory: Path) -> list[str]:
@@ -106,14 +114,65 @@ async def _train(
     out["saved_bytes"] = saved_bytes
     out["state"] = await manager.full_state_dict()
     await manager.close()
-    out["after_close"] = (Path(root) / name).exists() and sorted(os.listdir(Path(root) / name))
+    out["after_close"] = _own_entries(Path(root) / name, ctx.rank)
+    return out
+
+
+# chain mode (forward_pass/backward_pass on the tests' TinyGPT): name -> offload_activations
+CHAIN = {"chain-none": "none", "chain-cpu": "cpu", "chain-nvme": "nvme"}
+
+
+async def train_chain(ctx: RankContext, name: str, root: str) -> dict[str, Any]:
+    """Train the chain-mode TinyGPT with variant ``name``; the files and counts on the way."""
+    where = CHAIN[name]
+    fields: dict[str, Any] = {**CKPT, "offload_activations": where}
+    if where == "nvme":
+        fields["nvme_path"] = str(Path(root) / name)
+    model = make_model()
+    names = model.layer_names
+    saved_bytes: list[int] = []
+    forwarding = [False]
+
+    def count(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        if forwarding[0]:  # the forward's inputs, not the recomputations'
+            saved_bytes.append(args[0].numel() * args[0].element_size())
+
+    for layer in names:
+        model.get_submodule(layer).register_forward_pre_hook(count)
+    out: dict[str, Any] = {"losses": [], "offloaded": [], "files": []}
+    rank_dir = Path(root) / name / f"rank{ctx.rank}"
+    manager = Zero3CpuOffloadManager(make_config(fields), ctx.group, model)
+    for x, y in make_batches(MICRO_STEPS, 8):
+        forwarding[0] = True
+        h = await manager.forward_pass(local(x, ctx), names)
+        forwarding[0] = False
+        out["offloaded"].append(manager.get_memory_stats().offloaded_activation_bytes)
+        out["files"].append(_files(rank_dir) if where == "nvme" else [])
+        h.requires_grad_()
+        loss = lm_loss(h.float(), local(y, ctx))
+        loss.backward()
+        await manager.backward_pass(h.grad, names)
+        out["files"].append(_files(rank_dir) if where == "nvme" else [])
+        out["losses"].append(loss.item())
+        await manager.optimizer_step(LR)
+    out["saved_bytes"] = saved_bytes
+    out["transfers"] = {
+        key: (stats.operations, stats.bytes)
+        for key, stats in manager.get_performance_stats().transfers.items()
+        if key.startswith("activation")
+    }
+    out["state"] = await manager.full_state_dict()
+    await manager.close()
+    out["after_close"] = _own_entries(Path(root) / name, ctx.rank)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     root = str(tmp_path_factory.mktemp("activations"))
-    return run_named(2, {name: (guarded, train_offload, name, root) for name in VARIANTS})
+    calls = {name: (guarded, train_offload, name, root) for name in VARIANTS}
+    calls.update({name: (guarded, train_chain, name, root) for name in CHAIN})
+    return run_named(2, calls)
 
 
 def results(runs2: dict[str, list[Any]], name: str) -> list[dict[str, Any]]:
@@ -178,7 +237,27 @@ def test_the_file_lives_from_forward_to_backward_and_nothing_outlives_close(
         names = [[f"activations-{(i + 1) % 2}.bin"] for i in range(MICRO_STEPS)]
         assert r["after_forward"] == names
         assert r["after_backward"] == [[]] * MICRO_STEPS
-        assert r["after_close"] == []  # the rank directories and their lock files
+        assert r["after_close"] == []  # the rank's directory and its lock file
+
+
+@pytest.mark.parametrize("name", ["chain-cpu", "chain-nvme"])
+def test_chain_mode_offloads_bitwise_and_counts_the_layer_inputs(
+    runs2: dict[str, list[Any]], name: str
+) -> None:
+    kept = results(runs2, "chain-none")
+    for r, k in zip(results(runs2, name), kept, strict=True):
+        assert r["losses"] == k["losses"]
+        assert_bitwise(r["state"], k["state"])
+        per_forward = sum(r["saved_bytes"]) // MICRO_STEPS
+        assert per_forward > 0 and len(r["saved_bytes"]) == MICRO_STEPS * 5  # 5 layers
+        assert r["offloaded"] == [per_forward] * MICRO_STEPS
+        assert r["transfers"]["activation_offload"] == (5 * MICRO_STEPS, sum(r["saved_bytes"]))
+        assert r["transfers"]["activation_restore"][1] == sum(r["saved_bytes"])
+        if name == "chain-nvme":
+            assert r["files"][1::2] == [[]] * MICRO_STEPS
+            assert all(len(f) == 1 and f[0].startswith("activations-") for f in r["files"][::2])
+            assert r["after_close"] == []
+    assert kept[0]["transfers"] == {}
 
 
 # ------------------------------------------------------------ failures, refusals
@@ -240,12 +319,11 @@ async def failures(ctx: RankContext, root: str) -> dict[str, Any]:
     await manager.close()
     out["closed_left"] = sorted(os.listdir(root))
 
-    for field in ({**CKPT, "offload_activations": "cpu"}, {"mlp_chunk_tokens": 4}):
-        chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        try:
-            Zero3CpuOffloadManager(make_config(field), ctx.group, chain)
-        except ConfigError as exc:
-            out.setdefault("chain", []).append(str(exc))
+    chain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    try:
+        Zero3CpuOffloadManager(make_config({"mlp_chunk_tokens": 4}), ctx.group, chain)
+    except ConfigError as exc:
+        out["chain"] = str(exc)
     return out
 
 
@@ -260,9 +338,7 @@ def test_disk_failures_raise_and_leave_nothing(tmp_path: Path) -> None:
     assert r["pending_kept"] and r["after_pending"] == []
     assert len(r["before_close"]) == 1 and r["before_close"][0].startswith("activations-")
     assert r["closed_left"] == []
-    assert len(r["chain"]) == 2
-    assert "offload_activations='cpu' applies to module mode" in r["chain"][0]
-    assert "mlp_chunk_tokens=4 applies to module mode" in r["chain"][1]
+    assert "mlp_chunk_tokens=4 applies to module mode" in r["chain"]
 
 
 def test_offload_needs_checkpointing_and_nvme_a_path() -> None:

@@ -796,14 +796,15 @@ class Zero3CpuOffloadConfig:
         default=OffloadActivations.NONE,
         converter=functools.partial(OffloadActivations.parse, field="offload_activations"),
     )
-    """With ``activation_checkpointing`` (module mode), where each checkpointed unit's saved
-    inputs (a decoder layer's hidden states, its positional tensor arguments) stay until
-    its recomputation: ``"none"`` keeps them on the compute device; ``"cpu"`` copies them
-    to host memory (pinned, on a side stream, on an accelerator; on the CPU device it is
-    a copy into other host memory that saves nothing); ``"nvme"`` writes them to a file
-    under ``nvme_path`` as the forward goes, removed after the backward, and reads them
-    back at least one unit ahead of the backward. Bitwise the results of ``"none"``.
-    Needs ``activation_checkpointing`` (module mode); ``"nvme"`` needs ``nvme_path``."""
+    """With ``activation_checkpointing``, where the inputs checkpointed layers save stay
+    until their recomputation (module mode: each checkpointed unit's positional tensor
+    arguments, a decoder layer's hidden states; chain mode: each layer's input):
+    ``"none"`` keeps them on the compute device; ``"cpu"`` copies them to host memory
+    (pinned, on a side stream, on an accelerator; on the CPU device it is a copy into
+    other host memory that saves nothing); ``"nvme"`` writes them to a file under
+    ``nvme_path`` as the forward goes, removed after the backward, and reads them back at
+    least one layer ahead of the backward. Bitwise the results of ``"none"``. Needs
+    ``activation_checkpointing``; ``"nvme"`` needs ``nvme_path``."""
     activation_read_ahead_bytes: int = int_field(0, 0, "bytes; 0 = one unit")
     """With ``offload_activations="nvme"``, most bytes of offloaded inputs read back ahead
     of the backward and not used yet: the backward reads one unit ahead whatever this

@@ -147,22 +147,26 @@ class Engine:
         """The disk tiers' files: the optimizer's, then the compute copies'."""
         return self.disk.files()
 
+    def _activation_offload(self) -> ActivationOffload | None:
+        runner = self.model_runner or self.chain_runner
+        return runner.activations if runner is not None else None
+
     def activation_transfers(self) -> dict[str, OperationStats]:
         """Offloaded activations' totals (``activation_offload`` / ``activation_restore``;
         empty without ``offload_activations``)."""
-        offload = self.model_runner.activations if self.model_runner is not None else None
+        offload = self._activation_offload()
         return offload.transfers() if offload is not None else {}
 
     def activation_step_figures(self) -> dict[str, dict[str, Any]]:
         """``{"activations": figures}``, the field of a ``step`` event (since the previous
         step; empty without ``offload_activations``)."""
-        offload = self.model_runner.activations if self.model_runner is not None else None
+        offload = self._activation_offload()
         return {"activations": offload.step_figures()} if offload is not None else {}
 
     def offloaded_activations(self) -> dict[str, Any]:
         """The memory stats' arguments for the offloaded activations (empty without
         ``offload_activations``)."""
-        offload = self.model_runner.activations if self.model_runner is not None else None
+        offload = self._activation_offload()
         if offload is None:
             return {}
         return {
@@ -175,6 +179,8 @@ class Engine:
         the group's threads."""
         if self.model_runner is not None:
             self.model_runner.close()
+        if self.chain_runner is not None and self.chain_runner.activations is not None:
+            self.chain_runner.activations.close()
         self.disk.close()
         self.comm.close()
 
@@ -704,6 +710,7 @@ def _build_runners(
             recompute=config.activation_checkpointing,
             gathered_flat=gatherer.gathered_flat,
             products=products,
+            activations=activations,
         )
         chain = ChainRunner(
             layers=split.layers,  # type: ignore[arg-type]
@@ -715,6 +722,7 @@ def _build_runners(
             steps=steps,
             clock=clock,
             after_forward=heap.after_forward,
+            activations=activations,
         )
         return clock, landing, chain, None
     assert split.unit_params is not None
@@ -755,22 +763,13 @@ def _activation_offload(
 
 
 def _refuse_module_mode_only(config: Zero3CpuOffloadConfig) -> None:
-    """Chain mode has neither a tiled MLP nor activation offload: refuse them there."""
-    for field, on, shown, off in (
-        ("mlp_chunk_tokens", config.mlp_chunk_tokens != 0, config.mlp_chunk_tokens, 0),
-        (
-            "offload_activations",
-            config.offload_activations is not OffloadActivations.NONE,
-            config.offload_activations.value,
-            "none",
-        ),
-    ):
-        if on:
-            raise ConfigError(
-                f"{field}={shown!r} applies to module mode (a model run through "
-                "`await manager.forward(...)`), and this model runs as a chain of layers "
-                f"(forward_pass/backward_pass): leave it at {off!r}"
-            )
+    """Chain mode has no tiled MLP (its layers are the user's): refuse it there."""
+    if config.mlp_chunk_tokens:
+        raise ConfigError(
+            f"mlp_chunk_tokens={config.mlp_chunk_tokens} applies to module mode (a model run "
+            "through `await manager.forward(...)`), and this model runs as a chain of layers "
+            "(forward_pass/backward_pass): leave it at 0"
+        )
 
 
 def _pins(config: Zero3CpuOffloadConfig, device: torch.device) -> bool:

@@ -1,4 +1,4 @@
-"""Checkpointed units' saved inputs in host memory or in a file (``offload_activations``).
+"""Checkpointed layers' saved inputs in host memory or in a file (``offload_activations``).
 
 [Note: activation offload]
 Under activation checkpointing (module mode's non-reentrant ``torch.utils.checkpoint``,
@@ -11,7 +11,10 @@ hidden states, one per layer, are what a training forward accumulates. With
 ``offload_activations`` each unit's checkpoint runs inside :meth:`ActivationOffload.saving`,
 whose hooks move those saved inputs away when the forward saves them and bring them
 back when the unit's recomputation asks for them (its first unpack, as its backward
-starts):
+starts). Chain mode's recomputation (see [Note: backward by recomputation] in
+``execution.layer_runner``) keeps each layer's input: it goes through
+:meth:`ActivationOffload.offload` after the layer's forward and
+:meth:`ActivationOffload.restore` before its recomputation, the same way:
 
 - ``"cpu"``: to host memory. On a CUDA device into a page-locked buffer, copied on a
   side stream that first waits for the compute stream (the device tensor is marked used
@@ -20,8 +23,8 @@ starts):
   host memory: the input is copied once into a tensor of its own (the original is freed;
   nothing is saved, a memcpy is spent) and handed back as it is.
 - ``"nvme"``: appended to one file per training forward, ``activations-<0|1>.bin`` in
-  the rank's disk-tier directory, by a writer thread while the forward goes on (on a CUDA device
-  after a copy into a page-locked buffer on the side stream); the end of the forward
+  the rank's disk-tier directory, by a writer thread while the forward goes on (on a
+  CUDA device after a copy into a page-locked buffer on the side stream); the end of the forward
   waits for the writes (a failure raises there), then a reader thread reads the last
   units back into buffers of their own, and each unit's unpack starts the reads of the
   units before it: one unit ahead at least, more while the bytes read and not yet used

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from zero3_offload.errors import InputError, StateError, Zero3Error
+from zero3_offload.execution.activation_offload import ActivationOffload
 from zero3_offload.execution.arguments import check_backward_args, resolve_layer_names
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.layer_runner import LayerRunner, check_has_values
@@ -55,6 +56,10 @@ class ChainRunner:
         clock: counts passes and layers' compute.
         after_forward: called with the phase at the end of every forward (the C heap
             trimmed after a training one, when ``trim_heap_after_forward`` is on).
+        activations: where the layers' saved inputs go under recomputation (the one
+            ``layer_runner`` offloads through; see [Note: activation offload] in
+            ``execution.activation_offload``): a training forward begins and ends its
+            pass here, a backward drops what it offloaded. None: nothing is offloaded.
     """
 
     def __init__(
@@ -69,7 +74,9 @@ class ChainRunner:
         steps: StepRunner,
         clock: PassClock,
         after_forward: Callable[[Phase], None],
+        activations: ActivationOffload | None = None,
     ) -> None:
+        self.activations = activations
         self._layers = layers
         self._layouts = layouts
         self._runner = layer_runner
@@ -120,6 +127,9 @@ class ChainRunner:
         started = self._clock.start(phase)
         training = phase.trains
         steps: list[SavedStep | None] = []
+        offload = self.activations if training else None
+        if offload is not None:
+            offload.begin_forward()
         try:
             # An evaluation forward has its own trace, so it does not disturb the
             # prediction that a training forward is followed by its backward.
@@ -138,7 +148,11 @@ class ChainRunner:
                 steps.append(saved)
                 self._clock.compute(name, phase, t0)
                 self._prefetch.finish(names, i, next_order=next_order)
+            if offload is not None:
+                offload.end_forward()  # raises when a write failed (its file deleted)
         except BaseException:
+            if offload is not None:
+                offload.abandon_forward()  # the pending forward before it stays
             await self._prefetch.release_all()  # nothing stays in flight
             raise
         self._prefetch.end_pass(phase, names)
@@ -205,6 +219,8 @@ class ChainRunner:
             await self._landing.land(result, early=early_lr is not None, tokens=tokens)
         except BaseException as exc:
             forward.steps.clear()  # the graphs are (partly) consumed: a new forward is needed
+            if self.activations is not None:
+                self.activations.end_backward()
             await self._landing.abandon(result)
             if self._steps.stepped and isinstance(exc, Zero3Error):
                 raise type(exc)(
@@ -212,6 +228,8 @@ class ChainRunner:
                     "backward's early optimizer step)"
                 ) from exc
             raise
+        if self.activations is not None:
+            self.activations.end_backward()  # every input was brought back
         self._clock.finish(Phase.BACKWARD, started)
         return g, result
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from zero3_offload.errors import InputError, LayerExecutionError, StateError, Zero3Error
+from zero3_offload.execution.activation_offload import ActivationOffload
 from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.product_saving import ProductSaving
 from zero3_offload.execution.saved_step import RngState, SavedStep
@@ -55,6 +56,9 @@ class LayerRunner:
         products: with ``recompute``, picks the layers (the last ones of a chain) that
             also save their products (but low-rank ones); see [Note: saved products] in
             ``execution.product_saving``. None: every layer recomputes its whole forward.
+        activations: with ``recompute``, where the layers' saved inputs go until their
+            recomputation (see [Note: activation offload] in
+            ``execution.activation_offload``). None: they stay on the device.
     """
 
     def __init__(
@@ -65,12 +69,14 @@ class LayerRunner:
         recompute: bool,
         gathered_flat: Callable[[str], torch.Tensor],
         products: ProductSaving | None = None,
+        activations: ActivationOffload | None = None,
     ) -> None:
         self.device = device
         self.compute_dtype = compute_dtype
         self.recompute = recompute
         self._gathered_flat = gathered_flat
         self._products = products
+        self._activations = activations
 
     def saving_products(self, names: Sequence[str]) -> frozenset[str]:
         """The layers of a training forward over ``names`` that save their products."""
@@ -126,7 +132,7 @@ class LayerRunner:
             _check_output(name, out)
             if not keep:
                 return out, None
-            return out, SavedStep(inp=inp, out=None, rng=rng, saved=storage_bytes(inp))
+            return out, self._kept_input(inp, SavedStep(inp=inp, out=None, rng=rng, saved={}))
         leaf = x.detach().requires_grad_(x.is_floating_point())
         pack, unpack, saved = self._param_hooks(name)
         try:
@@ -146,7 +152,7 @@ class LayerRunner:
         assert self._products is not None
         rng = self.rng_state()
         inp = x.detach()
-        saved = storage_bytes(inp)
+        saved: dict[int, int] = {}
         forward, recompute = self._products.contexts(lambda t: saved.update(storage_bytes(t)))
         try:
             # The same grad mode and leaf as the recomputation: ops dispatch the same way.
@@ -156,7 +162,16 @@ class LayerRunner:
             raise LayerExecutionError(f"layer {name!r} raised in forward: {exc}") from exc
         _check_output(name, out)
         step = SavedStep(inp=inp, out=None, rng=rng, saved=saved, products=recompute)
-        return out.detach(), step
+        return out.detach(), self._kept_input(inp, step)
+
+    def _kept_input(self, inp: torch.Tensor, step: SavedStep) -> SavedStep:
+        """``step`` keeping ``inp`` for the recomputation: on the device (its bytes counted
+        as saved), or offloaded (``stored`` stands for it)."""
+        if self._activations is None:
+            step.saved.update(storage_bytes(inp))
+            return step
+        step.inp, step.stored = None, self._activations.offload(inp)
+        return step
 
     def _param_hooks(
         self, name: str
@@ -221,6 +236,7 @@ class LayerRunner:
         if step.out is None:
             leaf, out = self._recompute(name, module, step)
         else:
+            assert step.inp is not None
             leaf, out = step.inp, step.out
         try:
             if out.shape != grad.shape:
@@ -241,7 +257,11 @@ class LayerRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rerun ``module`` on the saved input with the saved RNG state, autograd on."""
         assert step.rng is not None
-        leaf = step.inp.detach().requires_grad_(step.inp.is_floating_point())
+        inp = step.inp
+        if inp is None:
+            assert self._activations is not None
+            inp = self._activations.restore(step.stored)
+        leaf = inp.detach().requires_grad_(inp.is_floating_point())
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
