@@ -137,8 +137,9 @@ class ActivationOffload:
     def begin_forward(self) -> None:
         """A training forward starts (what it saves is offloaded until it ends)."""
         self._forwards += 1
+        with self._lock:
+            self._passes[self._forwards] = _Pass()
         self._current = self._forwards
-        self._passes[self._current] = _Pass()
 
     def end_forward(self) -> None:
         """The training forward ended and is now the pending one: its writes are waited
@@ -187,7 +188,8 @@ class ActivationOffload:
             return sum(p.pending for p in self._passes.values())
 
     def _drop(self, number: int) -> None:
-        done = self._passes.pop(number, None)
+        with self._lock:
+            done = self._passes.pop(number, None)
         if done is not None and done.spool is not None:
             done.spool.close()
 
