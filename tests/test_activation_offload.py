@@ -348,7 +348,7 @@ def test_offload_needs_checkpointing_and_nvme_a_path() -> None:
         make_config({**CKPT, "offload_activations": "nvme"})
 
 
-def test_torch_rejects_nothing_we_rely_on() -> None:
+def test_a_hook_around_a_checkpoint_sees_its_positional_inputs_only() -> None:
     """A saved-tensor hook around a non-reentrant checkpoint sees its positional inputs
     (the hidden states), and only those: what the offload moves."""
     seen: list[torch.Tensor] = []
