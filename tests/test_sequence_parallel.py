@@ -1,0 +1,331 @@
+"""Sequence parallelism (Ulysses, ``sequence_parallel_size``) on real gloo ranks == plain
+single-process transformers training of the whole sequences.
+
+Every rank of a sequence group passes the same batch; the manager cuts the sequence,
+runs attention over the whole of it through all-to-alls, and gives each rank the whole
+sequence's loss. The references train the same model (same seed, same attention
+implementation) on the whole batch of every group, in one process. The rank runs are
+shared: one run per world size trains every variant in turn.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import torch
+import torch.nn.functional as F
+from helpers import run_named
+from hf_models import TINY_DECODER, guarded, max_diff, unwrap
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
+from zero3_offload.errors import ConfigError
+from zero3_offload.testing import RankContext
+
+ROWS = 2  # rows of each group's batch
+SEQ = 16
+LR = 1e-3
+STEPS = 5
+SAVE_AT = 3  # steps before the checkpoint of the resharding test
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-4
+
+
+# ------------------------------------------------------------------------------- models
+
+
+def build_model(kind: str, attn: str) -> nn.Module:
+    """A fresh tiny decoder (seed 0) with the attention implementation ``attn``."""
+    torch.manual_seed(0)
+    if kind == "llama":  # GQA: 4 query heads, 2 key/value heads
+        model: nn.Module = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
+    elif kind == "mistral":  # a sliding window smaller than the sequence
+        model = MistralForCausalLM(MistralConfig(**TINY_DECODER, sliding_window=5))
+    elif kind == "qwen2":  # q, k, v projections with bias
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY_DECODER))
+    elif kind == "lora":
+        base = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
+        base.set_attn_implementation(attn)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(base, lora)
+        # LoRA's B starts at zero: give the adapters values so they change the output.
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(param, std=0.02)
+    else:  # 3 heads: sequence_parallel_size 2 does not divide them
+        model = LlamaForCausalLM(
+            LlamaConfig(**{**TINY_DECODER, "num_attention_heads": 3, "num_key_value_heads": 3})
+        )
+    if kind != "lora":
+        model.set_attn_implementation(attn)
+    model.train()
+    return model
+
+
+@attrs.frozen
+class Spec:
+    """One training run: the model, the data's shape and the window's rules."""
+
+    kind: str = "llama"
+    attn: str = "sdpa"
+    size: int = 2  # sequence_parallel_size
+    steps: int = STEPS
+    first: int = 0  # index of the first step (a run continued from a checkpoint)
+    seq: int = SEQ
+    packed: bool = False  # position ids restart inside every row
+    padded: bool = False  # right padding (a 2D attention mask), labels -100 there
+    tokens: bool = False  # token-weighted backwards
+    acc: int = 1  # micro-steps per optimizer step
+    optimizer: str = "adamw"
+    config: tuple[tuple[str, Any], ...] = ()  # Zero3CpuOffloadConfig fields
+    save_dir: str | None = None
+    load_dir: str | None = None
+
+
+def optimizer_config(spec: Spec) -> OptimizerConfig:
+    return OptimizerConfig(kind=spec.optimizer, weight_decay=0.0)
+
+
+def micro_batch(spec: Spec, index: int, groups: int) -> dict[str, torch.Tensor]:
+    """Micro-step ``index``'s whole batch: ``ROWS`` rows per group, ``groups`` groups."""
+    g = torch.Generator().manual_seed(1000 + index)
+    rows = ROWS * groups
+    ids = torch.randint(0, TINY_DECODER["vocab_size"], (rows, spec.seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if spec.packed:  # two documents per row, the second starting at a row-dependent place
+        starts = torch.randint(3, spec.seq - 3, (rows,), generator=g)
+        batch["position_ids"] = torch.stack(
+            [torch.cat([torch.arange(int(s)), torch.arange(spec.seq - int(s))]) for s in starts]
+        )
+    if spec.padded:  # right padding of a row-dependent length
+        lengths = torch.randint(spec.seq // 2, spec.seq + 1, (rows,), generator=g)
+        mask = (torch.arange(spec.seq)[None] < lengths[:, None]).long()
+        batch["attention_mask"] = mask
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    return batch
+
+
+def rows_of(batch: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
+    return {k: v[group * ROWS : (group + 1) * ROWS] for k, v in batch.items()}
+
+
+def valid_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Labels a causal LM predicts (the first position predicts nothing)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum of the next-token cross entropies, and their count (transformers' shift)."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        shifted.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    return total, int((shifted != -100).sum())
+
+
+# -------------------------------------------------------------------- plain reference
+
+
+@functools.cache
+def plain(spec: Spec, groups: int) -> dict[str, Any]:
+    """Plain single-process training on every group's rows at once (AdamW or SGD).
+
+    Returns each group's loss of every micro-step and the final parameters. Without
+    ``tokens`` the update follows the mean over micro-steps of the mean over groups of
+    each group's token mean; with it, the token mean of the whole window.
+    """
+    model = build_model(spec.kind, spec.attn)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    kind = torch.optim.AdamW if spec.optimizer == "adamw" else torch.optim.SGD
+    opt = kind(trainable, lr=LR, weight_decay=0.0)
+    losses: list[list[float]] = []
+    for step in range(spec.first + spec.steps):
+        micros = [micro_batch(spec, step * spec.acc + m, groups) for m in range(spec.acc)]
+        window_tokens = sum(valid_tokens(b) for b in micros)
+        for batch in micros:
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            group_losses, objective = [], logits.new_zeros(())
+            for group in range(groups):
+                part = rows_of(batch, group)
+                total, count = token_losses(logits[group * ROWS : (group + 1) * ROWS], part["labels"])
+                group_losses.append((total / count).item())
+                if spec.tokens:
+                    objective = objective + total / window_tokens
+                else:
+                    objective = objective + total / count / (groups * spec.acc)
+            objective.backward()
+            if step >= spec.first:
+                losses.append(group_losses)
+        opt.step()
+        opt.zero_grad()
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "state": state}
+
+
+# -------------------------------------------------------------------------- rank runs
+
+
+def make_config(spec: Spec) -> Zero3CpuOffloadConfig:
+    return Zero3CpuOffloadConfig(
+        optimizer=optimizer_config(spec),
+        sequence_parallel_size=spec.size,
+        gradient_accumulation_steps=spec.acc,
+        cpu_memory_budget=2**30,
+        gpu_param_memory_budget=2**28,
+        collective_timeout_s=120.0,
+        **dict(spec.config),
+    )
+
+
+async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
+    """Train with the manager: every rank of a group passes its group's whole rows.
+
+    Returns this rank's ``out.loss`` of every micro-step and the full parameters.
+    """
+    model = build_model(spec.kind, spec.attn)
+    groups = ctx.world_size // spec.size
+    group = ctx.rank // spec.size
+    manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
+    try:
+        if spec.load_dir is not None:
+            await manager.load_checkpoint(spec.load_dir)
+        losses = []
+        for step in range(spec.first, spec.first + spec.steps):
+            for m in range(spec.acc):
+                batch = rows_of(micro_batch(spec, step * spec.acc + m, groups), group)
+                out = await manager.forward(**batch)
+                tokens = valid_tokens(batch) if spec.tokens else None
+                await manager.backward(out.loss, tokens=tokens)
+                losses.append(out.loss.item())
+                await manager.optimizer_step(LR)
+        if spec.save_dir is not None:
+            await manager.save_checkpoint(spec.save_dir)
+        state = await manager.full_state_dict()
+        attention = manager.model.config._attn_implementation  # type: ignore[union-attr]
+    finally:
+        await manager.close()
+    restored = model.config._attn_implementation  # type: ignore[union-attr]
+    return {"losses": losses, "state": state, "attention": (attention, restored)}
+
+
+async def refusal(ctx: RankContext, spec: Spec) -> str:
+    """The ConfigError the manager's construction raises for ``spec``."""
+    model = build_model(spec.kind, spec.attn)
+    try:
+        manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
+    except ConfigError as exc:
+        return str(exc)
+    await manager.close()
+    return "built"
+
+
+EXACT2: dict[str, Spec] = {
+    "llama-eager": Spec(kind="llama", attn="eager"),
+    "llama-sdpa": Spec(kind="llama", attn="sdpa"),
+    "mistral-eager": Spec(kind="mistral", attn="eager"),
+    "mistral-sdpa": Spec(kind="mistral", attn="sdpa"),
+    "qwen2-eager": Spec(kind="qwen2", attn="eager"),
+    "qwen2-sdpa": Spec(kind="qwen2", attn="sdpa"),
+    "packed-sdpa": Spec(kind="llama", attn="sdpa", packed=True),
+    "packed-eager": Spec(kind="mistral", attn="eager", packed=True),
+    # Right padding, a length S does not divide, token weighting over 2 micro-steps; SGD
+    # (its update is proportional to the gradient: a wrong scale shows).
+    "padded-tokens-sgd": Spec(seq=15, padded=True, tokens=True, acc=2, optimizer="sgd"),
+    "sgd": Spec(optimizer="sgd"),
+    "recompute": Spec(config=(("activation_checkpointing", True),)),
+    "lora": Spec(kind="lora"),
+}
+EXACT4: dict[str, Spec] = {  # S = 2 x data parallel 2
+    "llama-sdpa": Spec(kind="llama", attn="sdpa"),
+    "mistral-eager": Spec(kind="mistral", attn="eager", packed=True),
+    "padded-tokens-sgd": Spec(padded=True, tokens=True, acc=2, optimizer="sgd"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("sequence-parallel") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def runs2(saved: str) -> dict[str, list[Any]]:
+    calls: dict[str, tuple[Any, ...]] = {
+        name: (guarded, train_sp, spec) for name, spec in EXACT2.items()
+    }
+    calls["save"] = (guarded, train_sp, Spec(steps=SAVE_AT, save_dir=saved))
+    calls["odd-world"] = (guarded, refusal, Spec(size=3))
+    calls["odd-heads"] = (guarded, refusal, Spec(kind="heads3"))
+    return run_named(2, calls)
+
+
+@pytest.fixture(scope="module")
+def runs4() -> dict[str, list[Any]]:
+    return run_named(4, {name: (guarded, train_sp, spec) for name, spec in EXACT4.items()})
+
+
+def assert_exact(results: list[Any], spec: Spec, groups: int) -> None:
+    ref = plain(spec, groups)
+    for rank, result in enumerate(unwrap(r) for r in results):
+        group = rank // spec.size
+        expected = [losses[group] for losses in ref["losses"]]
+        diffs = [abs(a - b) for a, b in zip(result["losses"], expected, strict=True)]
+        assert max(diffs) < LOSS_TOL, (rank, result["losses"], expected)
+        assert max_diff(result["state"], ref["state"]) < PARAM_TOL
+        # The model's own attention implementation is set back when the manager closes.
+        assert result["attention"] == ("zero3_ulysses", spec.attn)
+
+
+@pytest.mark.parametrize("name", list(EXACT2))
+def test_two_ranks_one_sequence_train_like_plain_transformers(
+    runs2: dict[str, list[Any]], name: str
+) -> None:
+    assert_exact(runs2[name], EXACT2[name], groups=1)
+
+
+@pytest.mark.parametrize("name", list(EXACT4))
+def test_two_groups_of_two_train_like_plain_transformers_on_both_batches(
+    runs4: dict[str, list[Any]], name: str
+) -> None:
+    assert_exact(runs4[name], EXACT4[name], groups=2)
+
+
+def test_checkpoint_saved_at_two_loads_at_one_rank_and_continues(
+    runs2: dict[str, list[Any]], saved: str
+) -> None:
+    unwrap(runs2["save"][0])
+    spec = Spec(size=1, first=SAVE_AT, steps=STEPS - SAVE_AT, load_dir=saved)
+    (result,) = run_named(1, {"resume": (guarded, train_sp, spec)})["resume"]
+    resumed = unwrap(result)
+    ref = plain(Spec(), 1)
+    expected = [losses[0] for losses in ref["losses"][SAVE_AT:]]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], expected, strict=True)) < LOSS_TOL
+    assert max_diff(resumed["state"], ref["state"]) < PARAM_TOL
+
+
+def test_refuses_a_size_that_does_not_divide_the_world_or_the_heads(
+    runs2: dict[str, list[Any]],
+) -> None:
+    for message in (unwrap(r) for r in runs2["odd-world"]):
+        assert "sequence_parallel_size=3 is invalid with 2 ranks" in message
+    for message in (unwrap(r) for r in runs2["odd-heads"]):
+        assert "must divide the model's 3 attention heads" in message
+
