@@ -68,10 +68,11 @@ def build_model(kind: str, attn: str) -> nn.Module:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 nn.init.normal_(param, std=0.02)
-    else:  # 3 heads: sequence_parallel_size 2 does not divide them
-        model = LlamaForCausalLM(
-            LlamaConfig(**{**TINY_DECODER, "num_attention_heads": 3, "num_key_value_heads": 3})
-        )
+    elif kind == "heads3":  # sequence_parallel_size 2 does not divide 3 heads
+        heads = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, **heads}))
+    else:  # one key/value head for 4 query heads: not split over 2 ranks
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, "num_key_value_heads": 1}))
     if kind != "lora":
         model.set_attn_implementation(attn)
     model.train()
@@ -162,11 +163,15 @@ def plain(spec: Spec, groups: int) -> dict[str, Any]:
         micros = [micro_batch(spec, step * spec.acc + m, groups) for m in range(spec.acc)]
         window_tokens = sum(valid_tokens(b) for b in micros)
         for batch in micros:
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            # No KV cache in training (transformers detects packed rows only without one).
+            logits = model(**inputs, use_cache=False).logits
             group_losses, objective = [], logits.new_zeros(())
             for group in range(groups):
                 part = rows_of(batch, group)
-                total, count = token_losses(logits[group * ROWS : (group + 1) * ROWS], part["labels"])
+                total, count = token_losses(
+                    logits[group * ROWS : (group + 1) * ROWS], part["labels"]
+                )
                 group_losses.append((total / count).item())
                 if spec.tokens:
                     objective = objective + total / window_tokens
@@ -274,6 +279,7 @@ def runs2(saved: str) -> dict[str, list[Any]]:
     calls["save"] = (guarded, train_sp, Spec(steps=SAVE_AT, save_dir=saved))
     calls["odd-world"] = (guarded, refusal, Spec(size=3))
     calls["odd-heads"] = (guarded, refusal, Spec(kind="heads3"))
+    calls["one-kv-head"] = (guarded, refusal, Spec(kind="kv1"))
     return run_named(2, calls)
 
 
@@ -328,4 +334,6 @@ def test_refuses_a_size_that_does_not_divide_the_world_or_the_heads(
         assert "sequence_parallel_size=3 is invalid with 2 ranks" in message
     for message in (unwrap(r) for r in runs2["odd-heads"]):
         assert "must divide the model's 3 attention heads" in message
-
+    for message in (unwrap(r) for r in runs2["one-kv-head"]):
+        assert "must divide the model's 1 key/value heads" in message
+        assert "replicating key/value heads" in message
