@@ -11,15 +11,15 @@ shared: one run per world size trains every variant in turn.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 
 pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
+import peft
 import torch
 import torch.nn.functional as F
 from helpers import run_named
