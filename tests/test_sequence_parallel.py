@@ -337,3 +337,11 @@ def test_refuses_a_size_that_does_not_divide_the_world_or_the_heads(
     for message in (unwrap(r) for r in runs2["one-kv-head"]):
         assert "must divide the model's 1 key/value heads" in message
         assert "replicating key/value heads" in message
+
+
+def test_train_command_refuses_sequence_parallelism() -> None:
+    from zero3_offload.train.sources import OptionError, resolve
+
+    with pytest.raises(OptionError, match=r"--sequence-parallel-size=2 is not supported"):
+        resolve({"sequence_parallel_size": 2}, env={})
+    assert resolve({}, env={}).zero3.sequence_parallel_size == 1

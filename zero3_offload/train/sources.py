@@ -245,4 +245,11 @@ def resolve(
         zero3 = Zero3CpuOffloadConfig.from_dict(sections["zero3"])
     except ConfigError as exc:
         raise OptionError(explain(exc, origins)) from None
+    if zero3.sequence_parallel_size > 1:  # the loop deals every rank a batch of its own
+        unsupported_here = ConfigError(
+            f"sequence_parallel_size={zero3.sequence_parallel_size} is not supported by "
+            "`zero3-offload train`, which deals each rank a batch of its own: use the "
+            "library's module mode (docs/long_context.md)"
+        )
+        raise OptionError(explain(unsupported_here, origins))
     return Resolved(train=train, zero3=zero3, origins=origins, notes=notes, unsupported=unsupported)
