@@ -99,7 +99,8 @@ class SequenceParallel:
     def close(self) -> None:
         """Put the model's own attention implementation back and free the group."""
         self._model.set_attn_implementation(self._original)
-        dist.destroy_process_group(self._group)
+        if dist.is_initialized():  # else destroying the default group destroyed it too
+            dist.destroy_process_group(self._group)
 
 
 def _transformers_model(model: nn.Module, size: int) -> Any:
