@@ -11,6 +11,11 @@ shared: one run per world size trains every variant in turn.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -339,9 +344,47 @@ def test_refuses_a_size_that_does_not_divide_the_world_or_the_heads(
         assert "replicating key/value heads" in message
 
 
-def test_train_command_refuses_sequence_parallelism() -> None:
+def _train_command(root: Path, world: int, size: int) -> dict[str, Any]:
+    """``zero3-offload train`` on packed chat examples; the step losses and the export."""
+    from safetensors.torch import load_file
+
+    out, export = root / f"run-{world}-{size}", root / f"export-{world}-{size}"
+    command = [
+        sys.executable, "-m", "zero3_offload", "train", "--model", str(root / "model"),
+        "--data", str(root / "chat.jsonl"), "--world-size", str(world),
+        "--sequence-parallel-size", str(size), "--batch-size", "2", "--max-seq-len", "48",
+        "--pack", "--steps", "3", "--lr", "1e-2", "--warmup-steps", "0", "--eval-batches",
+        "1", "--out", str(out), "--export", str(export), "--no-progress", "--threads", "1",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (out / "logs" / "rank0.jsonl").open()]
+    losses = [e["loss"] for e in events if e["event"] == "train_step"]
+    return {"losses": losses, "state": load_file(export / "model.safetensors"), "out": proc.stdout}
+
+
+@pytest.mark.slow
+def test_train_command_splits_packed_sequences_like_one_rank(tmp_path: Path) -> None:
+    """``--sequence-parallel-size 2`` on 2 ranks (one data-parallel group) trains on the
+    same packed SFT rows as 1 rank does, with the same numbers."""
+    from chat_data import conversations, save_model_dir, write_jsonl
+
+    save_model_dir(tmp_path / "model")
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in conversations(24, seed=3)])
+    one = _train_command(tmp_path, 1, 1)
+    split = _train_command(tmp_path, 2, 2)
+    assert "each sequence split over 2 ranks, 1 data-parallel group(s)" in split["out"]
+    assert len(one["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(one["losses"], split["losses"], strict=True)) < 1e-5
+    assert max_diff(one["state"], split["state"]) < PARAM_TOL
+
+
+def test_train_command_refuses_sequence_parallelism_it_cannot_run() -> None:
     from zero3_offload.train.sources import OptionError, resolve
 
-    with pytest.raises(OptionError, match=r"--sequence-parallel-size=2 is not supported"):
+    with pytest.raises(OptionError, match=r"--sequence-parallel-size=2 is invalid: needs"):
         resolve({"sequence_parallel_size": 2}, env={})
+    with pytest.raises(OptionError, match=r"must divide --world-size=3"):
+        resolve({"sequence_parallel_size": 2, "world_size": 3, "model": "m"}, env={})
     assert resolve({}, env={}).zero3.sequence_parallel_size == 1
