@@ -40,7 +40,7 @@ from transformers import (
 )
 
 from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
-from zero3_offload.errors import ConfigError
+from zero3_offload.errors import ConfigError, Zero3Error
 from zero3_offload.testing import RankContext
 
 ROWS = 2  # rows of each group's batch
@@ -248,6 +248,37 @@ async def refusal(ctx: RankContext, spec: Spec) -> str:
     return "built"
 
 
+async def misuse(ctx: RankContext) -> dict[str, Any]:
+    """Calls sequence parallelism refuses (each one's error class), then a step that must
+    train like a fresh run's first."""
+    spec = Spec(steps=1)
+    model = build_model(spec.kind, spec.attn)
+    manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
+    batch = micro_batch(spec, 0, 1)
+    out: dict[str, Any] = {}
+    calls = {
+        "positional": lambda: manager.forward(batch["input_ids"]),
+        "embeds": lambda: manager.forward(inputs_embeds=torch.ones(ROWS, SEQ, 32)),
+        "ragged_labels": lambda: manager.forward(
+            input_ids=batch["input_ids"], labels=batch["labels"][:, :-1]
+        ),
+        "generate": lambda: manager.generate(batch["input_ids"][:, :4], max_new_tokens=2),
+    }
+    for name, call in calls.items():
+        try:
+            await call()
+            out[name] = "ok"
+        except Zero3Error as exc:
+            out[name] = type(exc).__name__
+    result = await manager.forward(**batch)
+    await manager.backward(result.loss)
+    await manager.optimizer_step(LR)
+    out["losses"] = [result.loss.item()]
+    out["state"] = await manager.full_state_dict()
+    await manager.close()
+    return out
+
+
 EXACT2: dict[str, Spec] = {
     "llama-eager": Spec(kind="llama", attn="eager"),
     "llama-sdpa": Spec(kind="llama", attn="sdpa"),
@@ -285,6 +316,7 @@ def runs2(saved: str) -> dict[str, list[Any]]:
     calls["odd-world"] = (guarded, refusal, Spec(size=3))
     calls["odd-heads"] = (guarded, refusal, Spec(kind="heads3"))
     calls["one-kv-head"] = (guarded, refusal, Spec(kind="kv1"))
+    calls["misuse"] = (guarded, misuse)
     return run_named(2, calls)
 
 
@@ -388,3 +420,14 @@ def test_train_command_refuses_sequence_parallelism_it_cannot_run() -> None:
     with pytest.raises(OptionError, match=r"must divide --world-size=3"):
         resolve({"sequence_parallel_size": 2, "world_size": 3, "model": "m"}, env={})
     assert resolve({}, env={}).zero3.sequence_parallel_size == 1
+
+
+def test_refused_calls_leave_the_manager_usable(runs2: dict[str, list[Any]]) -> None:
+    ref = plain(Spec(steps=1), 1)
+    for result in (unwrap(r) for r in runs2["misuse"]):
+        assert result["positional"] == "InputError"
+        assert result["embeds"] == "InputError"
+        assert result["ragged_labels"] == "InputError"
+        assert result["generate"] == "StateError"
+        assert abs(result["losses"][0] - ref["losses"][0][0]) < LOSS_TOL
+        assert max_diff(result["state"], ref["state"]) < PARAM_TOL
