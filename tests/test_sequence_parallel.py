@@ -121,9 +121,9 @@ def micro_batch(spec: Spec, index: int, groups: int) -> dict[str, torch.Tensor]:
         )
     if spec.padded:  # right padding of a row-dependent length
         lengths = torch.randint(spec.seq // 2, spec.seq + 1, (rows,), generator=g)
-        mask = (torch.arange(spec.seq)[None] < lengths[:, None]).long()
+        mask = torch.arange(spec.seq)[None] < lengths[:, None]  # bool: padded as such too
         batch["attention_mask"] = mask
-        batch["labels"] = ids.masked_fill(mask == 0, -100)
+        batch["labels"] = ids.masked_fill(~mask, -100)
     return batch
 
 
@@ -291,10 +291,11 @@ EXACT2: dict[str, Spec] = {
     # Right padding, a length S does not divide, token weighting over 2 micro-steps; SGD
     # (its update is proportional to the gradient: a wrong scale shows).
     "padded-tokens-sgd": Spec(seq=15, padded=True, tokens=True, acc=2, optimizer="sgd"),
-    "sgd": Spec(optimizer="sgd"),
+    "sgd": Spec(optimizer="sgd", acc=2),
     "recompute": Spec(config=(("activation_checkpointing", True),)),
     "lora": Spec(kind="lora"),
 }
+BF16 = Spec(config=(("compute_dtype", torch.bfloat16),))  # bf16 all-to-alls through gloo
 EXACT4: dict[str, Spec] = {  # S = 2 x data parallel 2
     "llama-sdpa": Spec(kind="llama", attn="sdpa"),
     "mistral-eager": Spec(kind="mistral", attn="eager", packed=True),
@@ -317,6 +318,7 @@ def runs2(saved: str) -> dict[str, list[Any]]:
     calls["odd-heads"] = (guarded, refusal, Spec(kind="heads3"))
     calls["one-kv-head"] = (guarded, refusal, Spec(kind="kv1"))
     calls["misuse"] = (guarded, misuse)
+    calls["bf16"] = (guarded, train_sp, BF16)
     return run_named(2, calls)
 
 
@@ -431,3 +433,11 @@ def test_refused_calls_leave_the_manager_usable(runs2: dict[str, list[Any]]) -> 
         assert result["generate"] == "StateError"
         assert abs(result["losses"][0] - ref["losses"][0][0]) < LOSS_TOL
         assert max_diff(result["state"], ref["state"]) < PARAM_TOL
+
+
+def test_bf16_compute_trains_close_to_fp32(runs2: dict[str, list[Any]]) -> None:
+    ref = plain(Spec(), 1)
+    for result in (unwrap(r) for r in runs2["bf16"]):
+        expected = [losses[0] for losses in ref["losses"]]
+        assert max(abs(a - b) for a, b in zip(result["losses"], expected, strict=True)) < 2e-3
+        assert max_diff(result["state"], ref["state"]) < 1e-2

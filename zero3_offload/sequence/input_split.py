@@ -73,7 +73,8 @@ def split_sequence(
         steps = torch.arange(1, pad + 1, device=positions.device)
         positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
         shifted = None if shifted is None else F.pad(shifted, (0, pad), value=IGNORE_INDEX)
-        padding = None if padding is None else F.pad(padding, (0, pad), value=0)
+        if padding is not None:  # any dtype (bool included): zeros are padding
+            padding = torch.cat([padding, padding.new_zeros(batch, pad)], dim=1)
     part = (length + pad) // size
     cut = slice(rank * part, (rank + 1) * part)
     kwargs.update(
