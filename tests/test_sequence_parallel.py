@@ -263,6 +263,8 @@ async def misuse(ctx: RankContext) -> dict[str, Any]:
             input_ids=batch["input_ids"], labels=batch["labels"][:, :-1]
         ),
         "generate": lambda: manager.generate(batch["input_ids"][:, :4], max_new_tokens=2),
+        # each rank its own batch: found at the first attention, on every rank
+        "different": lambda: manager.forward(**micro_batch(spec, 7 + ctx.rank, 1)),
     }
     for name, call in calls.items():
         try:
@@ -431,6 +433,7 @@ def test_refused_calls_leave_the_manager_usable(runs2: dict[str, list[Any]]) -> 
         assert result["embeds"] == "InputError"
         assert result["ragged_labels"] == "InputError"
         assert result["generate"] == "StateError"
+        assert result["different"] == "InputError"
         assert abs(result["losses"][0] - ref["losses"][0][0]) < LOSS_TOL
         assert max_diff(result["state"], ref["state"]) < PARAM_TOL
 

@@ -18,6 +18,10 @@ group of their own (:func:`sequence_group`), so backward runs the reverse exchan
 they run on the model thread, on that group only, so they never interleave with the
 library's collectives on the world group, which the event loop issues.
 
+At the forward's first attention the ranks of the group compare a fingerprint of the
+batch they were given (:meth:`SequenceBatch.check_same_batch`): every rank of a group
+must pass the same one.
+
 :func:`sequence_loss` gives every rank of a group the loss of the whole sequence
 (the mean over its valid tokens), with the gradient only through the rank's own
 tokens. The reduce-scatter averages gradients over all W ranks; the ranks of a group

@@ -18,6 +18,8 @@ __all__ = ["SEQUENCE_KWARG", "split_sequence"]
 SEQUENCE_KWARG = "zero3_sequence"
 # Inputs of the whole sequence that cannot be cut (or mean nothing for a slice).
 _REFUSED = ("inputs_embeds", "cache", "past_key_values", "cache_position")
+# Below 2**20: a fingerprint's square summed over the group is exact in float64.
+_FINGERPRINT_MODULUS = 1_000_003
 
 
 def split_sequence(
@@ -88,6 +90,7 @@ def split_sequence(
                 implementation=implementation,
                 position_ids=positions,
                 padding=padding,
+                fingerprint=_fingerprint(ids, shifted, positions, padding),
             )
         },
     )
@@ -105,3 +108,15 @@ def _whole(value: object, name: str, batch: int, length: int) -> torch.Tensor | 
             f"with sequence_parallel_size > 1, got {shape}"
         )
     return value
+
+
+def _fingerprint(*tensors: torch.Tensor | None) -> int:
+    """An order-sensitive digest of ``tensors``' values, in ``[0, 2**20)``."""
+    digest = 0
+    for t in tensors:
+        if t is None:
+            continue
+        flat = t.reshape(-1).long()
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device)
+        digest = (digest * 31 + int((flat * weights).sum())) % _FINGERPRINT_MODULUS
+    return digest

@@ -42,7 +42,9 @@ def ulysses_attention(
     Raises:
         StateError: when called without the whole sequence (outside a sequence-parallel
             ``manager.forward``).
-        InputError: when the heads or key/value heads are not divisible by S.
+        InputError: when the ranks of the group passed different batches (checked at the
+            forward's first attention), or the heads or key/value heads are not divisible
+            by S.
     """
     batch = kwargs.pop(SEQUENCE_KWARG, None)
     if not isinstance(batch, SequenceBatch):
@@ -50,6 +52,7 @@ def ulysses_attention(
             f"the model's attention is set to {ULYSSES!r} (sequence_parallel_size > 1): run "
             "it through `await manager.forward(...)`, which passes the whole sequence"
         )
+    batch.check_same_batch()  # before the first exchange of the forward
     size = batch.size
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % size or kv_heads % size:
