@@ -76,8 +76,11 @@ def build_model(kind: str, attn: str) -> nn.Module:
     elif kind == "heads3":  # sequence_parallel_size 2 does not divide 3 heads
         heads = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
         model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, **heads}))
-    else:  # one key/value head for 4 query heads: not split over 2 ranks
+    elif kind == "kv1":  # one key/value head for 4 query heads: replicated over 2 ranks
         model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, "num_key_value_heads": 1}))
+    else:  # 6 heads, 3 key/value heads: 2 neither divides nor is a multiple of 3
+        heads = {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, **heads}))
     if kind != "lora":
         model.set_attn_implementation(attn)
     model.train()
@@ -296,12 +299,18 @@ EXACT2: dict[str, Spec] = {
     "sgd": Spec(optimizer="sgd", acc=2),
     "recompute": Spec(config=(("activation_checkpointing", True),)),
     "lora": Spec(kind="lora"),
+    # One key/value head for 4 query heads: each rank gets a copy of it.
+    "kv1-eager": Spec(kind="kv1", attn="eager"),
+    "kv1-sdpa": Spec(kind="kv1", attn="sdpa"),
 }
 BF16 = Spec(config=(("compute_dtype", torch.bfloat16),))  # bf16 all-to-alls through gloo
 EXACT4: dict[str, Spec] = {  # S = 2 x data parallel 2
     "llama-sdpa": Spec(kind="llama", attn="sdpa"),
     "mistral-eager": Spec(kind="mistral", attn="eager", packed=True),
     "padded-tokens-sgd": Spec(padded=True, tokens=True, acc=2, optimizer="sgd"),
+    # S = 4 on 4 ranks: 2 key/value heads replicated, each one over the 2 ranks whose
+    # query heads use it.
+    "s4-replicated-kv": Spec(size=4, attn="eager"),
 }
 
 
@@ -318,7 +327,7 @@ def runs2(saved: str) -> dict[str, list[Any]]:
     calls["save"] = (guarded, train_sp, Spec(steps=SAVE_AT, save_dir=saved))
     calls["odd-world"] = (guarded, refusal, Spec(size=3))
     calls["odd-heads"] = (guarded, refusal, Spec(kind="heads3"))
-    calls["one-kv-head"] = (guarded, refusal, Spec(kind="kv1"))
+    calls["three-kv-heads"] = (guarded, refusal, Spec(kind="kv3"))
     calls["misuse"] = (guarded, misuse)
     calls["bf16"] = (guarded, train_sp, BF16)
     return run_named(2, calls)
@@ -375,9 +384,9 @@ def test_refuses_a_size_that_does_not_divide_the_world_or_the_heads(
         assert "sequence_parallel_size=3 is invalid with 2 ranks" in message
     for message in (unwrap(r) for r in runs2["odd-heads"]):
         assert "must divide the model's 3 attention heads" in message
-    for message in (unwrap(r) for r in runs2["one-kv-head"]):
-        assert "must divide the model's 1 key/value heads" in message
-        assert "replicating key/value heads" in message
+    for message in (unwrap(r) for r in runs2["three-kv-heads"]):
+        assert "must divide the model's 3 key/value heads" in message
+        assert "or be a multiple of them" in message
 
 
 def _train_command(root: Path, world: int, size: int) -> dict[str, Any]:

@@ -10,7 +10,9 @@ Everything but attention is per token, so it runs on the slice as is. Attention 
 replaced, through transformers' attention-function interface, by
 :func:`ulysses_attention`: one all-to-all turns the sequence-sharded queries, keys
 and values into head-sharded ones over the whole sequence (each rank holds H/S heads
-of all T tokens), the model's configured implementation (eager or sdpa) runs on them
+of all T tokens; with fewer key/value heads than S each is replicated, one per rank, and
+:class:`HeadView` gives the implementation that rank's grouping), the model's
+configured implementation (eager or sdpa) runs on them
 with a mask built for the whole sequence (:func:`full_sequence_mask`: causal, sliding
 window, packed rows, padding), and a second all-to-all gives each rank its tokens
 back with all heads. The all-to-alls are :class:`AllToAll` autograd functions on a
@@ -35,6 +37,7 @@ times and its gradient S times: the two cancel.
 from zero3_offload.sequence.all_to_all import AllToAll, heads_to_sequence, sequence_to_heads
 from zero3_offload.sequence.full_mask import full_sequence_mask
 from zero3_offload.sequence.groups import sequence_group
+from zero3_offload.sequence.head_view import HeadView
 from zero3_offload.sequence.input_split import SEQUENCE_KWARG, split_sequence
 from zero3_offload.sequence.loss import sequence_loss
 from zero3_offload.sequence.sequence_batch import SequenceBatch
@@ -45,6 +48,7 @@ __all__ = [
     "SEQUENCE_KWARG",
     "ULYSSES",
     "AllToAll",
+    "HeadView",
     "SequenceBatch",
     "SequenceParallel",
     "full_sequence_mask",

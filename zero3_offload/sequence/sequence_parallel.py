@@ -131,10 +131,10 @@ def _check_heads(config: Any, size: int) -> None:
             "each rank of a sequence attends with heads/S of them over the whole sequence; "
             "pick a divisor of the head count"
         )
-    if kv_heads % size:
+    if kv_heads % size and size % kv_heads:
         raise ConfigError(
             f"sequence_parallel_size={size} must divide the model's {kv_heads} key/value "
-            "heads: each rank attends with key/value heads/S of them (replicating key/value "
-            "heads over more ranks than there are is not supported); pick a divisor of "
-            f"{kv_heads}"
+            "heads (each rank attends with key/value heads/S of them) or be a multiple of "
+            "them (each key/value head replicated over S/key-value-heads ranks); pick a "
+            f"divisor or a multiple of {kv_heads}"
         )
