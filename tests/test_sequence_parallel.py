@@ -304,7 +304,7 @@ EXACT2: dict[str, Spec] = {
     "kv1-sdpa": Spec(kind="kv1", attn="sdpa"),
 }
 BF16 = Spec(config=(("compute_dtype", torch.bfloat16),))  # bf16 all-to-alls through gloo
-EXACT4: dict[str, Spec] = {  # S = 2 x data parallel 2
+EXACT4: dict[str, Spec] = {  # S = 2 x data parallel 2, and S = 4
     "llama-sdpa": Spec(kind="llama", attn="sdpa"),
     "mistral-eager": Spec(kind="mistral", attn="eager", packed=True),
     "padded-tokens-sgd": Spec(padded=True, tokens=True, acc=2, optimizer="sgd"),
@@ -358,10 +358,10 @@ def test_two_ranks_one_sequence_train_like_plain_transformers(
 
 
 @pytest.mark.parametrize("name", list(EXACT4))
-def test_two_groups_of_two_train_like_plain_transformers_on_both_batches(
+def test_four_ranks_train_like_plain_transformers_on_every_group_batch(
     runs4: dict[str, list[Any]], name: str
 ) -> None:
-    assert_exact(runs4[name], EXACT4[name], groups=2)
+    assert_exact(runs4[name], EXACT4[name], groups=4 // EXACT4[name].size)
 
 
 def test_checkpoint_saved_at_two_loads_at_one_rank_and_continues(
