@@ -28,7 +28,7 @@ import peft
 import torch
 import torch.nn.functional as F
 from helpers import run_named
-from hf_models import TINY_DECODER, guarded, max_diff, unwrap
+from hf_models import TINY_DECODER, enable_model_checkpointing, guarded, max_diff, unwrap
 from torch import nn
 from transformers import (
     LlamaConfig,
@@ -55,8 +55,9 @@ PARAM_TOL = 1e-4
 # ------------------------------------------------------------------------------- models
 
 
-def build_model(kind: str, attn: str) -> nn.Module:
-    """A fresh tiny decoder (seed 0) with the attention implementation ``attn``."""
+def build_model(kind: str, attn: str, *, model_ckpt: bool = False) -> nn.Module:
+    """A fresh tiny decoder (seed 0) with the attention implementation ``attn`` (and
+    transformers' own activation checkpointing with ``model_ckpt``)."""
     torch.manual_seed(0)
     if kind == "llama":  # GQA: 4 query heads, 2 key/value heads
         model: nn.Module = LlamaForCausalLM(LlamaConfig(**TINY_DECODER))
@@ -83,6 +84,8 @@ def build_model(kind: str, attn: str) -> nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, **heads}))
     if kind != "lora":
         model.set_attn_implementation(attn)
+    if model_ckpt:
+        enable_model_checkpointing(model)
     model.train()
     return model
 
@@ -103,6 +106,7 @@ class Spec:
     acc: int = 1  # micro-steps per optimizer step
     optimizer: str = "adamw"
     config: tuple[tuple[str, Any], ...] = ()  # Zero3CpuOffloadConfig fields
+    model_ckpt: bool = False  # transformers' own activation checkpointing
     save_dir: str | None = None
     load_dir: str | None = None
 
@@ -162,7 +166,7 @@ def plain(spec: Spec, groups: int) -> dict[str, Any]:
     ``tokens`` the update follows the mean over micro-steps of the mean over groups of
     each group's token mean; with it, the token mean of the whole window.
     """
-    model = build_model(spec.kind, spec.attn)
+    model = build_model(spec.kind, spec.attn, model_ckpt=spec.model_ckpt)
     trainable = [p for p in model.parameters() if p.requires_grad]
     kind = torch.optim.AdamW if spec.optimizer == "adamw" else torch.optim.SGD
     opt = kind(trainable, lr=LR, weight_decay=0.0)
@@ -214,7 +218,7 @@ async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
 
     Returns this rank's ``out.loss`` of every micro-step and the full parameters.
     """
-    model = build_model(spec.kind, spec.attn)
+    model = build_model(spec.kind, spec.attn, model_ckpt=spec.model_ckpt)
     groups = ctx.world_size // spec.size
     group = ctx.rank // spec.size
     manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
@@ -242,7 +246,7 @@ async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
 
 async def refusal(ctx: RankContext, spec: Spec) -> str:
     """The ConfigError the manager's construction raises for ``spec``."""
-    model = build_model(spec.kind, spec.attn)
+    model = build_model(spec.kind, spec.attn, model_ckpt=spec.model_ckpt)
     try:
         manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
     except ConfigError as exc:
@@ -255,7 +259,7 @@ async def misuse(ctx: RankContext) -> dict[str, Any]:
     """Calls sequence parallelism refuses (each one's error class), then a step that must
     train like a fresh run's first."""
     spec = Spec(steps=1)
-    model = build_model(spec.kind, spec.attn)
+    model = build_model(spec.kind, spec.attn, model_ckpt=spec.model_ckpt)
     manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
     batch = micro_batch(spec, 0, 1)
     out: dict[str, Any] = {}
@@ -298,6 +302,8 @@ EXACT2: dict[str, Spec] = {
     "padded-tokens-sgd": Spec(seq=15, padded=True, tokens=True, acc=2, optimizer="sgd"),
     "sgd": Spec(optimizer="sgd", acc=2),
     "recompute": Spec(config=(("activation_checkpointing", True),)),
+    # transformers' checkpointing: the decoder layers' all-to-alls run again in backward
+    "model-ckpt": Spec(attn="eager", model_ckpt=True),
     "lora": Spec(kind="lora"),
     # One key/value head for 4 query heads: each rank gets a copy of it.
     "kv1-eager": Spec(kind="kv1", attn="eager"),
