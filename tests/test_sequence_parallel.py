@@ -459,3 +459,35 @@ def test_bf16_compute_trains_close_to_fp32(runs2: dict[str, list[Any]]) -> None:
         expected = [losses[0] for losses in ref["losses"]]
         assert max(abs(a - b) for a, b in zip(result["losses"], expected, strict=True)) < 2e-3
         assert max_diff(result["state"], ref["state"]) < 1e-2
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("rows", ["plain", "packed", "padded"])
+def test_whole_sequence_mask_is_transformers_own(attn: str, window: int | None, rows: str) -> None:
+    """``full_sequence_mask`` == the mask transformers builds for the model's own
+    implementation from the same whole-sequence inputs (no cache, as in training)."""
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
+
+    from zero3_offload.sequence import full_sequence_mask
+
+    spec = Spec(packed=rows == "packed", padded=rows == "padded")
+    batch = micro_batch(spec, 3, 2)
+    rows_, length = batch["input_ids"].shape
+    positions = batch.get("position_ids", torch.arange(length)[None].expand(rows_, -1))
+    padding = batch.get("attention_mask")
+    config = MistralConfig(**TINY_DECODER, sliding_window=window)
+    config._attn_implementation = attn
+    make = create_causal_mask if window is None else create_sliding_window_causal_mask
+    embeds = torch.zeros(rows_, length, TINY_DECODER["hidden_size"])
+    theirs = make(config, embeds, padding, cache=None, position_ids=positions)
+    dtype = torch.float32 if attn == "eager" else None  # eager: additive; sdpa: boolean
+    ours = full_sequence_mask(positions, padding, window, dtype)
+    if theirs is None:  # sdpa's is_causal
+        assert ours is None
+        return
+    assert ours is not None
+    assert torch.equal(ours.expand_as(theirs), theirs)

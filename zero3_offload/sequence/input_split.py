@@ -66,8 +66,10 @@ def split_sequence(
     positions = kwargs.pop("position_ids", None)
     if positions is None:
         positions = torch.arange(length, device=ids.device)[None]
-    positions = _whole(positions.expand(batch, -1), "position_ids", batch, length)
-    assert positions is not None
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == 1:
+        positions = positions.expand(batch, -1)  # one row of positions for every row
+    positions = _whole(positions, "position_ids", batch, length)
+    assert positions is not None  # given or made above
     shifted = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     pad = -length % size
     if pad:
