@@ -782,6 +782,14 @@ class Zero3CpuOffloadConfig:
     without checkpointing); results are bitwise those of full recomputation. 0: every
     checkpointed layer recomputes its whole forward. Setting it without
     ``activation_checkpointing`` is refused."""
+    sequence_parallel_size: int = int_field(1, 1, "ranks")
+    """Module mode, transformers models: split each sequence over this many consecutive
+    ranks (Ulysses sequence parallelism; data parallel across the groups). Every rank of
+    a group passes the same batch to ``forward``; each runs its 1/S of the tokens, with
+    all-to-alls around attention, and ``out.loss`` is the whole sequence's. It must
+    divide the world size and the attention heads, and divide the key/value heads or be
+    a multiple of them (each one is then replicated). Parameters stay partitioned over
+    all ranks. See docs/long_context.md."""
     speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
     update during backward anyway, from a saved copy of its master shard and optimizer

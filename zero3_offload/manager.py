@@ -482,7 +482,10 @@ class Zero3CpuOffloadManager:
         next ones prefetched in the recorded order) and released after it. A
         training forward (autograd on) saves what :meth:`backward` needs;
         under ``torch.no_grad()`` nothing is saved and the accumulation window's
-        timer does not start. See [Note: module mode].
+        timer does not start. See [Note: module mode]. With ``sequence_parallel_size``
+        S > 1 every rank of a group of S passes the same whole sequences as keyword
+        arguments; each runs its 1/S of the tokens and gets the whole sequence's
+        ``loss`` (see [Note: sequence parallelism] in ``zero3_offload.sequence``).
 
         Args:
             args: positional arguments of the model (tensors are moved to the device).
@@ -526,7 +529,8 @@ class Zero3CpuOffloadManager:
                 single-process training of the whole batch does (transformers'
                 ``num_items_in_batch``; see [Note: token-weighted gradients] in
                 ``gradient.store``). Every backward of a window passes it, on
-                every rank, or none does.
+                every rank, or none does. With sequence parallelism: the whole
+                sequence's count, the same on every rank of its group.
 
         Raises:
             StateError: without a training forward since the last backward.

@@ -78,6 +78,7 @@ from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.sequence.sequence_parallel import SequenceParallel
 from zero3_offload.stats.pass_clock import PassClock
 from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import storage_bytes
@@ -146,6 +147,9 @@ class ModuleRunner:
         products: with ``recompute``, picks the checkpointed units (the last ones) that
             also save their products (but low-rank ones); see [Note: saved products] in
             ``execution.product_saving``. None: every one recomputes its whole forward.
+        sequence: sequence parallelism: each forward runs this rank's slice of the
+            sequence, its loss made whole (see [Note: sequence parallelism] in
+            ``zero3_offload.sequence``); None runs the call's inputs as they are.
     """
 
     def __init__(
@@ -165,8 +169,10 @@ class ModuleRunner:
         after_forward: Callable[[Phase], None],
         recompute: bool,
         products: ProductSaving | None = None,
+        sequence: SequenceParallel | None = None,
     ) -> None:
         self.model = model
+        self._sequence = sequence
         self._units = units
         self._gatherer = gatherer
         self._prefetch = prefetch
@@ -274,10 +280,14 @@ class ModuleRunner:
             LayerExecutionError: when the model's code raised (the cause is chained).
         """
         args, kwargs = _to_device((args, kwargs), self._device)
+        finish = None
+        if self._sequence is not None:  # this rank's slice; the loss of the whole sequence
+            kwargs, finish = self._sequence.split(args, kwargs)
+            args = ()
         if self._no_cache and phase is Phase.FORWARD:
             kwargs.setdefault("use_cache", False)  # see ``recompute`` in the class docstring
         started = self._clock.start(phase)
-        out, result = await self._run(phase, self.model, args, kwargs, "forward")
+        out, result = await self._run(phase, self.model, args, kwargs, "forward", finish)
         self._after_forward(phase)
         result.samples = _batch_size(args, kwargs)
         self._clock.finish(phase, started, samples=result.samples)
@@ -295,10 +305,16 @@ class ModuleRunner:
 
         Raises:
             InputError: when ``input_ids`` is not a tensor.
+            StateError: with sequence parallelism.
             LayerExecutionError: when the model's code raised (the cause is chained).
         """
         if not isinstance(input_ids, torch.Tensor):
             raise InputError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if self._sequence is not None:
+            raise StateError(
+                "generate is not available with sequence_parallel_size > 1 (decoding runs "
+                "whole sequences): build a manager with sequence_parallel_size=1 to generate"
+            )
         phase = Phase.GENERATE if keep_gathered else Phase.INFERENCE
         if self._comm.world_size > 1:
             # Ranks whose sequences end at different steps keep running forwards together.
@@ -316,6 +332,7 @@ class ModuleRunner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: str,
+        finish: Callable[[Any], Any] | None = None,
     ) -> tuple[Any, PassResult]:
         predicted = self._prefetch.predicted(phase)
         unit_pass = UnitPass(phase=phase, predicted=predicted, result=PassResult(phase=phase))
@@ -323,15 +340,19 @@ class ModuleRunner:
         self._current = unit_pass
         grad = phase is Phase.FORWARD
 
+        def call_model() -> Any:
+            out = method(*args, **kwargs)
+            return out if finish is None else finish(out)
+
         def run() -> Any:
             if not grad:
                 with torch.no_grad():
-                    return method(*args, **kwargs)
+                    return call_model()
             with (
                 torch.enable_grad(),
                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
             ):
-                return method(*args, **kwargs)
+                return call_model()
 
         try:
             out = await self._in_thread(run)
