@@ -53,6 +53,7 @@ EXPECTED_DEFAULTS = {
     "param_persistence_threshold": 0,
     "activation_checkpointing": False,
     "selective_checkpointing_units": 0,
+    "loss_chunk_tokens": 1024,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "keep_gathered_bytes": 0,
@@ -83,6 +84,7 @@ INT_MINIMUM = {
     "param_persistence_threshold": 0,
     "keep_gathered_bytes": 0,
     "selective_checkpointing_units": 0,
+    "loss_chunk_tokens": 0,
 }
 
 BAD_VALUES = (
