@@ -46,7 +46,7 @@ log = get_logger(__name__)
 _HEAD_CALL = "logits=self.lm_head(hidden_states)"
 _LOSS_CALL = re.compile(
     r"iflabelsisnotNone:loss=self\.loss_function\((logits=)?logits,(labels=)?labels,"
-    r"(vocab_size=)?self\.(config\.)?vocab_size,\*\*kwargs\)return"
+    r"(vocab_size=)?self\.(config\.)?vocab_size,\*\*kwargs,?\)return"
 )
 _SOFTCAP = (
     "ifself.config.final_logit_softcappingisnotNone:"

@@ -744,7 +744,10 @@ class ModuleRunner:
         p = self._current
         if saved.layer == self._root and p is not None and p.phase is Phase.BACKWARD:
             p.result.root_views -= 1
-        if not self._gatherer.is_gathered(saved.layer):
+        # A unit whose outputs carry no gradient (a head read by a tiled loss, or inside
+        # ``gathered``) enters the backward when its saved weight is unpacked.
+        entering = p is not None and p.phase is Phase.BACKWARD and saved.layer not in p.where
+        if entering or not self._gatherer.is_gathered(saved.layer):
             self._call(self._enter(saved.layer))
         return saved.view(self._gatherer.gathered_buffer(saved.layer, saved.part))
 
