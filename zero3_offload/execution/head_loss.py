@@ -169,6 +169,11 @@ class _TiledCall:
                 f"the model called its output embedding {len(found)} times with labels "
                 "given; pass return_logits=True (or loss_chunk_tokens=0) for its own loss"
             )
+        if not callable(getattr(out, "items", None)):
+            raise StateError(
+                f"the model returned a {type(out).__name__}, not a transformers ModelOutput, "
+                "with labels given; pass return_logits=True (or loss_chunk_tokens=0)"
+            )
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         return type(out)(loss=found[0], **fields)
 
@@ -185,6 +190,8 @@ def _unsupported(model: nn.Module) -> str | None:
     name = type(model).__name__
     if getattr(model, "config", None) is None:
         return f"{name} is not a transformers model"
+    if getattr(model.config, "return_dict", True) is False:
+        return f"{name}'s config has return_dict=False: the model returns a tuple"
     if not isinstance(getattr(model, "lm_head", None), nn.Module):
         return f"{name} has no lm_head module"
     loss_function = getattr(model, "loss_function", None)
