@@ -9,6 +9,7 @@ that it never makes a full logits tensor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -46,6 +47,9 @@ GATHERED = ("fused", "fused_library", "fused_recompute")
 def runs2() -> dict[str, list[Any]]:
     specs = {kind: Spec(kind) for kind in (*EXACT, *GATHERED, "fused_ungathered", "mixtral")}
     specs["own_logits"] = Spec("llama", return_logits=True)
+    # The LoRA head is not an nn.Linear: its forward is checkpointed too (and recomputed
+    # inside the tiled loss's backward).
+    specs["lora_head_recompute"] = Spec("lora_head", config={"activation_checkpointing": True})
     return run_named(2, {name: (guarded, train, spec) for name, spec in specs.items()})
 
 
@@ -77,6 +81,13 @@ def test_tiled_loss_trains_like_the_models_own_loss(runs2: dict[str, list[Any]],
     for r in runs2[kind]:
         assert r["logits"] == [None] * len(r["losses"])  # no logits were kept
         assert r["fallbacks"] == []
+
+
+def test_tiled_loss_with_activation_checkpointing_trains_exactly(
+    runs2: dict[str, list[Any]],
+) -> None:
+    assert_trains_like_plain(runs2["lora_head_recompute"], "lora_head")
+    assert runs2["lora_head_recompute"][0]["logits"][0] is None
 
 
 def test_return_logits_gives_the_models_own_logits_and_loss(
@@ -246,7 +257,9 @@ def test_the_head_loss_reproduces_each_familys_logit_transform(build: Any) -> No
     own = model(input_ids=ids, labels=ids)
     head_loss = HeadLoss(model=model, chunk_tokens=CHUNK)
     assert head_loss.reason is None
-    method, kwargs = head_loss.prepare(model, {"input_ids": ids, "labels": ids})
+    method, kwargs = head_loss.prepare(
+        model, {"input_ids": ids, "labels": ids}, lambda _: contextlib.nullcontext()
+    )
     tiled = method(**kwargs)
     assert tiled.logits is None
     assert "forward" not in model.lm_head.__dict__  # the head's own forward is back

@@ -204,6 +204,7 @@ class Spec:
     kind: str
     chunk: int = CHUNK
     return_logits: bool = False  # the model's own loss and logits
+    config: dict[str, Any] = attrs.Factory(dict)  # more config fields
 
 
 async def train(ctx: RankContext, spec: Spec) -> dict[str, Any]:
@@ -214,7 +215,8 @@ async def train(ctx: RankContext, spec: Spec) -> dict[str, Any]:
     """
     model = build(spec.kind)
     fields = {"gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
-    config = make_config({**fields, "loss_chunk_tokens": spec.chunk}, OptimizerConfig(kind="adamw"))
+    fields.update(loss_chunk_tokens=spec.chunk, **spec.config)
+    config = make_config(fields, OptimizerConfig(kind="adamw"))
     out: dict[str, Any] = {"losses": [], "logits": []}
     with structlog.testing.capture_logs() as logs:
         manager = Zero3CpuOffloadManager(config, ctx.group, model)

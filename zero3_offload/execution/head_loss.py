@@ -27,6 +27,8 @@ own logits and loss, as does ``loss_chunk_tokens = 0``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -85,9 +87,15 @@ class HeadLoss:
         return self._reason
 
     def prepare(
-        self, method: Callable[..., Any], kwargs: dict[str, Any]
+        self,
+        method: Callable[..., Any],
+        kwargs: dict[str, Any],
+        gathered: Callable[[tuple[nn.Module, ...]], contextlib.AbstractContextManager[Any]],
     ) -> tuple[Callable[..., Any], dict[str, Any]]:
         """The callable that runs the forward and its keyword arguments.
+
+        ``gathered`` holds modules' units gathered (the runner's): the tiled loss's
+        backward recomputes the chunks' logits inside it.
 
         ``return_logits`` is taken out of ``kwargs``. Without it, with ``labels`` given,
         ``chunk_tokens`` on and a model reproduced exactly, the callable computes the
@@ -109,12 +117,17 @@ class HeadLoss:
             "shift_labels": kwargs.pop("shift_labels", None),
             "num_items_in_batch": kwargs.pop("num_items_in_batch", None),
         }
-        return _TiledCall(self, method, targets), kwargs
+        return _TiledCall(self, method, targets, gathered), kwargs
 
     def loss(
-        self, hidden: torch.Tensor, inner: Callable[[torch.Tensor], torch.Tensor], targets: Any
+        self,
+        hidden: torch.Tensor,
+        inner: Callable[[torch.Tensor], torch.Tensor],
+        targets: Any,
+        gather: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> torch.Tensor:
-        """The tiled loss of ``hidden`` through the head (applied by ``inner``)."""
+        """The tiled loss of ``hidden`` through the head (applied by ``inner``, inside
+        ``gather()``)."""
         assert self._head is not None and self._transform is not None
         shift = targets["shift_labels"]
         return tiled_causal_lm_loss(
@@ -126,6 +139,7 @@ class HeadLoss:
             num_items_in_batch=targets["num_items_in_batch"],
             logit_transform=self._transform(),
             head_forward=inner,
+            gather=gather,
         )
 
     @property
@@ -138,10 +152,17 @@ class HeadLoss:
 class _TiledCall:
     """``method(*args, **kwargs)`` with the head's ``forward`` computing the tiled loss."""
 
-    def __init__(self, owner: HeadLoss, method: Callable[..., Any], targets: Any) -> None:
+    def __init__(
+        self,
+        owner: HeadLoss,
+        method: Callable[..., Any],
+        targets: Any,
+        gathered: Callable[[tuple[nn.Module, ...]], contextlib.AbstractContextManager[Any]],
+    ) -> None:
         self._owner = owner
         self._method = method
         self._targets = targets
+        self._gathered = gathered
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         head = self._owner.head
@@ -150,7 +171,8 @@ class _TiledCall:
         found: list[torch.Tensor] = []
 
         def forward(hidden: torch.Tensor, *rest: Any, **kw: Any) -> torch.Tensor:
-            loss = self._owner.loss(hidden, inner, self._targets)
+            gather = functools.partial(self._gathered, (head,))
+            loss = self._owner.loss(hidden, inner, self._targets, gather)
             found.append(loss)
             # No logits: an empty tensor in their place, on the loss's graph (a gradient
             # goes through the head), for the model's code after the head.

@@ -288,7 +288,7 @@ class ModuleRunner:
             kwargs.setdefault("use_cache", False)  # see ``recompute`` in the class docstring
         method: Callable[..., Any] = self.model
         if self._head_loss is not None:  # takes return_logits; maybe labels, for the tiled loss
-            method, kwargs = self._head_loss.prepare(method, kwargs)
+            method, kwargs = self._head_loss.prepare(method, kwargs, self.gathered)
         started = self._clock.start(phase)
         out, result = await self._run(phase, method, args, kwargs, "forward")
         self._after_forward(phase)

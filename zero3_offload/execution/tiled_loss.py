@@ -25,6 +25,7 @@ is saved and restored).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ def tiled_causal_lm_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
     logit_transform: LogitTransform | None = None,
     head_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> torch.Tensor:
     """The causal-LM cross-entropy of ``head(hidden_states)``, without full logits.
 
@@ -74,6 +76,9 @@ def tiled_causal_lm_loss(
             (e.g. Gemma 2's soft-capping); it must work position by position.
         head_forward: applies the head to a chunk in place of ``head.forward`` (a module
             ``head`` only; its parameters are still the ones differentiated).
+        gather: makes the context the chunks run in, in the forward and again in the
+            backward's recomputation, e.g. ``lambda: manager.gathered(head)`` for a head
+            sharded by ZeRO-3 (the backward runs outside the caller's own block).
 
     Returns:
         The scalar fp32 loss, with autograd history to ``hidden_states`` and the head's
@@ -108,6 +113,7 @@ def tiled_causal_lm_loss(
         chunk=chunk_tokens,
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
+        gather=gather or contextlib.nullcontext,
     )
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     loss: torch.Tensor = _TiledLoss.apply(flat, targets.reshape(-1), spec, *tensors)
@@ -233,7 +239,9 @@ class _Spec:
         chunk: int,
         ignore_index: int,
         num_items: int | torch.Tensor | None,
+        gather: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> None:
+        self.gather = gather
         self.project = project
         self.transform = transform
         self.chunk = chunk
@@ -268,10 +276,11 @@ class _TiledLoss(torch.autograd.Function):
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], spec.chunk):
-            logits = spec.project.logits(hidden[start : start + spec.chunk], tensors)
-            total = total + spec.chunk_sum(logits, targets[start : start + spec.chunk])
-            del logits  # one chunk's logits at a time
+        with spec.gather():
+            for start in range(0, hidden.shape[0], spec.chunk):
+                logits = spec.project.logits(hidden[start : start + spec.chunk], tensors)
+                total = total + spec.chunk_sum(logits, targets[start : start + spec.chunk])
+                del logits  # one chunk's logits at a time
         loss = spec.divide(total, targets)
         ctx.spec = spec
         ctx.save_for_backward(hidden, targets, *tensors)
@@ -289,7 +298,7 @@ class _TiledLoss(torch.autograd.Function):
         scale = spec.divide(grad.float(), targets)
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
         sums: list[torch.Tensor | None] = [None] * len(tensors)
-        with torch.enable_grad(), spec.project.fork():
+        with torch.enable_grad(), spec.project.fork(), spec.gather():
             leaves = spec.project.wrt(tensors)
             for start in range(0, hidden.shape[0], spec.chunk):
                 h = hidden[start : start + spec.chunk].detach().requires_grad_(needs_hidden)
