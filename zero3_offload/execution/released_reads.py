@@ -7,11 +7,12 @@ cross-entropy reading ``lm_head.weight``, weights tied by hand, a custom kernel)
 get that empty tensor and fail far from the cause (``size mismatch, got input (12), mat
 (12x32), vec (0)``). While a module-mode forward runs, :class:`ReleasedReadCheck` (a
 ``TorchFunctionMode`` on the model thread, whose modes are per thread) looks at the
-top-level arguments of every torch call: a parameter with no elements whose unit is not
-gathered raises :class:`~zero3_offload.errors.StateError` naming the parameter and
+top-level arguments of every torch call: an ``nn.Parameter`` with no elements whose unit
+is not gathered raises :class:`~zero3_offload.errors.StateError` naming the parameter and
 ``manager.gathered`` as the fix. Reading a released parameter's metadata (dtype, device,
-``requires_grad``: transformers reads them) is allowed. The check costs one
-``isinstance`` per argument of every torch call.
+``requires_grad``: transformers reads them) is allowed. The check costs a type test per
+argument of every torch call, on top of the mode's dispatch to Python (about 3-4 us a
+call on a 2-core CPU machine; a tiny Llama's training forward makes ~350 calls).
 
 Forward passes only: the autograd engine runs a backward's nodes (a checkpointed block
 recomputed among them) without the calling thread's torch-function modes. A block that
@@ -116,14 +117,15 @@ class ReleasedReadCheck(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if func not in _METADATA:
-            for arg in args:
-                if isinstance(arg, nn.Parameter) and arg.numel() == 0:
-                    self._check(arg)
-            for arg in kwargs.values():
-                if isinstance(arg, nn.Parameter) and arg.numel() == 0:
-                    self._check(arg)
+        # The common case first and cheap: no argument is an empty parameter.
+        for arg in args:
+            if type(arg) is nn.Parameter and arg.numel() == 0 and func not in _METADATA:
+                self._check(arg)
+        if not kwargs:
+            return func(*args)
+        for arg in kwargs.values():
+            if type(arg) is nn.Parameter and arg.numel() == 0 and func not in _METADATA:
+                self._check(arg)
         return func(*args, **kwargs)
 
     def _check(self, param: nn.Parameter) -> None:
