@@ -191,6 +191,30 @@ def test_tiled_loss_of_a_module_head_gives_each_parameter_one_gradient() -> None
         assert (a - p.grad).abs().max().item() < 1e-6
 
 
+def test_a_random_module_head_sees_the_same_random_numbers_in_the_recomputation() -> None:
+    # A dropout in the head (a LoRA dropout): the backward's recomputation of each chunk
+    # must draw the forward's masks, as plain autograd over the same chunks does.
+    hidden, _, labels = _data()
+    torch.manual_seed(0)
+    head = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(8, 50))
+    torch.manual_seed(7)
+    tiled = tiled_causal_lm_loss(hidden, head, labels, chunk_tokens=5)
+    after = torch.rand(())  # the generator moved on as in the forward, not rewound
+    tiled_grads = _grads(tiled, hidden, *head.parameters())
+    torch.manual_seed(7)
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+    flat = hidden.reshape(-1, 8)
+    total = sum(
+        F.cross_entropy(head(flat[i : i + 5]), targets[i : i + 5], reduction="sum")
+        for i in range(0, flat.shape[0], 5)
+    )
+    plain = total / (targets != -100).sum()
+    assert torch.rand(()) == after
+    assert abs(tiled.item() - plain.item()) < 1e-6
+    for a, b in zip(tiled_grads, _grads(plain, hidden, *head.parameters()), strict=True):
+        assert (a - b).abs().max().item() < 1e-6
+
+
 def test_tiled_loss_refuses_mismatched_labels() -> None:
     hidden, weight, labels = _data()
     with pytest.raises(InputError, match="do not match hidden states"):

@@ -26,7 +26,7 @@ is saved and restored).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -148,9 +148,9 @@ class _WeightHead:
     def logits(self, h: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return F.linear(h, tensors[0])
 
-    def fork(self) -> Any:
+    def fork(self) -> contextlib.AbstractContextManager[Any]:
         """The random state of the recomputation: nothing to restore."""
-        return _NoRng()
+        return contextlib.nullcontext()
 
     def wrt(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The leaves the recomputation differentiates (a detached weight)."""
@@ -176,7 +176,7 @@ class _ModuleHead:
     def logits(self, h: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._apply(h)
 
-    def fork(self) -> Any:
+    def fork(self) -> contextlib.AbstractContextManager[Any]:
         """The random state of the recomputation: the forward's (restored, then put back)."""
         return self._rng.restored()
 
@@ -187,14 +187,6 @@ class _ModuleHead:
 
     def recompute(self, h: torch.Tensor, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._apply(h)
-
-
-class _NoRng:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class _RngState:
@@ -210,22 +202,15 @@ class _RngState:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         return cls(device, torch.get_rng_state(), cuda)
 
-    def restored(self) -> Any:
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the block with this state; the generators' own state is back after it."""
         devices = [self._device] if self._cuda is not None else []
-        fork = torch.random.fork_rng(devices=devices)
-        state = self
-
-        class _Restored:
-            def __enter__(self) -> None:
-                fork.__enter__()
-                torch.set_rng_state(state._cpu)
-                if state._cuda is not None:
-                    torch.cuda.set_rng_state(state._cuda, state._device)
-
-            def __exit__(self, *exc: object) -> None:
-                fork.__exit__(*exc)
-
-        return _Restored()
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self._cpu)
+            if self._cuda is not None:
+                torch.cuda.set_rng_state(self._cuda, self._device)
+            yield
 
 
 class _Spec:
