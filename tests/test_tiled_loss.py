@@ -99,6 +99,14 @@ def test_return_logits_gives_the_models_own_logits_and_loss(
     assert runs2["own_logits"][0]["fallbacks"] == []
 
 
+def test_the_tiled_loss_keeps_no_logits_for_the_backward(runs2: dict[str, list[Any]]) -> None:
+    # The model's own loss keeps its logits and their log-softmax (fp32) for the
+    # backward; the tiled loss keeps the hidden states and the targets.
+    logits_bytes = ROWS // 2 * SEQ * TINY_DECODER["vocab_size"] * 4
+    for tiled, own in zip(runs2["llama"], runs2["own_logits"], strict=True):
+        assert own["saved_bytes"] - tiled["saved_bytes"] >= 2 * logits_bytes
+
+
 @pytest.mark.parametrize("kind", GATHERED)
 def test_code_reading_the_head_weight_trains_exactly_inside_gathered(
     runs2: dict[str, list[Any]], kind: str

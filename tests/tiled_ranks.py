@@ -233,6 +233,8 @@ async def train(ctx: RankContext, spec: Spec) -> dict[str, Any]:
             except Zero3Error as exc:
                 out["error"] = (type(exc).__name__, str(exc))
                 break
+            if step == 0:  # what the training forward keeps for its backward
+                out["saved_bytes"] = manager.get_memory_stats().activation_bytes
             if not spec.kind.startswith("fused"):
                 logits = result.logits
                 out["logits"].append(None if logits is None else tuple(logits.shape))

@@ -29,6 +29,14 @@ awaitable on the loop while the model's code waits. The hooks:
   (e.g. under reentrant checkpointing) are completed at the end of backward,
   in forward order, identically on every rank.
 
+Code that reads a unit's parameters without calling its module (a fused loss reading
+``lm_head.weight``) holds the unit with :meth:`ModuleRunner.gathered`; a forward that
+reads a released parameter otherwise raises (see [Note: released reads] in
+``execution.released_reads``). A forward given ``labels=`` may compute a causal LM's loss
+in chunks through the head, never making the full logits (see [Note: the head's tiled
+loss] in ``execution.head_loss``); a unit whose outputs carry no gradient that way enters
+the backward when a saved view of it is unpacked.
+
 A parameter used by several units belongs to the root unit (see
 ``engine.model_units``), so tied weights have one gradient, accumulated by
 autograd from both uses before the hook sees it.
@@ -335,7 +343,6 @@ class ModuleRunner:
         await self._prefetch.begin_pass(phase, predicted)
         self._current = unit_pass
         grad = phase is Phase.FORWARD
-
         reads = self._released_reads()
 
         def run() -> Any:
