@@ -187,6 +187,16 @@ def test_tiled_loss_equals_for_causal_lm_loss(
         assert (a - b).abs().max().item() < 1e-6
 
 
+def test_tiled_loss_summed() -> None:
+    hidden, weight, labels = _data()
+    tiled = tiled_causal_lm_loss(hidden, weight, labels, chunk_tokens=4, reduction="sum")
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+    own = F.cross_entropy(F.linear(hidden, weight).reshape(-1, 50), targets, reduction="sum")
+    assert abs(tiled.item() - own.item()) < 1e-4
+    for a, b in zip(_grads(tiled, hidden, weight), _grads(own, hidden, weight), strict=True):
+        assert (a - b).abs().max().item() < 1e-5
+
+
 def test_tiled_loss_of_a_module_head_gives_each_parameter_one_gradient() -> None:
     hidden, _, labels = _data()
     torch.manual_seed(0)
@@ -231,6 +241,8 @@ def test_tiled_loss_refuses_mismatched_labels() -> None:
         tiled_causal_lm_loss(hidden, weight)
     with pytest.raises(InputError, match="chunk_tokens"):
         tiled_causal_lm_loss(hidden, weight, labels, chunk_tokens=0)
+    with pytest.raises(InputError, match="reduction"):
+        tiled_causal_lm_loss(hidden, weight, labels, reduction="none")
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -49,6 +49,7 @@ def tiled_causal_lm_loss(
     chunk_tokens: int = 1024,
     ignore_index: int = -100,
     num_items_in_batch: int | torch.Tensor | None = None,
+    reduction: str = "mean",
     logit_transform: LogitTransform | None = None,
     head_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     gather: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
@@ -72,6 +73,8 @@ def tiled_causal_lm_loss(
         num_items_in_batch: when given, the loss is the sum of the per-token losses
             divided by it (transformers' ``num_items_in_batch``); else their mean over the
             targets other than ``ignore_index`` (NaN when there is none).
+        reduction: ``"mean"`` (above) or ``"sum"``: the summed per-token losses (without
+            ``num_items_in_batch``).
         logit_transform: applied to each chunk's logits before the fp32 cross-entropy
             (e.g. Gemma 2's soft-capping); it must work position by position.
         head_forward: applies the head to a chunk in place of ``head.forward`` (a module
@@ -91,6 +94,10 @@ def tiled_causal_lm_loss(
     targets = _targets(hidden_states, labels, shift_labels, ignore_index)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise InputError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    if reduction not in ("mean", "sum") or (reduction == "sum" and num_items_in_batch is not None):
+        raise InputError(
+            f"reduction must be 'mean' or 'sum' (sum without num_items_in_batch), got {reduction!r}"
+        )
     if isinstance(head, nn.Module):
         tensors = tuple(head.parameters())
         apply = head_forward if head_forward is not None else head.forward
@@ -113,6 +120,7 @@ def tiled_causal_lm_loss(
         chunk=chunk_tokens,
         ignore_index=ignore_index,
         num_items=num_items_in_batch,
+        summed=reduction == "sum",
         gather=gather or contextlib.nullcontext,
     )
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -224,8 +232,10 @@ class _Spec:
         chunk: int,
         ignore_index: int,
         num_items: int | torch.Tensor | None,
+        summed: bool,
         gather: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> None:
+        self.summed = summed
         self.gather = gather
         self.project = project
         self.transform = transform
@@ -242,7 +252,9 @@ class _Spec:
         )
 
     def divide(self, total: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The sum over the mean's count, or over ``num_items_in_batch``."""
+        """The sum over the mean's count, or over ``num_items_in_batch`` (or the sum)."""
+        if self.summed:
+            return total
         if self.num_items is None:
             return total / (targets != self.ignore_index).sum()
         num = self.num_items
