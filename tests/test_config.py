@@ -54,6 +54,7 @@ EXPECTED_DEFAULTS = {
     "activation_checkpointing": False,
     "selective_checkpointing_units": 0,
     "sequence_parallel_size": 1,
+    "loss_chunk_tokens": 1024,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "keep_gathered_bytes": 0,
@@ -85,6 +86,7 @@ INT_MINIMUM = {
     "keep_gathered_bytes": 0,
     "selective_checkpointing_units": 0,
     "sequence_parallel_size": 1,
+    "loss_chunk_tokens": 0,
 }
 
 BAD_VALUES = (

@@ -36,6 +36,7 @@ from zero3_offload.engine.model_units import UnitSpec, default_unit_classes, spl
 from zero3_offload.errors import ConfigError, DiskTierError
 from zero3_offload.execution.chain_runner import ChainRunner
 from zero3_offload.execution.gradient_landing import GradientLanding
+from zero3_offload.execution.head_loss import HeadLoss
 from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.execution.product_saving import ProductSaving
@@ -721,6 +722,7 @@ def _build_runners(
         recompute=config.activation_checkpointing,
         products=products,
         sequence=sequence,
+        head_loss=HeadLoss(model=split.model, chunk_tokens=config.loss_chunk_tokens),
     )
     return clock, landing, None, module
 
