@@ -233,6 +233,7 @@ async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
                 tokens = valid_tokens(batch) if spec.tokens else None
                 await manager.backward(out.loss, tokens=tokens)
                 losses.append(out.loss.item())
+                kept_logits = out.logits is not None
                 await manager.optimizer_step(LR)
         if spec.save_dir is not None:
             await manager.save_checkpoint(spec.save_dir)
@@ -241,7 +242,12 @@ async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
     finally:
         await manager.close()
     restored = model.config._attn_implementation  # type: ignore[union-attr]
-    return {"losses": losses, "state": state, "attention": (attention, restored)}
+    return {
+        "losses": losses,
+        "state": state,
+        "attention": (attention, restored),
+        "kept_logits": kept_logits,
+    }
 
 
 async def refusal(ctx: RankContext, spec: Spec) -> str:
@@ -305,6 +311,10 @@ EXACT2: dict[str, Spec] = {
     # transformers' checkpointing: the decoder layers' all-to-alls run again in backward
     "model-ckpt": Spec(attn="eager", model_ckpt=True),
     "lora": Spec(kind="lora"),
+    # The slice's loss tiled in chunks of 3 positions (a ragged last one), and the model's
+    # own loss from the slice's full logits (the default 1024 tiles a slice in one chunk).
+    "tiled-chunks": Spec(config=(("loss_chunk_tokens", 3),)),
+    "own-loss": Spec(config=(("loss_chunk_tokens", 0),)),
     # One key/value head for 4 query heads: each rank gets a copy of it.
     "kv1-eager": Spec(kind="kv1", attn="eager"),
     "kv1-sdpa": Spec(kind="kv1", attn="sdpa"),
@@ -354,6 +364,8 @@ def assert_exact(results: list[Any], spec: Spec, groups: int) -> None:
         assert max_diff(result["state"], ref["state"]) < PARAM_TOL
         # The model's own attention implementation is set back when the manager closes.
         assert result["attention"] == ("zero3_ulysses", spec.attn)
+        # The slice's loss is the tiled one (no logits kept) unless loss_chunk_tokens=0.
+        assert result["kept_logits"] == (dict(spec.config).get("loss_chunk_tokens") == 0)
 
 
 @pytest.mark.parametrize("name", list(EXACT2))

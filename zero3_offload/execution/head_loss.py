@@ -86,6 +86,11 @@ class HeadLoss:
         """Why the model's own loss is used for ``labels=`` (None: the tiled loss is)."""
         return self._reason
 
+    def tiles(self, kwargs: dict[str, Any]) -> bool:
+        """Whether a call with ``kwargs`` and ``labels`` gets the tiled loss (logs nothing)."""
+        own = bool(kwargs.get("return_logits", False))
+        return not own and bool(self._chunk) and (self._reason or _call_reason(kwargs)) is None
+
     def prepare(
         self,
         method: Callable[..., Any],

@@ -300,7 +300,8 @@ class ModuleRunner:
         args, kwargs = _to_device((args, kwargs), self._device)
         finish = None
         if self._sequence is not None:  # this rank's slice; the loss of the whole sequence
-            kwargs, finish = self._sequence.split(args, kwargs)
+            tiled = self._head_loss is not None and self._head_loss.tiles(kwargs)
+            kwargs, finish = self._sequence.split(args, kwargs, tiled=tiled)
             args = ()
         if self._no_cache and phase is Phase.FORWARD:
             kwargs.setdefault("use_cache", False)  # see ``recompute`` in the class docstring

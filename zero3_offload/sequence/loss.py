@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["sequence_loss"]
+__all__ = ["sequence_loss", "whole_sequence_loss"]
 
 IGNORE_INDEX = -100
 
@@ -14,14 +14,8 @@ IGNORE_INDEX = -100
 def sequence_loss(
     logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """The whole sequence's mean token loss, its gradient through this rank's slice only.
-
-    ``labels`` are this rank's slice of the labels already shifted (the label of each
-    position is the next token; -100 is ignored), as transformers' causal-LM loss shifts
-    them. The slice's sum of cross entropies (logits in fp32) and its count of valid
-    tokens are summed over the group (one all-reduce): the result is ``sum / count`` of
-    the whole sequence on every rank, with the other ranks' sums detached.
-    """
+    """The whole sequence's mean token loss from this rank's slice's logits (see
+    :func:`whole_sequence_loss`); the slice's cross entropies are computed in fp32."""
     vocab = logits.shape[-1]
     local = F.cross_entropy(
         logits.float().reshape(-1, vocab),
@@ -29,6 +23,21 @@ def sequence_loss(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+    return whole_sequence_loss(local, labels, group)
+
+
+def whole_sequence_loss(
+    local: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The whole sequence's mean token loss, its gradient through this rank's slice only.
+
+    ``local`` is the sum of this rank's slice's per-token cross entropies; ``labels`` the
+    slice of the labels already shifted (the label of each position is the next token;
+    -100 is ignored), as transformers' causal-LM loss shifts them. The slice's sum and
+    its count of valid tokens are summed over the group (one all-reduce): the result is
+    ``sum / count`` of the whole sequence on every rank, with the other ranks' sums
+    detached.
+    """
     totals = torch.stack(
         [local.detach().double(), (labels != IGNORE_INDEX).sum().double().to(local.device)]
     )

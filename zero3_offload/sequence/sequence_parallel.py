@@ -12,7 +12,7 @@ from torch import nn
 from zero3_offload.errors import ConfigError, InputError
 from zero3_offload.logging import get_logger
 from zero3_offload.sequence.input_split import split_sequence
-from zero3_offload.sequence.loss import sequence_loss
+from zero3_offload.sequence.loss import sequence_loss, whole_sequence_loss
 from zero3_offload.sequence.ulysses_attention import ULYSSES, register_ulysses
 
 __all__ = ["SequenceParallel"]
@@ -58,12 +58,17 @@ class SequenceParallel:
         log.info("sequence_parallel", size=size, rank_in_group=rank, wrapped=self._original)
 
     def split(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, tiled: bool = False
     ) -> tuple[dict[str, Any], Callable[[Any], Any]]:
         """This rank's keyword arguments for the model (see :func:`split_sequence`) and
         what turns the model's output into the call's: with ``labels``, its ``loss`` set
         to the whole sequence's (:func:`sequence_loss`, computed on the model thread: it
         all-reduces over the group).
+
+        With ``tiled`` (the caller computes the loss from ``labels=`` without full logits)
+        the slice's shifted labels go to the model as ``labels`` and ``shift_labels``
+        with ``num_items_in_batch=1``, so the loss it returns is the slice's sum, which
+        :func:`whole_sequence_loss` makes whole.
 
         Raises:
             InputError: for positional arguments, or inputs that cannot be cut.
@@ -81,9 +86,14 @@ class SequenceParallel:
             implementation=self._original,
         )
         group = self._group
+        if tiled and labels is not None:
+            local.update(labels=labels, shift_labels=labels, num_items_in_batch=1)
 
         def finish(out: Any) -> Any:
             if labels is None:
+                return out
+            if tiled:
+                out["loss"] = whole_sequence_loss(out["loss"], labels, group)
                 return out
             logits = getattr(out, "logits", None)
             if logits is None:
