@@ -396,7 +396,8 @@ async def probe_errors(ctx: RankContext) -> dict[str, Any]:
         evaluated = await outcome("eval_forward", manager.forward(input_ids=x, labels=x))
     out["eval_loss_has_grad_fn"] = evaluated.loss.grad_fn is not None
     await outcome("backward_after_eval", manager.backward(evaluated.loss * 1.0))
-    trained = await manager.forward(**call_kwargs("llama", x))
+    # The model's own logits (a tiled loss keeps none): a loss that is not a scalar.
+    trained = await manager.forward(**call_kwargs("llama", x), return_logits=True)
     await outcome("non_scalar_loss", manager.backward(trained.logits))
     await outcome("loss_not_a_tensor", manager.backward(1.0))  # type: ignore[arg-type]
     # The forward is still pending after refused backwards: this one completes it.

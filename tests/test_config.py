@@ -57,6 +57,8 @@ EXPECTED_DEFAULTS = {
     "offload_activations": OffloadActivations.NONE,
     "activation_read_ahead_bytes": 0,
     "mlp_chunk_tokens": 0,
+    "sequence_parallel_size": 1,
+    "loss_chunk_tokens": 1024,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "keep_gathered_bytes": 0,
@@ -89,6 +91,8 @@ INT_MINIMUM = {
     "selective_checkpointing_units": 0,
     "activation_read_ahead_bytes": 0,
     "mlp_chunk_tokens": 0,
+    "sequence_parallel_size": 1,
+    "loss_chunk_tokens": 0,
 }
 
 BAD_VALUES = (

@@ -43,6 +43,7 @@ from zero3_offload.errors import (
     StepAbandonedError,
     Zero3Error,
 )
+from zero3_offload.execution.tiled_loss import tiled_causal_lm_loss
 from zero3_offload.manager import Zero3CpuOffloadManager
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.optimizer_state.decay_groups import decay_param_groups
@@ -86,4 +87,5 @@ __all__ = [
     "destroy_process_group",
     "init_process_group",
     "init_process_group_from_env",
+    "tiled_causal_lm_loss",
 ]

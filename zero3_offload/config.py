@@ -817,6 +817,22 @@ class Zero3CpuOffloadConfig:
     chunk at a time, never for the whole sequence; it saves only its input. Costs one more
     MLP forward per step. Results equal untiled training to rounding. Refused in chain
     mode and for a model whose units have no ``mlp``. 0: off."""
+    sequence_parallel_size: int = int_field(1, 1, "ranks")
+    """Module mode, transformers models: split each sequence over this many consecutive
+    ranks (Ulysses sequence parallelism; data parallel across the groups). Every rank of
+    a group passes the same batch to ``forward``; each runs its 1/S of the tokens, with
+    all-to-alls around attention, and ``out.loss`` is the whole sequence's. It must
+    divide the world size and the attention heads, and divide the key/value heads or be
+    a multiple of them (each one is then replicated). Parameters stay partitioned over
+    all ranks. See docs/long_context.md."""
+    loss_chunk_tokens: int = int_field(1024, 0, "tokens; 0 = the model's own loss")
+    """Module mode: a forward given ``labels=`` computes a transformers causal LM's loss in
+    chunks of this many tokens (head, logit transform, cross-entropy per chunk), so the full
+    logits (tokens x vocabulary, fp32) are never held; its backward recomputes each chunk's
+    logits. Equal to the model's own loss up to fp32 rounding; the output's ``logits`` is
+    then None (pass ``return_logits=True`` to ``forward`` for the model's own logits and
+    loss). A model whose head or loss it cannot reproduce exactly uses its own loss (logged
+    once). 0: always the model's own loss and logits."""
     speculative_step: bool = bool_field(False)
     """With ``gradient_clipping`` or fp16 and ``overlap_computation``, start each layer's
     update during backward anyway, from a saved copy of its master shard and optimizer

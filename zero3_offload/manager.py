@@ -16,6 +16,7 @@ update during backward] in ``optimizer_state.step_runner``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -482,15 +483,24 @@ class Zero3CpuOffloadManager:
         next ones prefetched in the recorded order) and released after it. A
         training forward (autograd on) saves what :meth:`backward` needs;
         under ``torch.no_grad()`` nothing is saved and the accumulation window's
-        timer does not start. See [Note: module mode].
+        timer does not start. See [Note: module mode]. With ``sequence_parallel_size``
+        S > 1 every rank of a group of S passes the same whole sequences as keyword
+        arguments; each runs its 1/S of the tokens and gets the whole sequence's
+        ``loss`` (see [Note: sequence parallelism] in ``zero3_offload.sequence``).
 
         Args:
             args: positional arguments of the model (tensors are moved to the device).
             kwargs: keyword arguments of the model, e.g. ``input_ids=x, labels=y``.
+            return_logits: (a keyword the manager takes) True: the model's own logits and
+                loss even where ``labels=`` would get the tiled loss.
 
         Returns:
             What the model returns (e.g. a transformers ``ModelOutput``), with
-            its autograd history: compute the loss from it, or take ``out.loss``.
+            its autograd history: compute the loss from it, or take ``out.loss``. Given
+            ``labels=`` (with ``loss_chunk_tokens`` on, a transformers causal LM whose head
+            the tiled loss reproduces, no ``return_logits``), ``out.loss`` is computed in
+            chunks and no logits were kept: ``out.logits`` is None (see [Note: the
+            head's tiled loss] in ``execution.head_loss``).
 
         Raises:
             StateError: when the manager is not in module mode.
@@ -502,6 +512,32 @@ class Zero3CpuOffloadManager:
         out, result = await runner.forward(forward_phase(), args, kwargs)
         self._state.pend(result if result.phase.trains else None)
         return out
+
+    def gathered(
+        self, *modules_or_parameters: nn.Module | torch.Tensor
+    ) -> contextlib.AbstractContextManager[None]:
+        """Hold these modules' (or parameters') units gathered for a block of the model's
+        code (module mode; on the model thread, under :meth:`forward`).
+
+        For code that reads parameters without calling their module: a fused loss reading
+        ``lm_head.weight``, weights tied by hand, a custom kernel. Inside the block the
+        parameters hold their full values; the gradients that flow into them are
+        reduce-scattered as their unit's, in the backward. A block that runs again in the
+        backward (non-reentrant activation checkpointing recomputes it) gathers them again.
+        Reading a sharded parameter outside such a block raises :class:`StateError` naming
+        it (see [Note: released reads] in ``execution.released_reads``).
+
+        Example (in the model's ``forward``)::
+
+            with manager.gathered(self.lm_head):
+                loss = fused_cross_entropy(hidden, self.lm_head.weight, labels)
+
+        Raises:
+            StateError: when the manager is not in module mode, or (on entering) outside a
+                pass of the manager's model thread.
+            InputError: for something that is not a module or parameter of the model.
+        """
+        return self._module_runner("gathered").gathered(modules_or_parameters)
 
     @_flushed
     async def backward(
@@ -526,7 +562,8 @@ class Zero3CpuOffloadManager:
                 single-process training of the whole batch does (transformers'
                 ``num_items_in_batch``; see [Note: token-weighted gradients] in
                 ``gradient.store``). Every backward of a window passes it, on
-                every rank, or none does.
+                every rank, or none does. With sequence parallelism: the whole
+                sequence's count, the same on every rank of its group.
 
         Raises:
             StateError: without a training forward since the last backward.

@@ -26,6 +26,7 @@ class System(NamedTuple):
     kind: str  # a key of SYSTEMS
     world: int
     options: dict[str, Any]
+    dims: dict[str, Any] = {}  # what it trains differently from the size's (its global batch)
 
 
 def storage_bytes(tensors: Iterable[Any]) -> int:
@@ -68,18 +69,22 @@ class Torch:
             kw = {"offload_policy": policy} if self.options.get("cpu_offload") else {}
             by_layer = self.options.get("wrap") == "decoder_layers"
             hf = getattr(model, "get_base_model", lambda: model)()  # inside a peft wrapper
-            layers = hf.model.layers if by_layer else model.children()
-            if self.options.get("checkpoint"):  # torchtitan's full AC: each decoder layer
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                    checkpoint_wrapper,
-                )
-
-                for i, layer in enumerate(layers):
-                    layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-            for module in [*layers, model]:
+            for module in [*(self.checkpointed(hf) if by_layer else model.children()), model]:
                 fully_shard(module, **kw)
+        elif self.options.get("checkpoint"):
+            self.checkpointed(model)
         self.model = model if self.spec["kind"] == "fsdp2" else model.to(self.device)
         self.opt = self.adamw(p for p in model.parameters() if p.requires_grad)
+
+    def checkpointed(self, hf: torch.nn.Module) -> Any:
+        """The HF model's decoder layers, each recomputed in backward with the ``checkpoint``
+        option (torchtitan's full AC)."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers = hf.model.layers
+        for i, layer in enumerate(layers if self.options.get("checkpoint") else ()):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        return layers
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
         """``call``'s forward (awaited if async), then the loss (an HF model's own, from labels)."""
@@ -132,6 +137,8 @@ class DeepSpeed(Torch):
         config["optimizer"] = {"type": "AdamW", "params": adamw}
         config["zero_optimization"] = {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}
         config.update(gradient_accumulation_steps=1, gradient_clipping=0.0, steps_per_print=10**9)
+        if self.options.get("checkpoint"):  # transformers' own, as DeepSpeed's users enable it
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model, params = model, [p for p in model.parameters() if p.requires_grad]
         self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
 
@@ -153,6 +160,44 @@ class DeepSpeed(Torch):
         tensors += [getattr(opt, "grad_partitions_flat_buffer", None), *(t.grad for t in flat32)]
         tensors += [t for p in params for t in (getattr(p, "ds_tensor", None), p.grad)]
         return storage_bytes(t for t in tensors if isinstance(t, torch.Tensor))
+
+
+class Alst(DeepSpeed):
+    """DeepSpeed ZeRO-3 offload with ALST's single-device pieces from its installed version:
+    ``TiledMLP`` (every LlamaMLP over ``tile`` tokens at a time) and ``TiledFusedLogitsLoss``."""
+
+    async def setup(self, model: torch.nn.Module) -> None:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        tile = self.options["tile"]
+
+        def tiled(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+            shards = -(-x.shape[-2] // tile)
+            return TiledMLP.apply(type(mlp).plain, mlp, x, shards, params)
+
+        for layer in model.model.layers:
+            type(layer.mlp).plain = getattr(type(layer.mlp), "plain", type(layer.mlp).forward)
+            type(layer.mlp).forward = tiled
+        self.options.setdefault("checkpoint", True)
+        await super().setup(model)
+
+    async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        clock.phase("forward")
+        hidden = self.model.model(input_ids=x).last_hidden_state
+        clock.phase("loss")
+        labels = torch.nn.functional.pad(x[:, 1:], (0, 1), value=-100)  # shifted, as HF's loss
+
+        def chunk(model: torch.nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            logits = model.lm_head(h).float()
+            return torch.nn.functional.cross_entropy(logits, t.view(-1), reduction="sum")
+
+        shards, head = -(-x.shape[1] // self.options["tile"]), [self.model.lm_head.weight]
+        loss = TiledFusedLogitsLoss.apply(chunk, self.model, hidden, labels, None, shards, head,
+                                          "sum")  # fmt: skip
+        return loss / (labels != -100).sum()
 
 
 class Split(Torch):
@@ -250,4 +295,5 @@ class OursModule(Ours):
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
+SYSTEMS["deepspeed-alst"] = Alst
 SYSTEMS.update({"split": Split, "ours-module": OursModule})

@@ -67,8 +67,9 @@ async def train(spec: dict[str, Any], rank: Any) -> dict[str, Any]:
     stats = system.manager.get_performance_stats if spec.get("stats") else None
     prev, steps = stats() if stats else None, []
     for batch in workload.batches(spec["warmup"] + spec["steps"], spec["dims"], spec["seed"] + 1):
-        per = batch[0].shape[0] // rank.world  # this rank's contiguous share of the batch
-        x, y = (t[rank.rank * per : (rank.rank + 1) * per].to(device) for t in batch)
+        sp = spec["options"].get("sequence_parallel_size", 1)  # a group's ranks: the same rows
+        per = batch[0].shape[0] * sp // rank.world  # this rank's contiguous share of the batch
+        x, y = (t[rank.rank // sp * per : (rank.rank // sp + 1) * per].to(device) for t in batch)
         clock = StepClock()
         loss = await system.step(x, y, clock)
         clock.phase("sync")
@@ -97,8 +98,8 @@ def train_runs(args: Any, systems: dict, sizes: dict, threads: dict, **kw: Any) 
         spec = {"lr": LR, "weight_decay": WEIGHT_DECAY, **kw.get("spec", {}), "seed": args.seed}
         spec.update(kind=system.kind, options=system.options, threads=threads[e["key"]])
         spec.update(warmup=size["warmup"], steps=size["timed_steps"])
-        spec["dims"] = {k: size[k] for k in workload.DIMS if k in size}
-        spec["imports"] = ["deepspeed"] * (system.kind == "deepspeed")
+        spec["dims"] = {**{k: size[k] for k in workload.DIMS if k in size}, **system.dims}
+        spec["imports"] = ["deepspeed"] * system.kind.startswith("deepspeed")
         spec["imports"] += ["transformers"] * (size.get("model") == "llama")
         spec["mmap_threshold"] = get("mmap_threshold")
         spec["pretrained"] = spec.get("pretrained") and str(workdir / f"weights{e.get('size', '')}")

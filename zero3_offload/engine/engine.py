@@ -38,6 +38,7 @@ from zero3_offload.errors import ConfigError, DiskTierError
 from zero3_offload.execution.activation_offload import ActivationOffload
 from zero3_offload.execution.chain_runner import ChainRunner
 from zero3_offload.execution.gradient_landing import GradientLanding
+from zero3_offload.execution.head_loss import HeadLoss
 from zero3_offload.execution.layer_runner import LayerRunner
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.execution.product_saving import ProductSaving
@@ -78,6 +79,8 @@ from zero3_offload.parameter.rank_mapping import Zero3RankMapping
 from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.sequence.groups import sequence_group
+from zero3_offload.sequence.sequence_parallel import SequenceParallel
 from zero3_offload.stats.pass_clock import PassClock
 from zero3_offload.stats.performance import OperationStats, Zero3PerformanceStats
 from zero3_offload.stats.step_counter import StepCounter
@@ -141,6 +144,7 @@ class Engine:
     full_state: FullState  # full parameter values gathered from the shards
     chain_runner: ChainRunner | None  # chain mode: forward_pass/backward_pass; else None
     model_runner: ModuleRunner | None  # module mode: runs the model's own code; else None
+    sequence: SequenceParallel | None  # sequence parallelism (module mode), else None
     disk: _DiskTiers  # the disk tiers (each None when in memory)
 
     def disk_files(self) -> list[RecordFile]:
@@ -181,6 +185,8 @@ class Engine:
             self.model_runner.close()
         if self.chain_runner is not None and self.chain_runner.activations is not None:
             self.chain_runner.activations.close()
+        if self.sequence is not None:
+            self.sequence.close()
         self.disk.close()
         self.comm.close()
 
@@ -269,6 +275,7 @@ def build_engine(
         block_size=config.compression_block_size,
     )
     split = _split_model(model, units, mapping, frozen_codec.align)
+    sequence = _build_sequence(config, process_group, split)
     plan = plan_optimizer(
         config.optimizer,
         param_groups,
@@ -318,8 +325,12 @@ def build_engine(
             streams=streams,
             workers=workers,
         )
-        return _build_training(basics, split, plan, cpu_need, params, gatherer, prefetch, disk)
+        return _build_training(
+            basics, split, plan, cpu_need, params, gatherer, prefetch, disk, sequence=sequence
+        )
     except BaseException:
+        if sequence is not None:
+            sequence.close()
         disk.close()
         comm.close()  # the heartbeat and the side group of the check
         raise
@@ -484,6 +495,8 @@ def _build_training(
     gatherer: ParameterGatherer,
     prefetch: PrefetchScheduler,
     disk: _DiskTiers,
+    *,
+    sequence: SequenceParallel | None,
 ) -> Engine:
     """The gradients, the optimizer, memory, checkpoints and the runners: the engine."""
     config, device, comm, workers = basics.config, basics.device, basics.comm, basics.workers
@@ -522,6 +535,7 @@ def _build_training(
         device,
         rss=accounting.process_rss,
         activations=_activation_offload(config, disk, device),
+        sequence=sequence,
     )
     return Engine(
         config=config,
@@ -567,6 +581,7 @@ def _build_training(
         ),
         chain_runner=chain_runner,
         model_runner=model_runner,
+        sequence=sequence,
         disk=disk,
     )
 
@@ -666,6 +681,7 @@ def _build_gradients(
         timeline=timeline,
         # A reduce-scatter by exchange receives into a released gather buffer.
         lender=gatherer,
+        sequence_parallel_size=config.sequence_parallel_size,
     )
     grads = GradientStore(
         device=torch.device("cpu") if config.offload_grads else device,
@@ -692,6 +708,7 @@ def _build_runners(
     *,
     rss: Callable[[], int],
     activations: ActivationOffload | None,
+    sequence: SequenceParallel | None,
 ) -> tuple[PassClock, GradientLanding, ChainRunner | None, ModuleRunner | None]:
     """What both runners share (the passes' clock, the landing of reduce-scatters) and the
     runner of the model's mode: a chain of layers, or the model's own code."""
@@ -744,6 +761,8 @@ def _build_runners(
         recompute=config.activation_checkpointing,
         products=products,
         activations=activations,
+        sequence=sequence,
+        head_loss=HeadLoss(model=split.model, chunk_tokens=config.loss_chunk_tokens),
     )
     return clock, landing, None, module
 
@@ -770,6 +789,29 @@ def _refuse_module_mode_only(config: Zero3CpuOffloadConfig) -> None:
             "through `await manager.forward(...)`), and this model runs as a chain of layers "
             "(forward_pass/backward_pass): leave it at 0"
         )
+
+
+def _build_sequence(
+    config: Zero3CpuOffloadConfig, process_group: dist.ProcessGroup, split: _Model
+) -> SequenceParallel | None:
+    """Sequence parallelism over groups of ``sequence_parallel_size`` ranks (a collective:
+    every rank makes every group), or None at size 1."""
+    size = config.sequence_parallel_size
+    if size == 1:
+        return None
+    if split.model is None:
+        raise ConfigError(
+            f"sequence_parallel_size={size} needs module mode (a transformers model run by "
+            "manager.forward); a chain of layers runs whole sequences"
+        )
+    group = sequence_group(process_group, size, config.collective_timeout_s)
+    try:
+        return SequenceParallel(
+            model=split.model, size=size, group=group, rank=process_group.rank() % size
+        )
+    except BaseException:
+        dist.destroy_process_group(group)
+        raise
 
 
 def _pins(config: Zero3CpuOffloadConfig, device: torch.device) -> bool:

@@ -29,6 +29,14 @@ awaitable on the loop while the model's code waits. The hooks:
   (e.g. under reentrant checkpointing) are completed at the end of backward,
   in forward order, identically on every rank.
 
+Code that reads a unit's parameters without calling its module (a fused loss reading
+``lm_head.weight``) holds the unit with :meth:`ModuleRunner.gathered`; a forward that
+reads a released parameter otherwise raises (see [Note: released reads] in
+``execution.released_reads``). A forward given ``labels=`` may compute a causal LM's loss
+in chunks through the head, never making the full logits (see [Note: the head's tiled
+loss] in ``execution.head_loss``); a unit whose outputs carry no gradient that way enters
+the backward when a saved view of it is unpacked.
+
 A parameter used by several units belongs to the root unit (see
 ``engine.model_units``), so tied weights have one gradient, accumulated by
 autograd from both uses before the hook sees it.
@@ -56,7 +64,7 @@ import functools
 import threading
 import time
 import warnings
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -71,14 +79,17 @@ from zero3_offload.errors import InputError, LayerExecutionError, StateError, Ze
 from zero3_offload.execution.activation_offload import ActivationOffload
 from zero3_offload.execution.buffer_slot import BufferSlot
 from zero3_offload.execution.gradient_landing import GradientLanding
+from zero3_offload.execution.head_loss import HeadLoss
 from zero3_offload.execution.pass_result import PassResult
 from zero3_offload.execution.product_saving import ProductSaving
+from zero3_offload.execution.released_reads import ReleasedReadCheck
 from zero3_offload.gradient.reducer import GradientReducer, GradientSlot
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.parameter.flat_layout import ROOT_UNIT
 from zero3_offload.parameter.gatherer import ParameterGatherer
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.sequence.sequence_parallel import SequenceParallel
 from zero3_offload.stats.pass_clock import PassClock
 from zero3_offload.stats.phase import Phase
 from zero3_offload.stats.tensor_bytes import storage_bytes
@@ -150,6 +161,12 @@ class ModuleRunner:
         activations: with ``recompute``, where checkpointed units' saved inputs go
             between a training forward and its backward (see [Note: activation offload]
             in ``execution.activation_offload``). None: they stay on the device.
+        sequence: sequence parallelism: each forward runs this rank's slice of the
+            sequence, its loss made whole (see [Note: sequence parallelism] in
+            ``zero3_offload.sequence``); None runs the call's inputs as they are.
+        head_loss: computes the loss of a forward given ``labels=`` in chunks, without the
+            full logits (see [Note: the head's tiled loss] in ``execution.head_loss``);
+            None: the model's own loss.
     """
 
     def __init__(
@@ -170,9 +187,13 @@ class ModuleRunner:
         recompute: bool,
         products: ProductSaving | None = None,
         activations: ActivationOffload | None = None,
+        sequence: SequenceParallel | None = None,
+        head_loss: HeadLoss | None = None,
     ) -> None:
         self.model = model
         self.activations = activations
+        self._sequence = sequence
+        self._head_loss = head_loss
         self._units = units
         self._gatherer = gatherer
         self._prefetch = prefetch
@@ -187,6 +208,9 @@ class ModuleRunner:
         self._no_cache = recompute and bool(getattr(config, "use_cache", False))
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
         self._param_unit = {id(p): name for name, u in units.items() for p in u.parameters()}
+        self._param_names: dict[int, str] = {}
+        for pname, param in model.named_parameters(remove_duplicate=False):
+            self._param_names.setdefault(id(param), pname)
         # A new thread's OpenMP pool ignores torch.set_num_threads of other threads:
         # the model thread takes the count of the thread that built the manager.
         self._executor = ThreadPoolExecutor(
@@ -283,14 +307,22 @@ class ModuleRunner:
             LayerExecutionError: when the model's code raised (the cause is chained).
         """
         args, kwargs = _to_device((args, kwargs), self._device)
+        finish = None
+        if self._sequence is not None:  # this rank's slice; the loss of the whole sequence
+            tiled = self._head_loss is not None and self._head_loss.tiles(kwargs)
+            kwargs, finish = self._sequence.split(args, kwargs, tiled=tiled)
+            args = ()
         if self._no_cache and phase is Phase.FORWARD:
             kwargs.setdefault("use_cache", False)  # see ``recompute`` in the class docstring
+        method: Callable[..., Any] = self.model
+        if self._head_loss is not None:  # takes return_logits; maybe labels, for the tiled loss
+            method, kwargs = self._head_loss.prepare(method, kwargs, self.gathered)
         started = self._clock.start(phase)
         offload = self.activations if phase is Phase.FORWARD else None
         if offload is not None:
             offload.begin_forward()
         try:
-            out, result = await self._run(phase, self.model, args, kwargs, "forward")
+            out, result = await self._run(phase, method, args, kwargs, "forward", finish)
         except BaseException:
             if offload is not None:
                 offload.abandon_forward()  # the pending forward before it stays
@@ -318,10 +350,16 @@ class ModuleRunner:
 
         Raises:
             InputError: when ``input_ids`` is not a tensor.
+            StateError: with sequence parallelism.
             LayerExecutionError: when the model's code raised (the cause is chained).
         """
         if not isinstance(input_ids, torch.Tensor):
             raise InputError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if self._sequence is not None:
+            raise StateError(
+                "generate is not available with sequence_parallel_size > 1 (decoding runs "
+                "whole sequences): build a manager with sequence_parallel_size=1 to generate"
+            )
         phase = Phase.GENERATE if keep_gathered else Phase.INFERENCE
         if self._comm.world_size > 1:
             # Ranks whose sequences end at different steps keep running forwards together.
@@ -339,22 +377,29 @@ class ModuleRunner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         call: str,
+        finish: Callable[[Any], Any] | None = None,
     ) -> tuple[Any, PassResult]:
         predicted = self._prefetch.predicted(phase)
         unit_pass = UnitPass(phase=phase, predicted=predicted, result=PassResult(phase=phase))
         await self._prefetch.begin_pass(phase, predicted)
         self._current = unit_pass
         grad = phase is Phase.FORWARD
+        reads = self._released_reads()
+
+        def call_model() -> Any:
+            out = method(*args, **kwargs)
+            return out if finish is None else finish(out)
 
         def run() -> Any:
             if not grad:
-                with torch.no_grad():
-                    return method(*args, **kwargs)
+                with torch.no_grad(), reads:
+                    return call_model()
             with (
                 torch.enable_grad(),
+                reads,
                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
             ):
-                return method(*args, **kwargs)
+                return call_model()
 
         try:
             out = await self._in_thread(run)
@@ -684,6 +729,52 @@ class ModuleRunner:
         if complete and unit in p.where and unit not in p.done:
             self._call(self._unit_done(unit))
 
+    @contextlib.contextmanager
+    def gathered(self, items: tuple[nn.Module | torch.Tensor, ...]) -> Iterator[None]:
+        """Hold the units of ``items`` (modules or parameters of the model) gathered for the
+        block, on the model thread under a pass: for code that reads parameters without
+        calling their module.
+
+        In a forward, a unit not in use is entered as its module's hooks enter it (in the
+        pass's order) and finished at the end of the block; saved views of it are gathered
+        again in backward, where its gradients are reduce-scattered as the unit's. In a
+        backward (a checkpointed block recomputed) the units are entered as the backward
+        enters a unit and stay until their gradients are complete.
+
+        Raises:
+            InputError: for an item that is not a module or parameter of the model.
+            StateError: outside ``manager.forward`` / ``manager.backward`` (or on the loop).
+        """
+        units: list[str] = []
+        for item in items:
+            params = list(item.parameters()) if isinstance(item, nn.Module) else [item]
+            for param in params:
+                unit = self._param_unit.get(id(param))
+                if unit is None:
+                    raise InputError(
+                        "manager.gathered takes modules and parameters of the manager's model, "
+                        f"got a {type(item).__name__} that is not one"
+                    )
+                if unit not in units:
+                    units.append(unit)
+        p = self._current
+        entered: list[str] = []
+        for unit in units:
+            in_use = self._prefetch.is_in_use(unit) and self._gatherer.is_gathered(unit)
+            if p is None or p.phase is Phase.BACKWARD or not in_use:
+                self._call(self._enter(unit))  # StateError outside a pass
+                entered.append(unit)
+        yield  # a failure in the block fails the pass: it releases everything
+        if p is not None and p.phase is not Phase.BACKWARD:
+            for unit in reversed(entered):
+                self._call(self._exit(unit))
+
+    def _released_reads(self) -> ReleasedReadCheck:
+        """The check of a pass's reads of released parameters (see [Note: released reads])."""
+        return ReleasedReadCheck(
+            names=self._param_names, units=self._param_unit, is_gathered=self._gatherer.is_gathered
+        )
+
     def _pack(self, t: torch.Tensor) -> object:
         if t.layout == torch.strided and not t.is_meta and t.device == self._gatherer.device:
             found = self._storages.get(t.untyped_storage().data_ptr())
@@ -709,7 +800,10 @@ class ModuleRunner:
         p = self._current
         if saved.layer == self._root and p is not None and p.phase is Phase.BACKWARD:
             p.result.root_views -= 1
-        if not self._gatherer.is_gathered(saved.layer):
+        # A unit whose outputs carry no gradient (a head read by a tiled loss, or inside
+        # ``gathered``) enters the backward when its saved weight is unpacked.
+        entering = p is not None and p.phase is Phase.BACKWARD and saved.layer not in p.where
+        if entering or not self._gatherer.is_gathered(saved.layer):
             self._call(self._enter(saved.layer))
         return saved.view(self._gatherer.gathered_buffer(saved.layer, saved.part))
 

@@ -14,7 +14,9 @@ flat gradient is cast into its slot's bf16 buffer, that is reduce-scattered
 sum divided by the world size, in bf16), and the shard widened to fp32. In a
 token-weighted backward the flat gradient is multiplied by ``tokens *
 world_size`` before it is sent (see [Note: token-weighted gradients] in
-``gradient.store``).
+``gradient.store``). With sequence parallelism it is multiplied by
+``sequence_parallel_size`` too: the ranks of a sequence hold parts of its gradient,
+which add (see [Note: sequence parallelism] in ``zero3_offload.sequence``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class GradientReducer:
         timeline: where reduce-scatters and waits are recorded.
         lender: lends the receive buffers of reduce-scatters by exchange (the gather
             pool; see [Note: reduce-scatter by exchange]); None: fresh buffers.
+        sequence_parallel_size: ranks that share each sequence (their gradients add).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class GradientReducer:
         buffers: GradientBuffers,
         timeline: Timeline,
         lender: BufferLender | None = None,
+        sequence_parallel_size: int = 1,
     ) -> None:
         self._layouts = layouts
         self._lender = lender
@@ -92,6 +96,7 @@ class GradientReducer:
         # layer -> bytes of its reduced shard of this pass, until it is committed
         self._uncommitted: dict[str, int] = {}
         self._weight: float | None = None  # this pass's gradient weight (token-weighted)
+        self._sequence_parallel = sequence_parallel_size
 
     def has_gradients(self, layer: str) -> bool:
         """Whether ``layer`` has trainable parameters (a layer with none launches no
@@ -120,11 +125,15 @@ class GradientReducer:
         With ``tokens`` (this rank's valid tokens of a token-weighted pass) every
         gradient of the pass is multiplied by ``tokens * world_size`` before it is
         reduced, zeroed for 0 tokens (see [Note: token-weighted gradients] in
-        ``gradient.store``).
+        ``gradient.store``); with sequence parallelism by ``sequence_parallel_size`` too.
         """
         self._buffers.untake_all()
         self._uncommitted.clear()
-        self._weight = None if tokens is None else float(tokens * self._comm.world_size)
+        size = self._sequence_parallel
+        if tokens is None:
+            self._weight = None if size == 1 else float(size)
+        else:
+            self._weight = float(tokens * self._comm.world_size * size)
 
     async def prepare(
         self,

@@ -179,7 +179,8 @@ def _resumed_config(
                 f"{latest.parent / latest.read_text().strip()}, or give another --out"
             )
         return zero3
-    zero3, note = saved.resume_config(RunRecord.of(opts, zero3, world), zero3, out)
+    now = RunRecord.of(opts, zero3, world // zero3.sequence_parallel_size)  # data-parallel ranks
+    zero3, note = saved.resume_config(now, zero3, out)
     if note is not None and os.environ.get("RANK", "0") == "0":
         print(note, file=sys.stderr)
     return zero3
@@ -216,7 +217,8 @@ def launch(resolved: Resolved) -> int:
         zero3 = _resumed_config(opts, zero3, world, latest)
         opts = attrs.evolve(opts, resume=True)
     elif opts.out and os.environ.get("RANK", "0") == "0":
-        RunRecord.of(opts, zero3, world).save(Path(opts.out))  # a new run: what it is
+        data_world = world // zero3.sequence_parallel_size  # a sequence group is one data rank
+        RunRecord.of(opts, zero3, data_world).save(Path(opts.out))  # a new run: what it is
     if opts.model is not None:
         hf.check_model_dir(opts.model, seq_len=opts.seq_len)
     check_data(opts)

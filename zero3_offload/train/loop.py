@@ -171,6 +171,11 @@ class _Trainer:
         self.hf = run.train.model is not None  # module mode: the model computes the loss
         self.names = list(manager.layer_names)
         self.comm = manager.engine.comm  # its heartbeat and divergence check cover the loss too
+        # With sequence parallelism the S ranks of a group share each batch (the manager
+        # cuts its sequences): batches are dealt to the groups, the data-parallel ranks.
+        self.sequence = run.zero3.sequence_parallel_size
+        self.data_rank = ctx.rank // self.sequence
+        self.data_world = ctx.world_size // self.sequence
         opts = self.opts
         self.sft: SftSteps | None = None  # examples rather than a text stream
         self._corpus: ByteCorpus | None = None
@@ -195,7 +200,7 @@ class _Trainer:
             bar=run.bar,
             total=opts.steps,
             log_every=opts.log_every,
-            tokens_per_step=accum * opts.batch_size * opts.seq_len * ctx.world_size,
+            tokens_per_step=accum * opts.batch_size * opts.seq_len * self.data_world,
         )
 
     @property
@@ -228,8 +233,8 @@ class _Trainer:
         return SftSteps(
             data,
             manager,
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
+            rank=self.data_rank,
+            world_size=self.data_world,
             batch_size=opts.batch_size,
             accumulation=self.run.zero3.gradient_accumulation_steps,
             eval_batches=opts.eval_batches,
@@ -239,7 +244,7 @@ class _Trainer:
         opts = self.opts
         # The step's global batch is laid out micro-step by micro-step, rank by rank: the
         # same sequences whatever the world size (see train.run_record).
-        first = (micro * self.ctx.world_size + self.ctx.rank) * opts.batch_size
+        first = (micro * self.data_world + self.data_rank) * opts.batch_size
         return self.corpus.batch(
             split=split,
             seed=opts.seed,
@@ -255,10 +260,11 @@ class _Trainer:
         return loss, logits
 
     async def sums(self, *values: float) -> list[float]:
-        """``values`` summed over ranks (a collective)."""
+        """``values`` summed over the data-parallel ranks (a collective; the ranks of a
+        sequence group report the same values)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
         await self.comm.all_reduce_sum(t, what="the reported losses")
-        return t.tolist()
+        return [v / self.sequence for v in t.tolist()]
 
     async def mean(self, *values: float) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
@@ -549,6 +555,11 @@ def _hf_banner(trainer: _Trainer, directory: str) -> None:
         f"from {start}, on {ctx.world_size} rank(s) ({backend}, {trainer.manager.device}); each "
         f"rank holds 1/{ctx.world_size} of the parameters, gradients and optimizer state"
     )
+    if trainer.sequence > 1:
+        rep.line(
+            f"sequence parallel: each sequence split over {trainer.sequence} ranks, "
+            f"{trainer.data_world} data-parallel group(s) (batch sizes below are per group)"
+        )
     if trainable < count:
         adapters = f"LoRA {opts.lora.describe()}; " if opts.lora is not None else ""
         rep.line(f"trainable: {trainable / 1e6:.4f}M parameters ({adapters}the rest frozen)")

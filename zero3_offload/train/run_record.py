@@ -69,6 +69,7 @@ MAY_DIFFER = frozenset(
         "param_persistence_threshold",
         "activation_checkpointing",
         "selective_checkpointing_units",
+        "sequence_parallel_size",  # the record counts data-parallel ranks (world / S)
         "speculative_step",
         "keep_gathered_for_backward",
         "keep_gathered_bytes",
@@ -92,7 +93,8 @@ def _json(value: Any) -> Any:
 
 @attrs.frozen
 class RunRecord:
-    """The options of a run by name (JSON values) and the ranks it ran on."""
+    """The options of a run by name (JSON values) and the data-parallel ranks it ran on
+    (the world's ranks over ``sequence_parallel_size``)."""
 
     options: dict[str, Any]
     world_size: int

@@ -177,6 +177,22 @@ def resolve_device(values: dict[str, Any], origins: dict[str, str], env: Mapping
         values["device"] = "cuda"
 
 
+def _check_sequence_parallel(
+    train: TrainOptions, zero3: Zero3CpuOffloadConfig, origins: Mapping[str, str]
+) -> None:
+    """``sequence_parallel_size`` needs a transformers model and divides the ranks."""
+    size = zero3.sequence_parallel_size
+    problem = None
+    if size > 1 and train.model is None:
+        problem = "needs model=DIR: it splits the sequences of a transformers model"
+    elif train.world_size % size:
+        problem = f"must divide world_size={train.world_size}"
+    if problem is not None:
+        raise OptionError(
+            explain(ConfigError(f"sequence_parallel_size={size} is invalid: {problem}"), origins)
+        )
+
+
 def resolve(
     flags: Mapping[str, Any],
     *,
@@ -245,4 +261,5 @@ def resolve(
         zero3 = Zero3CpuOffloadConfig.from_dict(sections["zero3"])
     except ConfigError as exc:
         raise OptionError(explain(exc, origins)) from None
+    _check_sequence_parallel(train, zero3, origins)
     return Resolved(train=train, zero3=zero3, origins=origins, notes=notes, unsupported=unsupported)
