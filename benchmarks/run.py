@@ -15,7 +15,8 @@ from pathlib import Path
 from harness.render import RESULTS_DIR, machine_info, markdown, write
 from harness.runner import progress
 
-NAMES = "optimizer compression overlap consolidate peers hf_peers scaling pretrained_load soak wire long_context"
+NAMES = "optimizer compression overlap consolidate peers hf_peers scaling pretrained_load soak wire"
+NAMES += " long_context"
 SUITES = {n.replace("_", "-"): importlib.import_module(f"suites.{n}") for n in NAMES.split()}
 SUITES["nvme"] = importlib.import_module("suites.nvme")
 COMMON = {  # every suite's; and those a suite names in its TAKES

@@ -58,7 +58,7 @@ EXPECTED_DEFAULTS = {
     "activation_read_ahead_bytes": 0,
     "mlp_chunk_tokens": 0,
     "sequence_parallel_size": 1,
-    "loss_chunk_tokens": 1024,
+    "loss_chunk_tokens": 256,
     "speculative_step": False,
     "keep_gathered_for_backward": True,
     "keep_gathered_bytes": 0,

@@ -312,7 +312,7 @@ EXACT2: dict[str, Spec] = {
     "model-ckpt": Spec(attn="eager", model_ckpt=True),
     "lora": Spec(kind="lora"),
     # The slice's loss tiled in chunks of 3 positions (a ragged last one), and the model's
-    # own loss from the slice's full logits (the default 1024 tiles a slice in one chunk).
+    # own loss from the slice's full logits (the default 256 tiles a slice in one chunk).
     "tiled-chunks": Spec(config=(("loss_chunk_tokens", 3),)),
     "own-loss": Spec(config=(("loss_chunk_tokens", 0),)),
     # One key/value head for 4 query heads: each rank gets a copy of it.

@@ -825,7 +825,7 @@ class Zero3CpuOffloadConfig:
     divide the world size and the attention heads, and divide the key/value heads or be
     a multiple of them (each one is then replicated). Parameters stay partitioned over
     all ranks. See docs/long_context.md."""
-    loss_chunk_tokens: int = int_field(1024, 0, "tokens; 0 = the model's own loss")
+    loss_chunk_tokens: int = int_field(256, 0, "tokens; 0 = the model's own loss")
     """Module mode: a forward given ``labels=`` computes a transformers causal LM's loss in
     chunks of this many tokens (head, logit transform, cross-entropy per chunk), so the full
     logits (tokens x vocabulary, fp32) are never held; its backward recomputes each chunk's

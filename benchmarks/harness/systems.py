@@ -26,7 +26,7 @@ class System(NamedTuple):
     kind: str  # a key of SYSTEMS
     world: int
     options: dict[str, Any]
-    dims: dict[str, Any] = {}  # what it trains differently from the size's (its global batch)
+    dims: dict[str, Any] = {}  # noqa: RUF012  # what differs from the size's (its global batch)
 
 
 def storage_bytes(tensors: Iterable[Any]) -> int:
@@ -164,7 +164,8 @@ class DeepSpeed(Torch):
 
 class Alst(DeepSpeed):
     """DeepSpeed ZeRO-3 offload with ALST's single-device pieces from its installed version:
-    ``TiledMLP`` (every LlamaMLP over ``tile`` tokens at a time) and ``TiledFusedLogitsLoss``."""
+    ``TiledMLP`` (every LlamaMLP over ``tile`` tokens at a time) and ``TiledFusedLogitsLoss``
+    (``loss_tile`` tokens at a time)."""
 
     async def setup(self, model: torch.nn.Module) -> None:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
@@ -194,7 +195,7 @@ class Alst(DeepSpeed):
             logits = model.lm_head(h).float()
             return torch.nn.functional.cross_entropy(logits, t.view(-1), reduction="sum")
 
-        shards, head = -(-x.shape[1] // self.options["tile"]), [self.model.lm_head.weight]
+        shards, head = -(-x.shape[1] // self.options["loss_tile"]), [self.model.lm_head.weight]
         loss = TiledFusedLogitsLoss.apply(chunk, self.model, hidden, labels, None, shards, head,
                                           "sum")  # fmt: skip
         return loss / (labels != -100).sum()

@@ -1,8 +1,8 @@
-"""Long sequences: peak RSS per rank and tokens/s against the sequence length, one sequence per
-data-parallel rank; plain torch, FSDP2, DeepSpeed ZeRO-3 and ours at S = 1 and S = 2.
+"""Long sequences: peak RSS per rank and tokens/s against the sequence length (one sequence per
+data-parallel rank); plain torch, FSDP2, DeepSpeed ZeRO-3 (and ALST's pieces), ours at S=1, 2.
 
-Lengths double from the first; past --compare-seq only the systems still under --limit-mib go
-on, up to --max-seq. The longest length under the limit is reported per system."""
+Lengths double from the model's first; past --compare-seq only the systems still under
+--limit-mib go on, up to --max-seq; the longest length under the limit is reported."""
 
 from __future__ import annotations
 
@@ -14,32 +14,30 @@ from harness import train
 from harness.render import MIB, Col
 from harness.systems import System
 
-WORLD = 2
-MODELS = {  # name: dims; the issue's model and the ~300M Llama of hf-peers
-    "small": dict(model="llama", d=256, ffn=688, n_layers=4, heads=4, kv_heads=2, vocab=32000),
-    "llama300m": dict(model="llama", d=1024, ffn=2816, n_layers=20, heads=16, kv_heads=8,
-                      vocab=32000),
-    "quick": dict(model="llama", d=64, ffn=176, n_layers=2, heads=4, kv_heads=2, vocab=4096),
+W, LLAMA = 2, {"model": "llama", "vocab": 32000}
+MODELS = {  # name: dims, first length; the issue's model and hf-peers' ~300M Llama
+    "small": ({**LLAMA, "d": 256, "ffn": 688, "n_layers": 4, "heads": 4, "kv_heads": 2}, 1024),
+    "llama300m": ({**LLAMA, "d": 1024, "ffn": 2816, "n_layers": 20, "heads": 16, "kv_heads": 8},
+                  2048),
+    "quick": ({**LLAMA, "vocab": 4096, "d": 64, "ffn": 176, "n_layers": 2, "heads": 4,
+               "kv_heads": 2}, 128),
 }  # fmt: skip
-FIRST = {"small": 1024, "llama300m": 2048, "quick": 128}
-AC = {"activation_checkpointing": True}
-NO_TILES = {**AC, "loss_chunk_tokens": 0}  # the model's own loss, full logits
-TILED = {**AC, "mlp_chunk_tokens": 1024}  # and the tiled loss (on by default)
+AC, FSDP = {"activation_checkpointing": True}, {"wrap": "decoder_layers"}
+TILED = {**AC, "mlp_chunk_tokens": 1024}  # and the tiled loss (256 tokens), on by default
 ONE, TWO = {"global_batch": 1}, {"global_batch": 2}  # one sequence per data-parallel rank
 SYSTEMS = {
     "torch": System("plain torch (1 process)", "torch", 1, {}, ONE),
     "torch_ac": System("plain torch + AC", "torch", 1, {"checkpoint": True}, ONE),
-    "fsdp2": System("FSDP2", "fsdp2", WORLD, {"wrap": "decoder_layers"}, TWO),
-    "fsdp2_ac": System("FSDP2 + AC", "fsdp2", WORLD, {"wrap": "decoder_layers", "checkpoint": True},
-                       TWO),
-    "deepspeed": System("DeepSpeed ZeRO-3 offload", "deepspeed", WORLD, {}, TWO),
-    "deepspeed_ac": System("DeepSpeed ZeRO-3 offload + AC", "deepspeed", WORLD,
-                           {"checkpoint": True}, TWO),
-    "deepspeed_alst": System("DeepSpeed ZeRO-3 offload + AC, ALST's TiledMLP and tiled loss",
-                             "deepspeed-alst", WORLD, {"tile": 1024}, TWO),
-    "ours_untiled": System("ours S=1, AC, untiled", "ours-module", WORLD, NO_TILES, TWO),
-    "ours_s1": System("ours S=1, AC, tiled loss and MLP", "ours-module", WORLD, TILED, TWO),
-    "ours_s2": System("ours S=2, AC, tiled loss and MLP", "ours-module", WORLD,
+    "fsdp2": System("FSDP2", "fsdp2", W, FSDP, TWO),
+    "fsdp2_ac": System("FSDP2 + AC", "fsdp2", W, {**FSDP, "checkpoint": True}, TWO),
+    "deepspeed_ac": System("DeepSpeed ZeRO-3 offload + AC", "deepspeed", W, {"checkpoint": True},
+                           TWO),
+    "deepspeed_alst": System("DeepSpeed ZeRO-3 offload + AC + ALST's TiledMLP, tiled loss",
+                             "deepspeed-alst", W, {"tile": 1024, "loss_tile": 256}, TWO),
+    "ours_untiled": System("ours S=1, AC, untiled", "ours-module", W,
+                           {**AC, "loss_chunk_tokens": 0}, TWO),
+    "ours_s1": System("ours S=1, AC, tiled loss and MLP", "ours-module", W, TILED, TWO),
+    "ours_s2": System("ours S=2, AC, tiled loss and MLP", "ours-module", W,
                       {**TILED, "sequence_parallel_size": 2}, ONE),
 }  # fmt: skip
 OPTIONS = {
@@ -47,15 +45,20 @@ OPTIONS = {
     "--systems": {"help": f"comma-separated subset of {', '.join(SYSTEMS)}"},
     "--limit-mib": {"type": float, "default": 1536.0, "help": "the per-rank peak RSS limit"},
     "--compare-seq": {"type": int, "default": 8192, "help": "every system runs up to this length"},
-    "--max-seq": {"type": int, "default": 65536, "help": "the longest length tried"},
+    "--max-seq": {"type": int, "default": 32768, "help": "the longest length tried"},
 }
 TAKES = ["seed", "timeout", "keep", "mmap_threshold"]
-DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 2, "rounds": 1, "timeout": 3600.0, "seed": 0}
+DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 1, "rounds": 1, "timeout": 3600.0, "seed": 0}
 DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
-QUICK = {"timeout": 300.0, "repeats": 1}
+QUICK = {"timeout": 300.0}
 TITLE = "Long sequences: peak RSS per rank and tokens/s against the sequence length"
-GOALS = {"s1_vs_torch": 0.3, "s2_vs_torch": 0.2, "longest_vs_torch": 16, "longest_vs_fsdp2": 8}
-GOALS["tokens_vs_untiled"] = 0.85
+GOALS = {  # name: (measured as, wanted, at least?)
+    "peak S=1 / plain torch's at the compared length": ("ours_s1/torch peak", 0.3, False),
+    "peak S=2 / plain torch's at the compared length": ("ours_s2/torch peak", 0.2, False),
+    "longest under the limit, S=2 / plain torch + AC's": ("ours_s2/torch_ac longest", 16, True),
+    "longest under the limit, S=2 / FSDP2 + AC's": ("ours_s2/fsdp2_ac longest", 8, True),
+    "tokens/s S=1 / untiled at the compared length": ("ours_s1/ours_untiled speed", 0.85, True),
+}
 
 
 def check(args: Any) -> str | None:
@@ -63,134 +66,111 @@ def check(args: Any) -> str | None:
     args.system_keys = args.systems.split(",") if args.systems else list(SYSTEMS)
     if unknown := (set(args.model_keys) - set(MODELS)) | (set(args.system_keys) - set(SYSTEMS)):
         return f"unknown models or systems {sorted(unknown)}"
-    if args.quick:
-        args.compare_seq, args.max_seq = 256, 512
-    if args.max_seq < args.compare_seq:
-        return "--max-seq must be >= --compare-seq"
-    return None
+    args.compare_seq, args.max_seq = (256, 512) if args.quick else (args.compare_seq, args.max_seq)
+    return "--max-seq must be >= --compare-seq" if args.max_seq < args.compare_seq else None
 
 
-def tokens_per_s(run: dict[str, Any], seq: int, system: System) -> float:
-    """The sequences a step trains (one per data-parallel group) x ``seq`` / the median step."""
-    groups = system.world // system.options.get("sequence_parallel_size", 1)
-    return groups * seq / train.run_median(run)
+def figures(run: dict[str, Any], seq: int, system: System) -> dict[str, Any]:
+    """A run's peak (the largest rank's), losses and tokens/s (a sequence per group)."""
+    if not run["ok"]:
+        return {"error": run["error"]}
+    groups, step = system.world // system.options.get("sequence_parallel_size", 1), 0.0
+    step = train.run_median(run)
+    peak = max(rk["peak_rss_bytes"] for rk in run["ranks"])
+    return {"peak": peak, "losses": train.global_losses(run), "speed": groups * seq / step}
 
 
 def sweep(args: Any, model: str) -> dict[str, Any]:
-    """Every chosen system at lengths doubling from the model's first; past the compared length
-    only those under the limit; per length the runs' figures, per system its longest fit."""
-    systems = {k: SYSTEMS[k] for k in args.system_keys}
-    if importlib.util.find_spec("deepspeed") is None:
-        systems = {k: s for k, s in systems.items() if not s.kind.startswith("deepspeed")}
-    limit, lengths, fits = args.limit_mib * MIB, {}, {k: None for k in systems}
-    seq, live = FIRST[model], dict(systems)
+    """The chosen systems at lengths doubling from the model's first (see the docstring)."""
+    live = {k: SYSTEMS[k] for k in args.system_keys}
+    if importlib.util.find_spec("deepspeed") is None:  # an optional extra
+        live = {k: s for k, s in live.items() if not s.kind.startswith("deepspeed")}
+    dims, seq = MODELS[model]
+    limit, lengths, longest = args.limit_mib * MIB, {}, dict.fromkeys(live)
     while live and seq <= args.max_seq:
-        dims = {**MODELS[model], "seq": seq, "global_batch": 1}
-        size = {**dims, "warmup": args.warmup, "timed_steps": args.repeats}
-        threads = {k: args.threads for k in live}
-        runs = train.train_runs(args, live, {str(seq): size}, threads)
-        rows = {}
-        for run in runs:
-            key, system = run["key"], live[run["key"]]
-            if not run["ok"]:
-                rows[key] = {"label": system.label, "error": run["error"]}
-                continue
-            peak = max(rk["peak_rss_bytes"] for rk in run["ranks"])
-            losses = train.global_losses(run)
-            rows[key] = {"label": system.label, "peak_rss_bytes": peak, "losses": losses}
-            rows[key].update(tokens_per_s=tokens_per_s(run, seq, system))
-            rows[key]["median_step_s"] = train.run_median(run)
-            if peak <= limit:
-                fits[key] = seq
-        lengths[str(seq)] = rows
-        over = {k for k, r in rows.items() if r.get("peak_rss_bytes", limit + 1) > limit}
-        live = {k: s for k, s in live.items() if seq < args.compare_seq or k not in over}
+        size = {**dims, "seq": seq, "global_batch": 1, "warmup": args.warmup}
+        runs = train.train_runs(args, live, {str(seq): {**size, "timed_steps": args.repeats}},
+                                dict.fromkeys(live, args.threads))  # fmt: skip
+        rows = lengths[str(seq)] = {r["key"]: figures(r, seq, live[r["key"]]) for r in runs}
+        for key, row in rows.items():  # the first step's loss against the same data's
+            ref = rows.get("torch" if SYSTEMS[key].dims is ONE else "fsdp2", {})
+            if "losses" in row and "losses" in ref:
+                row["loss_diff"] = abs(row["losses"][0] - ref["losses"][0])
+            if (base := rows.get("torch", {}).get("peak")) and "peak" in row and key != "torch":
+                row["vs_torch"] = row["peak"] / base
+        fits = {k for k, r in rows.items() if r.get("peak", limit + 1) <= limit}
+        longest.update(dict.fromkeys(fits, seq))
+        live = {k: s for k, s in live.items() if k in fits or seq < args.compare_seq}
         seq *= 2
-    return {"lengths": lengths, "longest": fits, "dims": MODELS[model]}
+    at = lengths.get(str(args.compare_seq), {})
+    goals = {}
+    for name, (how, want, at_least) in GOALS.items():
+        pair, field = how.split()
+        a, b = pair.split("/")
+        x, y = ((longest.get(a), longest.get(b)) if field == "longest"
+                else (at.get(a, {}).get(field), at.get(b, {}).get(field)))  # fmt: skip
+        got = x / y if x and y else None
+        met = None if got is None else got >= want if at_least else got <= want
+        goals[name] = {"want": f"{'>=' if at_least else '<='} {want:g}", "got": got, "met": met}
+    return {"dims": dims, "lengths": lengths, "longest": longest, "goals": goals}
 
 
-def goals(part: dict[str, Any], compare: int) -> dict[str, Any]:
-    """The issue's goals against this part's figures (None where a system did not run)."""
-    at = part["lengths"].get(str(compare), {})
-
-    def ratio(a: str, b: str, field: str) -> float | None:
-        x, y = at.get(a, {}).get(field), at.get(b, {}).get(field)
-        return x / y if x is not None and y else None
-
-    longest = part["longest"]
-
-    def fit_ratio(a: str, b: str) -> float | None:
-        return longest[a] / longest[b] if longest.get(a) and longest.get(b) else None
-
-    got = {"s1_vs_torch": ratio("ours_s1", "torch", "peak_rss_bytes")}
-    got["s2_vs_torch"] = ratio("ours_s2", "torch", "peak_rss_bytes")
-    got["longest_vs_torch"] = fit_ratio("ours_s2", "torch_ac")
-    got["longest_vs_fsdp2"] = fit_ratio("ours_s2", "fsdp2_ac")
-    got["tokens_vs_untiled"] = ratio("ours_s1", "ours_untiled", "tokens_per_s")
-    met = {}
-    for k, v in got.items():
-        higher = k.startswith(("longest", "tokens"))
-        met[k] = None if v is None else (v >= GOALS[k] if higher else v <= GOALS[k])
-    return {"values": got, "met": met}
-
-
-def run(args: Any) -> dict[str, Any] | None:
-    started, parts = time.perf_counter(), {}
-    for model in args.model_keys:
-        parts[model] = sweep(args, model)
-        parts[model]["goals"] = goals(parts[model], args.compare_seq)
-    config = {"limit_mib": args.limit_mib, "compare_seq": args.compare_seq}
-    config.update(max_seq=args.max_seq, warmup=args.warmup, steps=args.repeats, seed=args.seed)
+def run(args: Any) -> dict[str, Any]:
+    started = time.perf_counter()
+    parts = {model: sweep(args, model) for model in args.model_keys}
+    config = {k: getattr(args, k) for k in ("limit_mib", "compare_seq", "max_seq", "warmup")}
+    config.update(steps=args.repeats, seed=args.seed, lr=train.LR)
     config["systems"] = {k: SYSTEMS[k]._asdict() for k in args.system_keys}
-    failed = [f"{m} {s} {k}" for m, p in parts.items() for s, rows in p["lengths"].items()
-              for k, r in rows.items() if "error" in r]  # fmt: skip
-    return {"config": config, "parts": parts, "failed": failed, "total_wall_s": time.perf_counter()
-            - started}  # fmt: skip
+    every = [(f"{m} {n} {k}", r) for m, p in parts.items() for n, rows in p["lengths"].items()
+             for k, r in rows.items()]  # fmt: skip
+    failed = [f"{name}: {r['error']}" for name, r in every if "error" in r]
+    return {"config": config, "parts": parts, "failed": failed,
+            "total_wall_s": time.perf_counter() - started}  # fmt: skip
+
+
+def cells(rows: dict[str, Any], show: Any) -> dict[str, str]:
+    return {k: "FAILED" if "error" in r else show(k, r) for k, r in rows.items()}
+
+
+def peak_cell(key: str, row: dict[str, Any]) -> str:
+    return f"{row['peak'] / MIB:,.0f}" + (f" ({row['vs_torch']:.2f}x)" if "vs_torch" in row else "")
 
 
 def layout(p: dict[str, Any]) -> list:
     blocks: list = []
     names = {k: s["label"] for k, s in p["config"]["systems"].items()}
+    cols = [Col("tokens", "seq"), *(Col(label, k) for k, label in names.items())]
     for model, part in p["parts"].items():
-        dims = part["dims"]
-        blocks.append(f"{model}: Llama d={dims['d']}, {dims['n_layers']} layers, {dims['heads']} "
-                      f"heads / {dims['kv_heads']} KV, MLP {dims['ffn']}, vocabulary {dims['vocab']}."
-                      " Peak RSS per rank, MiB (ratio to plain torch at the same length):")  # fmt: skip
-        cols = [Col("tokens", "seq"), *(Col(names[k], k) for k in names)]
-        peaks, speeds = [], []
+        d = part["dims"]
+        blocks.append(f"{model}: transformers Llama, d={d['d']}, {d['n_layers']} layers, "
+                      f"{d['heads']} heads / {d['kv_heads']} KV, MLP {d['ffn']}, vocabulary "
+                      f"{d['vocab']}. Peak RSS per rank, MiB (x plain torch's):")  # fmt: skip
+        peaks, speeds, losses = [], [], []
         for seq, rows in part["lengths"].items():
-            base = rows.get("torch", {}).get("peak_rss_bytes")
-            peak, speed = {"seq": f"{int(seq):,}"}, {"seq": f"{int(seq):,}"}
-            for k, r in rows.items():
-                if "error" in r:
-                    peak[k] = speed[k] = "FAILED"
-                    continue
-                x = f" ({r['peak_rss_bytes'] / base:.2f}x)" if base and k != "torch" else ""
-                peak[k] = f"{r['peak_rss_bytes'] / MIB:,.0f}{x}"
-                speed[k] = f"{r['tokens_per_s']:,.0f}"
-            peaks.append(peak)
-            speeds.append(speed)
-        blocks += [(cols, peaks), "Tokens/s (all ranks together):", (cols, speeds)]
+            n = {"seq": f"{int(seq):,}"}
+            peaks.append({**n, **cells(rows, peak_cell)})
+            speeds.append({**n, **cells(rows, lambda k, r: f"{r['speed']:,.0f}")})
+            losses.append({**n, **cells(rows, lambda k, r: f"{r.get('loss_diff', 0):.1e}")})
         fit = {k: f"{v:,}" if v else "none" for k, v in part["longest"].items()}
-        limit = f"{p['config']['limit_mib']:,.0f}"
-        blocks += [f"The longest sequence under {limit} MiB per rank:", (cols[1:], [fit])]
-        rows = []
-        for k, v in part["goals"]["values"].items():
-            met = part["goals"]["met"][k]
-            rows.append({"goal": k, "want": f"{'>=' if k[0] in 'lt' else '<='} {GOALS[k]:g}",
-                         "got": "-" if v is None else f"{v:.3g}",
-                         "met": "-" if met is None else "yes" if met else "NO"})  # fmt: skip
-        goal_cols = [Col("goal", "goal"), Col("wanted", "want"), Col("measured", "got")]
-        blocks += ["Goals:", ([*goal_cols, Col("met", "met")], rows)]
+        goals = [{"goal": g, **v, "got": "-" if v["got"] is None else f"{v['got']:.3g}",
+                  "met": {None: "-", True: "yes", False: "NO"}[v["met"]]}
+                 for g, v in part["goals"].items()]  # fmt: skip
+        blocks += [(cols, peaks), "Tokens/s (all ranks together):", (cols, speeds)]
+        same = "plain torch's (global batch 1) or FSDP2's (global batch 2) on the same data:"
+        blocks += [f"The first step's loss, |difference| from {same}", (cols, losses)]
+        limit = f"The longest sequence whose peak stays under {p['config']['limit_mib']:,.0f} MiB:"
+        blocks += [limit, (cols[1:], [fit]), "Goals:"]
+        blocks.append(([Col("goal", "goal"), Col("wanted", "want"), Col("measured", "got"),
+                        Col("met", "met")], goals))  # fmt: skip
     return blocks
 
 
 NOTES = [
-    "One sequence per data-parallel rank of each step ({config[warmup]} warm-up + {config[steps]} "
-    "timed steps per run, fresh processes); S=2: both ranks train the same sequence, half each. "
-    "Peak RSS: the largest rank's VmHWM over the run (load included). AC: each decoder layer "
-    "recomputed in backward (torch: torch.utils.checkpoint; FSDP2: checkpoint_wrapper, torchtitan's "
-    "full AC; DeepSpeed: transformers' gradient checkpointing).",
-    "Lengths double; past {config[compare_seq]} tokens only the systems under {config[limit_mib]:.0f} "
-    "MiB go on, up to {config[max_seq]}. Whole benchmark {total_wall_s:.0f} s wall.",
+    "One sequence per data-parallel rank per step ({config[warmup]} warm-up + {config[steps]} "
+    "timed step(s) per run, fresh processes; S=2: the 2 ranks train one sequence, half each), "
+    "AdamW lr {config[lr]}, seed {config[seed]}. Peak RSS: the largest rank's VmHWM over the "
+    "whole run. AC: each decoder layer recomputed in backward (plain torch and FSDP2: "
+    "checkpoint_wrapper, torchtitan's full AC; DeepSpeed: transformers' gradient checkpointing).",
+    "Lengths double; past {config[compare_seq]} tokens only the systems under the limit go on, "
+    "up to {config[max_seq]}. Whole benchmark {total_wall_s:.0f} s wall.",
 ]
