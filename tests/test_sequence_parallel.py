@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +204,9 @@ def plain(spec: Spec, groups: int) -> dict[str, Any]:
 
 
 def make_config(spec: Spec) -> Zero3CpuOffloadConfig:
+    fields = dict(spec.config)
+    if "nvme" in fields.values():  # a disk tier directory of this rank's own
+        fields["nvme_path"] = tempfile.mkdtemp(prefix="zero3-sp-")
     return Zero3CpuOffloadConfig(
         optimizer=optimizer_config(spec),
         sequence_parallel_size=spec.size,
@@ -209,7 +214,7 @@ def make_config(spec: Spec) -> Zero3CpuOffloadConfig:
         cpu_memory_budget=2**30,
         gpu_param_memory_budget=2**28,
         collective_timeout_s=120.0,
-        **dict(spec.config),
+        **fields,
     )
 
 
@@ -221,7 +226,8 @@ async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
     model = build_model(spec.kind, spec.attn, model_ckpt=spec.model_ckpt)
     groups = ctx.world_size // spec.size
     group = ctx.rank // spec.size
-    manager = Zero3CpuOffloadManager(make_config(spec), ctx.group, model)
+    config = make_config(spec)
+    manager = Zero3CpuOffloadManager(config, ctx.group, model)
     try:
         if spec.load_dir is not None:
             await manager.load_checkpoint(spec.load_dir)
@@ -241,6 +247,8 @@ async def train_sp(ctx: RankContext, spec: Spec) -> dict[str, Any]:
         attention = manager.model.config._attn_implementation  # type: ignore[union-attr]
     finally:
         await manager.close()
+        if config.nvme_path is not None:
+            shutil.rmtree(config.nvme_path)
     restored = model.config._attn_implementation  # type: ignore[union-attr]
     return {
         "losses": losses,
@@ -315,6 +323,18 @@ EXACT2: dict[str, Spec] = {
     # own loss from the slice's full logits (the default 256 tiles a slice in one chunk).
     "tiled-chunks": Spec(config=(("loss_chunk_tokens", 3),)),
     "own-loss": Spec(config=(("loss_chunk_tokens", 0),)),
+    # LoRA (a frozen base) with every long-sequence option and the disk tiers: the tiled
+    # MLP, checkpointed inputs, compute copies and optimizer state on disk.
+    "lora-offloaded": Spec(
+        kind="lora",
+        config=(
+            ("activation_checkpointing", True),
+            ("mlp_chunk_tokens", 3),
+            ("offload_activations", "nvme"),
+            ("offload_param_device", "nvme"),
+            ("offload_optimizer_device", "nvme"),
+        ),
+    ),
     # One key/value head for 4 query heads: each rank gets a copy of it.
     "kv1-eager": Spec(kind="kv1", attn="eager"),
     "kv1-sdpa": Spec(kind="kv1", attn="sdpa"),
