@@ -18,6 +18,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero3_offload import OptimizerConfig, Zero3CpuOffloadConfig, Zero3CpuOffloadManager
 from zero3_offload.errors import StateError
@@ -501,3 +502,18 @@ async def eval_probe(ctx: RankContext, spec: TrainSpec) -> dict[str, Any]:
         "losses": losses,
         "state": state if ctx.rank == 0 else None,
     }
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op returns (of those ``counts`` keeps)."""
+
+    def __init__(self, counts: Callable[[torch.Tensor], bool] = lambda t: True) -> None:
+        super().__init__()
+        self.counts, self.largest = counts, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and self.counts(t):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -29,7 +29,7 @@ pytest.importorskip("peft")
 import peft
 import torch
 import torch.nn.functional as F
-from helpers import run_named
+from helpers import LargestTensor, run_named
 from hf_models import TINY_DECODER, enable_model_checkpointing, guarded, max_diff, unwrap
 from torch import nn
 from transformers import (
@@ -491,6 +491,17 @@ def test_bf16_compute_trains_close_to_fp32(runs2: dict[str, list[Any]]) -> None:
         expected = [losses[0] for losses in ref["losses"]]
         assert max(abs(a - b) for a, b in zip(result["losses"], expected, strict=True)) < 2e-3
         assert max_diff(result["state"], ref["state"]) < 1e-2
+
+
+def test_a_plain_causal_sequence_builds_no_whole_sequence_mask() -> None:
+    # sdpa without a window, padding or packed rows takes is_causal: no [T, T] tensor is
+    # made, not even to find that out (at 32k tokens one would be 1 GiB).
+    from zero3_offload.sequence import full_sequence_mask
+
+    length = 4096
+    with LargestTensor() as mode:
+        assert full_sequence_mask(torch.arange(length)[None], None, None, None) is None
+    assert mode.largest < length * 16
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -20,10 +20,9 @@ pytest.importorskip("peft")
 
 import torch
 import torch.nn.functional as F
-from helpers import run_named
+from helpers import LargestTensor, run_named
 from hf_models import TINY_DECODER, guarded, unwrap
 from tiled_ranks import CHUNK, ROWS, SEQ, Spec, plain_train, train
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     CohereConfig,
     CohereForCausalLM,
@@ -245,30 +244,15 @@ def test_tiled_loss_refuses_mismatched_labels() -> None:
         tiled_causal_lm_loss(hidden, weight, labels, reduction="none")
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the most elements of any tensor an op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_the_tiled_loss_never_makes_a_full_logits_tensor() -> None:
     tokens, vocab, d = 96, 400, 8  # full logits: 38,400 elements; the weight: 3,200
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, tokens, d, generator=g, requires_grad=True)
     weight = torch.randn(vocab, d, generator=g, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
-    with _LargestTensor() as tiled:
+    with LargestTensor() as tiled:
         tiled_causal_lm_loss(hidden, weight, labels, chunk_tokens=16).backward()
-    with _LargestTensor() as own:  # the control: the model's own loss makes them
+    with LargestTensor() as own:  # the control: the model's own loss makes them
         ForCausalLMLoss(F.linear(hidden, weight), labels, vocab_size=vocab).backward()
     assert own.largest >= tokens * vocab
     assert tiled.largest <= 16 * vocab

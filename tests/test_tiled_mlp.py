@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from helpers import run_named
+from helpers import LargestTensor, run_named
 from hf_models import (
     ACC,
     LR,
@@ -29,7 +29,6 @@ from hf_models import (
     vocab_size,
 )
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -149,25 +148,6 @@ def test_tiled_mlp_trains_like_plain_transformers(runs2: dict[str, list[Any]], n
 # ------------------------------------------------------------- single process
 
 
-class _Largest(TorchDispatchMode):
-    """Records the largest number of elements of any op's output of width ``width`` (the
-    MLP's intermediate size) that is not shaped as a weight (``weights``: their shapes,
-    for their gradients)."""
-
-    def __init__(self, width: int, weights: set[tuple[int, ...]]) -> None:
-        super().__init__()
-        self.width, self.weights, self.largest = width, weights, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) in self.weights:
-                continue
-            if t.dim() and t.shape[-1] == self.width:
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def _largest_intermediate(chunk: int, tokens: int) -> tuple[int, int, torch.Tensor]:
     """Forward and backward of one decoder layer over ``tokens`` tokens, tiled by ``chunk``
     (0: untiled): the largest intermediate-width tensor, the width, the input's gradient."""
@@ -178,7 +158,10 @@ def _largest_intermediate(chunk: int, tokens: int) -> tuple[int, int, torch.Tens
         TiledMlp(chunk, {"layer": layer})
     x = torch.randn(1, tokens, 16, requires_grad=True)
     weights = {s for p in layer.parameters() for s in (tuple(p.shape), tuple(p.shape[::-1]))}
-    mode = _Largest(config.intermediate_size, weights)
+    width = config.intermediate_size  # of the intermediates, not shaped as a weight
+    mode = LargestTensor(
+        lambda t: tuple(t.shape) not in weights and t.dim() > 0 and t.shape[-1] == width
+    )
     with mode:
         y = layer.mlp(x)
         y.square().sum().backward()

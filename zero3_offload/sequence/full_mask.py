@@ -33,23 +33,27 @@ def full_sequence_mask(
             ``is_causal``).
     """
     batch, length = position_ids.shape
+    segments = None
+    if padding is None:  # packed rows: where the positions do not go up by one
+        first = position_ids[:, :1] - 1
+        segments = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+        if not bool((segments[:, -1] != 0).any()):
+            segments = None
+    keys = None if padding is None else padding.to(device=position_ids.device, dtype=torch.bool)
+    windowed = sliding_window is not None and length >= sliding_window
+    plain = not windowed and segments is None and (keys is None or bool(keys.all()))
+    if dtype is None and plain:
+        return None  # decided before any [T, T] tensor exists: none at long T
     idx = torch.arange(length, device=position_ids.device)
     allowed = idx[None, :] <= idx[:, None]
-    plain = sliding_window is None or length < sliding_window
     if sliding_window is not None:
         allowed = allowed & (idx[None, :] > idx[:, None] - sliding_window)
     allowed = allowed[None, None].expand(batch, 1, length, length)
-    if padding is not None:
-        keys = padding.to(device=position_ids.device, dtype=torch.bool)
+    if keys is not None:
         allowed = allowed & keys[:, None, None, :]
-        plain = plain and bool(keys.all())
-    else:
-        first = position_ids[:, :1] - 1
-        segments = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-        if bool((segments[:, -1] != 0).any()):
-            allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
-            plain = False
+    if segments is not None:
+        allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
     if dtype is None:
-        return None if plain else allowed
+        return allowed
     zero = torch.zeros((), device=allowed.device, dtype=dtype)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
