@@ -54,6 +54,7 @@ LONGEST_FIRST = (
     "test_examples.py",  # 56
     "test_pytest_plugin.py",  # 55
     "test_frozen.py",  # 43
+    "test_sequence_parallel.py",  # 41
     "test_module_mode.py",  # 37
     "test_train_hf.py",  # 35
     "test_train_lora.py",  # 33
@@ -63,6 +64,7 @@ LONGEST_FIRST = (
     "test_optimizers.py",  # 25
     "test_fuzz.py",  # 24
     "test_clean_exit.py",  # 21
+    "test_tiled_loss.py",  # 20
 )
 
 

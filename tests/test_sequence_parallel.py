@@ -303,11 +303,11 @@ async def misuse(ctx: RankContext) -> dict[str, Any]:
 
 
 EXACT2: dict[str, Spec] = {
-    "llama-eager": Spec(kind="llama", attn="eager"),
+    # Each family once; eager attention (its additive mask) with Mistral's window, packed
+    # rows and a replicated key/value head below.
     "llama-sdpa": Spec(kind="llama", attn="sdpa"),
     "mistral-eager": Spec(kind="mistral", attn="eager"),
     "mistral-sdpa": Spec(kind="mistral", attn="sdpa"),
-    "qwen2-eager": Spec(kind="qwen2", attn="eager"),
     "qwen2-sdpa": Spec(kind="qwen2", attn="sdpa"),
     "packed-sdpa": Spec(kind="llama", attn="sdpa", packed=True),
     "packed-eager": Spec(kind="mistral", attn="eager", packed=True),
