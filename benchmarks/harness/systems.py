@@ -131,16 +131,19 @@ class DeepSpeed(Torch):
         import deepspeed
 
         batch, cpu = self.spec["dims"]["global_batch"], {"device": "cpu"}
+        sp, mpu = self.options.get("sequence_parallel_size", 1), getattr(self, "mpu", None)
         adamw = {"lr": self.spec["lr"], "eps": EPS, "betas": list(BETAS)}
-        adamw["weight_decay"], micro = self.spec["weight_decay"], batch // self.rank.world
+        adamw["weight_decay"], micro = self.spec["weight_decay"], batch * sp // self.rank.world
         config = {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro}
         config["optimizer"] = {"type": "AdamW", "params": adamw}
         config["zero_optimization"] = {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}
         config.update(gradient_accumulation_steps=1, gradient_clipping=0.0, steps_per_print=10**9)
+        config.update({"sequence_parallel_size": sp} if sp > 1 else {})
         if self.options.get("checkpoint"):  # transformers' own, as DeepSpeed's users enable it
             model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model, params = model, [p for p in model.parameters() if p.requires_grad]
-        self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params)
+        self.engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=params,
+                                               mpu=mpu)  # fmt: skip
 
     async def step(self, x: torch.Tensor, y: torch.Tensor, clock: Any) -> torch.Tensor:
         loss = await self.forward_loss(self.engine, x, y, clock)
@@ -184,21 +187,55 @@ class Alst(DeepSpeed):
         await super().setup(model)
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
-
         clock.phase("forward")
         hidden = self.model.model(input_ids=x).last_hidden_state
         clock.phase("loss")
         labels = torch.nn.functional.pad(x[:, 1:], (0, 1), value=-100)  # shifted, as HF's loss
+        return self.loss_sum(hidden, labels) / (labels != -100).sum()
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of ``hidden``'s rows, ``loss_tile`` tokens at a time."""
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
         def chunk(model: torch.nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             logits = model.lm_head(h).float()
             return torch.nn.functional.cross_entropy(logits, t.view(-1), reduction="sum")
 
-        shards, head = -(-x.shape[1] // self.options["loss_tile"]), [self.model.lm_head.weight]
-        loss = TiledFusedLogitsLoss.apply(chunk, self.model, hidden, labels, None, shards, head,
+        shards, head = -(-hidden.shape[1] // self.options["loss_tile"]), [self.model.lm_head.weight]
+        return TiledFusedLogitsLoss.apply(chunk, self.model, hidden, labels, None, shards, head,
                                           "sum")  # fmt: skip
-        return loss / (labels != -100).sum()
+
+
+class Ulysses(Alst):
+    """ALST whole, as its installed version runs it on gloo: Ulysses sequence parallelism
+    (``UlyssesSPAttentionHF`` over sdpa; groups of ``sequence_parallel_size`` ranks, every rank
+    of a group given the group's sequence) with TiledMLP and the tiled loss. Each rank runs its
+    slice; the loss is the group's summed slices over the sequence's label count."""
+
+    async def setup(self, model: torch.nn.Module) -> None:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        sp = self.options["sequence_parallel_size"]
+        self.mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
+        await super().setup(model)
+
+    async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_gather
+
+        clock.phase("forward")
+        sp, rank = (
+            self.mpu.get_sequence_parallel_world_size(),
+            self.mpu.get_sequence_parallel_rank(),
+        )
+        mine = slice(rank * x.shape[1] // sp, (rank + 1) * x.shape[1] // sp)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)[:, mine]
+        hidden = self.model.model(input_ids=x[:, mine], position_ids=positions).last_hidden_state
+        clock.phase("loss")
+        labels = torch.nn.functional.pad(x[:, 1:], (0, 1), value=-100)  # shifted before the cut
+        sums = all_gather(
+            self.loss_sum(hidden, labels[:, mine]), self.mpu.get_sequence_parallel_group()
+        )
+        return sum(sums) / (labels != -100).sum()
 
 
 class Split(Torch):
@@ -296,5 +333,5 @@ class OursModule(Ours):
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
-SYSTEMS["deepspeed-alst"] = Alst
+SYSTEMS.update({"deepspeed-alst": Alst, "deepspeed-ulysses": Ulysses})
 SYSTEMS.update({"split": Split, "ours-module": OursModule})
