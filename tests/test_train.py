@@ -456,6 +456,7 @@ def fault_rank_1(run: Path, fault: signal.Signals, at_step: int, *extra: str) ->
     return printed[0], committed
 
 
+@pytest.mark.faults  # with the fault profile: its table stops and kills ranks too
 @pytest.mark.slow
 def test_a_stopped_or_killed_rank_is_named_in_one_line_and_resume_works(tmp_path: Path) -> None:
     """Rank 1 is stopped (SIGSTOP) at step 3; the run resumed from the last committed

@@ -10,6 +10,9 @@ rank fails, its agent restarts it, the c10d rendezvous forms again with one node
 the rank resumes the run of 2 ranks from its last committed checkpoint with gradient
 accumulation 2: the same sequences per step, so within 1e-5 of the uninterrupted 2-rank
 run (only the order of the sums differs).
+
+The three torchrun jobs run with the fault profile (``-m faults``), whose table has the
+same three rows; the refusals run in every suite.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tr.reference(tmp_path_factory.mktemp("reference"))
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_torchrun_max_restarts_survives_kill_9_of_a_rank_bitwise(
     reference: Path, tmp_path: Path
@@ -45,6 +49,7 @@ def test_torchrun_max_restarts_survives_kill_9_of_a_rank_bitwise(
     assert tr.losses(out) == tr.losses(reference)
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_a_restart_on_fewer_ranks_keeps_the_global_batch(reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -126,6 +131,7 @@ def test_options_that_change_no_step_may_differ() -> None:
     assert record.differences(other) == ["--compute-dtype ('float32' in the run, 'bfloat16' now)"]
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_an_elastic_job_that_loses_a_node_goes_on_on_fewer_ranks(
     reference: Path, tmp_path: Path
