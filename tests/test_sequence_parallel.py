@@ -269,6 +269,10 @@ async def refusal(ctx: RankContext, spec: Spec) -> str:
     return "built"
 
 
+def _raise(module: nn.Module, args: Any) -> None:
+    raise RuntimeError("injected into rank 1's last attention")
+
+
 async def misuse(ctx: RankContext) -> dict[str, Any]:
     """Calls sequence parallelism refuses (each one's error class), then a step that must
     train like a fresh run's first."""
@@ -286,13 +290,23 @@ async def misuse(ctx: RankContext) -> dict[str, Any]:
         "generate": lambda: manager.generate(batch["input_ids"][:, :4], max_new_tokens=2),
         # each rank its own batch: found at the first attention, on every rank
         "different": lambda: manager.forward(**micro_batch(spec, 7 + ctx.rank, 1)),
+        # rank 1's model raises as its last attention starts: rank 0, waiting in that
+        # attention's all-to-all, is told by rank 1's failure report
+        "one_rank": lambda: manager.forward(**batch),
     }
     for name, call in calls.items():
+        hook = None
+        if name == "one_rank" and ctx.rank == 1:
+            hook = model.model.layers[-1].self_attn.register_forward_pre_hook(_raise)
         try:
             await call()
             out[name] = "ok"
         except Zero3Error as exc:
             out[name] = type(exc).__name__
+            out[f"{name}_message"] = str(exc)
+        finally:
+            if hook is not None:
+                hook.remove()
     result = await manager.forward(**batch)
     await manager.backward(result.loss)
     await manager.optimizer_step(LR)
@@ -481,8 +495,15 @@ def test_refused_calls_leave_the_manager_usable(runs2: dict[str, list[Any]]) -> 
         assert result["ragged_labels"] == "InputError"
         assert result["generate"] == "StateError"
         assert result["different"] == "InputError"
+        # One rank's failure in the model, reported on both; the group's collectives are
+        # completed (rank 1 launches the all-to-all rank 0 abandoned) and it trains on.
+        assert result["one_rank"] == "LayerExecutionError"
+        assert "injected into rank 1's last attention" in result["one_rank_message"]
         assert abs(result["losses"][0] - ref["losses"][0][0]) < LOSS_TOL
         assert max_diff(result["state"], ref["state"]) < PARAM_TOL
+    message = unwrap(runs2["misuse"][0])["one_rank_message"]
+    assert message.startswith("rank 1 failed in forward("), message
+    assert "this rank (0) abandoned the sequence group's all-to-all" in message, message
 
 
 def test_bf16_compute_trains_close_to_fp32(runs2: dict[str, list[Any]]) -> None:

@@ -470,14 +470,16 @@ class Heartbeat:
             self._failure = first
         return first
 
-    def meet(self, record: str, *, timeout_s: float, doing: str) -> list[str]:
-        """Every rank's ``record`` for the current epoch, in rank order, once every rank
-        has given its own (a meeting through the store, watched by the heartbeat).
+    def meet(
+        self, record: str, *, timeout_s: float, doing: str, topic: str = "recover"
+    ) -> list[str]:
+        """Every rank's ``record`` for the current epoch and ``topic``, in rank order, once
+        every rank has given its own (a meeting through the store, watched by the heartbeat).
 
         Raises:
             CommunicationError: when a rank is silent (named) or ``timeout_s`` passes.
         """
-        prefix = f"{self._key}/recover/{self.epoch}"
+        prefix = f"{self._key}/{topic}/{self.epoch}"
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
         try:

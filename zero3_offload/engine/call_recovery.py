@@ -41,6 +41,7 @@ from zero3_offload.gradient.store import GradientStore
 from zero3_offload.logging import get_logger
 from zero3_offload.optimizer_state.step_runner import StepRunner
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
+from zero3_offload.sequence.sequence_group import SequenceGroup
 from zero3_offload.stats.step_counter import StepCounter
 
 __all__ = ["CallRecovery", "CallStart"]
@@ -75,6 +76,8 @@ class CallRecovery:
         grads: the window's accumulated gradients.
         steps: the early updates of the window.
         accumulation: ``gradient_accumulation_steps``.
+        sequence: the sequence group, whose abandoned collectives are completed too
+            (see [Note: sequence group failures] in ``sequence.sequence_group``), or None.
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class CallRecovery:
         grads: GradientStore,
         steps: StepRunner,
         accumulation: int,
+        sequence: SequenceGroup | None = None,
     ) -> None:
         self._comm = comm
+        self._sequence = sequence
         self._prefetch = prefetch
         self._state = state
         self._counter = counter
@@ -109,6 +114,7 @@ class CallRecovery:
             grads=engine.grads,
             steps=engine.steps,
             accumulation=engine.config.gradient_accumulation_steps,
+            sequence=engine.sequence.group if engine.sequence is not None else None,
         )
 
     def note(self, name: str) -> CallStart:
@@ -155,6 +161,10 @@ class CallRecovery:
         state = self._state_record(start)
         try:
             states = await anyio.to_thread.run_sync(comm.recover, state)
+            if self._sequence is not None:
+                await anyio.to_thread.run_sync(
+                    self._sequence.complete_abandoned, comm.heartbeat, comm.timeout_s
+                )
         except Zero3Error as error:
             self.refused = StateError(
                 f"after {report.describe()}, the ranks could not abandon the call together "

@@ -24,6 +24,7 @@ from zero3_offload.checkpoint.full_state import FullState
 from zero3_offload.comm.collectives import Collectives
 from zero3_offload.comm.copy_streams import CopyStreams
 from zero3_offload.comm.process_group import joined_heartbeat
+from zero3_offload.comm.wait import CollectiveWait
 from zero3_offload.comm.worker_threads import WorkerThreads
 from zero3_offload.config import (
     GatherCompressionMethod,
@@ -80,6 +81,7 @@ from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.prefetch.scheduler import PrefetchScheduler
 from zero3_offload.sequence.groups import sequence_group
+from zero3_offload.sequence.sequence_group import SequenceGroup
 from zero3_offload.sequence.sequence_parallel import SequenceParallel
 from zero3_offload.stats.pass_clock import PassClock
 from zero3_offload.stats.performance import OperationStats, Zero3PerformanceStats
@@ -275,7 +277,6 @@ def build_engine(
         block_size=config.compression_block_size,
     )
     split = _split_model(model, units, mapping, frozen_codec.align)
-    sequence = _build_sequence(config, process_group, split)
     plan = plan_optimizer(
         config.optimizer,
         param_groups,
@@ -290,7 +291,9 @@ def build_engine(
     timeline = Timeline(rank=mapping.rank, counter=counter)
     comm = _build_comm(config, process_group, device, stats)
     disk = _DiskTiers()
+    sequence: SequenceParallel | None = None
     try:
+        sequence = _build_sequence(config, split, comm)
         streams = CopyStreams(device=device)
         workers = WorkerThreads(threads=config.cpu_worker_threads, timeline=timeline)
         codec = ShardCodec(
@@ -792,10 +795,11 @@ def _refuse_module_mode_only(config: Zero3CpuOffloadConfig) -> None:
 
 
 def _build_sequence(
-    config: Zero3CpuOffloadConfig, process_group: dist.ProcessGroup, split: _Model
+    config: Zero3CpuOffloadConfig, split: _Model, comm: Collectives
 ) -> SequenceParallel | None:
     """Sequence parallelism over groups of ``sequence_parallel_size`` ranks (a collective:
-    every rank makes every group), or None at size 1."""
+    every rank makes every group), or None at size 1. The group's collectives are waited
+    for by ``comm``'s rules, its heartbeat and failure reports included."""
     size = config.sequence_parallel_size
     if size == 1:
         return None
@@ -804,11 +808,21 @@ def _build_sequence(
             f"sequence_parallel_size={size} needs module mode (a transformers model run by "
             "manager.forward); a chain of layers runs whole sequences"
         )
-    group = sequence_group(process_group, size, config.collective_timeout_s)
-    try:
-        return SequenceParallel(
-            model=split.model, size=size, group=group, rank=process_group.rank() % size
+    group = sequence_group(comm.group, size, config.collective_timeout_s)
+    wait = None
+    if comm.heartbeat is not None:
+        wait = CollectiveWait(
+            rank=comm.rank,
+            timeout_s=config.collective_timeout_s,
+            heartbeat=comm.heartbeat,
+            waiting_for=lambda label: label,
+            fail=lambda error: error,  # the failed call is abandoned by the group's recovery
         )
+    first = comm.rank - comm.rank % size
+    members = list(range(first, first + size))
+    watched = SequenceGroup(group=group, wait=wait, members=members, device=comm.device)
+    try:
+        return SequenceParallel(model=split.model, size=size, group=watched, rank=comm.rank % size)
     except BaseException:
         dist.destroy_process_group(group)
         raise

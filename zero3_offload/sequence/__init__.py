@@ -16,7 +16,8 @@ configured implementation (eager or sdpa) runs on them
 with a mask built for the whole sequence (:func:`full_sequence_mask`: causal, sliding
 window, packed rows, padding), and a second all-to-all gives each rank its tokens
 back with all heads. The all-to-alls are :class:`AllToAll` autograd functions on a
-group of their own (:func:`sequence_group`), so backward runs the reverse exchanges;
+group of their own (:func:`sequence_group`, its collectives waited for by the library's
+rules: :class:`SequenceGroup`), so backward runs the reverse exchanges;
 they run on the model thread, on that group only, so they never interleave with the
 library's collectives on the world group, which the event loop issues.
 
@@ -41,6 +42,7 @@ from zero3_offload.sequence.head_view import HeadView
 from zero3_offload.sequence.input_split import SEQUENCE_KWARG, split_sequence
 from zero3_offload.sequence.loss import sequence_loss
 from zero3_offload.sequence.sequence_batch import SequenceBatch
+from zero3_offload.sequence.sequence_group import SequenceGroup
 from zero3_offload.sequence.sequence_parallel import SequenceParallel
 from zero3_offload.sequence.ulysses_attention import ULYSSES, ulysses_attention
 
@@ -50,6 +52,7 @@ __all__ = [
     "AllToAll",
     "HeadView",
     "SequenceBatch",
+    "SequenceGroup",
     "SequenceParallel",
     "full_sequence_mask",
     "heads_to_sequence",

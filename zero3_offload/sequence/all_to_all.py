@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from zero3_offload.sequence.sequence_group import SequenceGroup
 
 __all__ = ["AllToAll", "heads_to_sequence", "sequence_to_heads"]
 
@@ -19,7 +20,7 @@ class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` over ``group`` of a ``[S, ...]`` tensor; backward: the reverse."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
         ctx.group = group
         return _exchange(x, group)
 
@@ -28,15 +29,15 @@ class AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.group), None
 
 
-def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    group.all_to_all(out, x)
     return out
 
 
 def sequence_to_heads(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup, size: int
+    tensors: list[torch.Tensor], group: SequenceGroup, size: int
 ) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, heads, T/S, D]`` tensors -> head-sharded ``[B, heads/S, T, D]``.
 
@@ -54,7 +55,7 @@ def sequence_to_heads(
     return list(whole.split(counts, dim=1))
 
 
-def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+def heads_to_sequence(x: torch.Tensor, group: SequenceGroup, size: int) -> torch.Tensor:
     """An attention output ``[B, T, heads/S, D]`` (head-sharded, whole sequence) -> this
     rank's slice of the sequence with every head, ``[B, T/S, heads, D]``."""
     b, whole, h, d = x.shape

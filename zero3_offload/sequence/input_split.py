@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from zero3_offload.errors import InputError
 from zero3_offload.sequence.loss import IGNORE_INDEX
 from zero3_offload.sequence.sequence_batch import SequenceBatch
+from zero3_offload.sequence.sequence_group import SequenceGroup
 
 __all__ = ["SEQUENCE_KWARG", "split_sequence"]
 
@@ -27,7 +27,7 @@ def split_sequence(
     *,
     rank: int,
     size: int,
-    group: dist.ProcessGroup,
+    group: SequenceGroup,
     implementation: str,
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
     """This rank's slice of a batch of whole sequences, and its slice of the shifted labels.

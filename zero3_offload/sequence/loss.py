@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from zero3_offload.sequence.sequence_group import SequenceGroup
 
 __all__ = ["sequence_loss", "whole_sequence_loss"]
 
 IGNORE_INDEX = -100
 
 
-def sequence_loss(
-    logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup
-) -> torch.Tensor:
+def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     """The whole sequence's mean token loss from this rank's slice's logits (see
     :func:`whole_sequence_loss`); the slice's cross entropies are computed in fp32."""
     vocab = logits.shape[-1]
@@ -27,7 +26,7 @@ def sequence_loss(
 
 
 def whole_sequence_loss(
-    local: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup
+    local: torch.Tensor, labels: torch.Tensor, group: SequenceGroup
 ) -> torch.Tensor:
     """The whole sequence's mean token loss, its gradient through this rank's slice only.
 
@@ -41,6 +40,6 @@ def whole_sequence_loss(
     totals = torch.stack(
         [local.detach().double(), (labels != IGNORE_INDEX).sum().double().to(local.device)]
     )
-    dist.all_reduce(totals, group=group)
+    group.all_reduce(totals)
     others = (totals[0] - local.detach().double()).to(local.dtype)
     return (local + others) / totals[1].to(local.dtype)

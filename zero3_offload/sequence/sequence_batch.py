@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.distributed as dist
 
 from zero3_offload.errors import InputError
 from zero3_offload.sequence.full_mask import full_sequence_mask
+from zero3_offload.sequence.sequence_group import SequenceGroup
 
 __all__ = ["SequenceBatch"]
 
@@ -21,7 +21,7 @@ class SequenceBatch:
     checkpointing) sees the same one.
     """
 
-    group: dist.ProcessGroup  # the ranks of the sequence
+    group: SequenceGroup  # the ranks of the sequence
     size: int  # S, ranks in the group
     implementation: str  # the model's own attention: "eager" or "sdpa"
     position_ids: torch.Tensor  # [B, T] of the whole (padded) sequence
@@ -54,7 +54,7 @@ class SequenceBatch:
             return
         own = float(self.fingerprint)
         sums = torch.tensor([own, own * own], dtype=torch.float64, device=self.position_ids.device)
-        dist.all_reduce(sums, group=self.group)
+        self.group.all_reduce(sums)
         self._checked = True
         if sums[0].item() != self.size * own or sums[1].item() != self.size * own * own:
             raise InputError(

@@ -13,6 +13,7 @@ from zero3_offload.errors import ConfigError, InputError
 from zero3_offload.logging import get_logger
 from zero3_offload.sequence.input_split import split_sequence
 from zero3_offload.sequence.loss import sequence_loss, whole_sequence_loss
+from zero3_offload.sequence.sequence_group import SequenceGroup
 from zero3_offload.sequence.ulysses_attention import ULYSSES, register_ulysses
 
 __all__ = ["SequenceParallel"]
@@ -32,7 +33,7 @@ class SequenceParallel:
     Args:
         model: the whole model (a transformers model, or a peft model over one).
         size: S, ranks per sequence.
-        group: this rank's sequence group (:func:`sequence_group`).
+        group: this rank's sequence group and the rules of its collectives.
         rank: this rank's place in the group (which slice it runs).
 
     Raises:
@@ -40,9 +41,9 @@ class SequenceParallel:
             than eager or sdpa, or heads that S does not divide.
     """
 
-    def __init__(self, *, model: nn.Module, size: int, group: dist.ProcessGroup, rank: int) -> None:
+    def __init__(self, *, model: nn.Module, size: int, group: SequenceGroup, rank: int) -> None:
         self.size = size
-        self._group = group
+        self.group = group
         self._rank = rank
         self._model = _transformers_model(model, size)
         config = self._model.config
@@ -82,10 +83,10 @@ class SequenceParallel:
             kwargs,
             rank=self._rank,
             size=self.size,
-            group=self._group,
+            group=self.group,
             implementation=self._original,
         )
-        group = self._group
+        group = self.group
         if tiled and labels is not None:
             local.update(labels=labels, shift_labels=labels, num_items_in_batch=1)
 
@@ -110,7 +111,7 @@ class SequenceParallel:
         """Put the model's own attention implementation back and free the group."""
         self._model.set_attn_implementation(self._original)
         if dist.is_initialized():  # else destroying the default group destroyed it too
-            dist.destroy_process_group(self._group)
+            dist.destroy_process_group(self.group.group)
 
 
 def _transformers_model(model: nn.Module, size: int) -> Any:
