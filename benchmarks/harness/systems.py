@@ -166,14 +166,18 @@ class DeepSpeed(Torch):
 
 
 class Alst(DeepSpeed):
-    """DeepSpeed ZeRO-3 offload with ALST's single-device pieces from its installed version:
-    ``TiledMLP`` (every LlamaMLP over ``tile`` tokens at a time) and ``TiledFusedLogitsLoss``
-    (``loss_tile`` tokens at a time)."""
+    """DeepSpeed ZeRO-3 offload with ALST's pieces from its installed version: ``TiledMLP``
+    (every LlamaMLP over ``tile`` tokens at a time), ``TiledFusedLogitsLoss`` (``loss_tile``
+    tokens at a time) and, with ``sequence_parallel_size``, Ulysses sequence parallelism
+    (``UlyssesSPAttentionHF`` over sdpa: each rank of a group runs its slice of the group's
+    sequence; the loss is the group's summed slices over the sequence's label count)."""
 
     async def setup(self, model: torch.nn.Module) -> None:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, UlyssesSPAttentionHF
 
-        tile = self.options["tile"]
+        tile, sp = self.options["tile"], self.options.get("sequence_parallel_size", 1)
+        if sp > 1:
+            self.mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
 
         def tiled(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
@@ -187,54 +191,27 @@ class Alst(DeepSpeed):
         await super().setup(model)
 
     async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
-        clock.phase("forward")
-        hidden = self.model.model(input_ids=x).last_hidden_state
-        clock.phase("loss")
-        labels = torch.nn.functional.pad(x[:, 1:], (0, 1), value=-100)  # shifted, as HF's loss
-        return self.loss_sum(hidden, labels) / (labels != -100).sum()
-
-    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed cross-entropy of ``hidden``'s rows, ``loss_tile`` tokens at a time."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+        from torch.distributed.nn.functional import all_gather
+
+        clock.phase("forward")
+        mpu, n = getattr(self, "mpu", None), x.shape[1]
+        sp, rank = (mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
+                    ) if mpu else (1, 0)  # fmt: skip
+        mine = slice(rank * n // sp, (rank + 1) * n // sp)
+        positions = torch.arange(n, device=x.device).unsqueeze(0)[:, mine]
+        hidden = self.model.model(input_ids=x[:, mine], position_ids=positions).last_hidden_state
+        clock.phase("loss")
+        labels = torch.nn.functional.pad(x[:, 1:], (0, 1), value=-100)  # shifted before a cut
 
         def chunk(model: torch.nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             logits = model.lm_head(h).float()
             return torch.nn.functional.cross_entropy(logits, t.view(-1), reduction="sum")
 
         shards, head = -(-hidden.shape[1] // self.options["loss_tile"]), [self.model.lm_head.weight]
-        return TiledFusedLogitsLoss.apply(chunk, self.model, hidden, labels, None, shards, head,
-                                          "sum")  # fmt: skip
-
-
-class Ulysses(Alst):
-    """ALST whole, as its installed version runs it on gloo: Ulysses sequence parallelism
-    (``UlyssesSPAttentionHF`` over sdpa; groups of ``sequence_parallel_size`` ranks, every rank
-    of a group given the group's sequence) with TiledMLP and the tiled loss. Each rank runs its
-    slice; the loss is the group's summed slices over the sequence's label count."""
-
-    async def setup(self, model: torch.nn.Module) -> None:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-        sp = self.options["sequence_parallel_size"]
-        self.mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
-        await super().setup(model)
-
-    async def forward_loss(self, call: Callable, x: Any, y: Any, clock: Any) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_gather
-
-        clock.phase("forward")
-        sp, rank = (
-            self.mpu.get_sequence_parallel_world_size(),
-            self.mpu.get_sequence_parallel_rank(),
-        )
-        mine = slice(rank * x.shape[1] // sp, (rank + 1) * x.shape[1] // sp)
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)[:, mine]
-        hidden = self.model.model(input_ids=x[:, mine], position_ids=positions).last_hidden_state
-        clock.phase("loss")
-        labels = torch.nn.functional.pad(x[:, 1:], (0, 1), value=-100)  # shifted before the cut
-        sums = all_gather(
-            self.loss_sum(hidden, labels[:, mine]), self.mpu.get_sequence_parallel_group()
-        )
+        loss = TiledFusedLogitsLoss.apply(chunk, self.model, hidden, labels[:, mine], None, shards,
+                                          head, "sum")  # fmt: skip
+        sums = all_gather(loss, mpu.get_sequence_parallel_group()) if mpu else [loss]
         return sum(sums) / (labels != -100).sum()
 
 
@@ -333,5 +310,5 @@ class OursModule(Ours):
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}
-SYSTEMS.update({"deepspeed-alst": Alst, "deepspeed-ulysses": Ulysses})
+SYSTEMS["deepspeed-alst"] = Alst
 SYSTEMS.update({"split": Split, "ours-module": OursModule})

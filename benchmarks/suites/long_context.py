@@ -35,7 +35,7 @@ SYSTEMS = {
     "deepspeed_alst": System("DeepSpeed ZeRO-3 offload + AC + ALST's TiledMLP, tiled loss",
                              "deepspeed-alst", W, {"tile": 1024, "loss_tile": 256}, TWO),
     "deepspeed_ulysses": System("DeepSpeed ZeRO-3 offload + AC + ALST: Ulysses S=2, TiledMLP, "
-                                "tiled loss", "deepspeed-ulysses", W,
+                                "tiled loss", "deepspeed-alst", W,
                                 {"tile": 1024, "loss_tile": 256, "sequence_parallel_size": 2}, ONE),
     "ours_untiled": System("ours S=1, AC, untiled", "ours-module", W,
                            {**AC, "loss_chunk_tokens": 0}, TWO),
