@@ -11,11 +11,15 @@ of the real model. It registers neither the model nor its parameters (they are s
 device move, a DDP wrap it would refuse) touches them. ``own_logits`` asks for the
 model's own logits when a loss is computed from labels (evaluation that keeps the
 logits; TRL's fused head), where the tiled loss would keep none (see [Note: the head's
-tiled loss] in ``execution.head_loss``).
+tiled loss] in ``execution.head_loss``). A call with ``fused_lm_head=True`` (TRL's fused
+LM head, which reads ``lm_head.weight`` without calling the module) runs with the output
+embedding's unit held gathered (``manager.gathered``), and its gradient reaches that
+unit in the backward.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -43,6 +47,7 @@ class ManagedModel(nn.Module):
         if sync.model is None:
             raise StateError("a framework's model needs a module-mode manager (a whole model)")
         object.__setattr__(self, "_sync", sync)  # not a submodule: nothing registered
+        _hold_head_for_fused_calls(sync)
         self.own_logits = False
         self.training = sync.model.training
 
@@ -73,3 +78,22 @@ class ManagedModel(nn.Module):
 
     def _get_name(self) -> str:  # transformers picks its label smoother by the model's name
         return self.module._get_name()
+
+
+def _hold_head_for_fused_calls(sync: SyncManager) -> None:
+    """Wrap the model's forward: a call with one of ``_OWN_HEAD_KEYWORDS`` runs with the
+    output embedding gathered (it runs on the manager's model thread)."""
+    model = sync.model
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if model is None or head is None:
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not any(kwargs.get(k) for k in _OWN_HEAD_KEYWORDS):
+            return inner(*args, **kwargs)
+        with sync.gathered(head):
+            return inner(*args, **kwargs)
+
+    model.forward = forward

@@ -146,13 +146,6 @@ def refusals(trainer: Any) -> list[str]:
         refuse("TrainingArguments(fsdp=...)", "zero3_offload shards the model itself")
     if args.torch_compile:
         refuse("TrainingArguments(torch_compile=True)", "the manager runs the model's own code")
-    if getattr(args, "activation_checkpointing", False) or getattr(
-        args, "gradient_checkpointing", False
-    ):
-        refuse(
-            "TrainingArguments(activation_checkpointing=True)",
-            "use zero3_config's activation_checkpointing=True (per unit, offloadable)",
-        )
     if getattr(args, "use_liger_kernel", False):
         refuse("TrainingArguments(use_liger_kernel=True)", "it patches the model's modules")
     if getattr(args, "neftune_noise_alpha", None) is not None:
