@@ -77,16 +77,22 @@ class ManagerOptimizer(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """The window's last micro-step: the manager updates with :attr:`learning_rate`.
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """The window's last micro-step: run ``closure`` (with autograd on, as torch's
+        optimizers do: Lightning's runs the training step and the backward), then the
+        manager updates with :attr:`learning_rate`.
+
+        Returns:
+            What ``closure`` returned (None without one).
 
         Raises:
-            ConfigError: for a closure (the manager's step takes none).
             StateError: when the window holds fewer micro-steps than the manager's
                 ``gradient_accumulation_steps`` (e.g. the short last window of an epoch).
         """
+        loss = None
         if closure is not None:
-            raise ConfigError("zero3_offload's optimizer step takes no closure")
+            with torch.enable_grad():
+                loss = closure()
         manager = self._sync.manager
         window = manager.engine.counter.window_calls + 1
         wanted = manager.config.gradient_accumulation_steps
@@ -102,8 +108,14 @@ class ManagerOptimizer(torch.optim.Optimizer):
         if manager.steps_completed == before:
             raise StateError("the manager's optimizer step did not close its window")
         self.step_was_skipped = not updated
+        self._opt_called = True  # what torch's LR schedulers check before their first step
         norm = manager.last_grad_norm
         self.grad_norm.fill_(float("nan") if norm is None else norm)
+        return loss
+
+    # torch's LR schedulers wrap an optimizer's step to see that it ran before theirs; this
+    # step records it itself (``_opt_called``), also under a scheduler rebound to it.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the manager's window starts with zero gradients after each update."""
