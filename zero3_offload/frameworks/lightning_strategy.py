@@ -10,7 +10,7 @@ handed to a module-mode manager instead of a DDP wrapper:
   (any ``torch.optim`` optimizer: its class, its defaults and each parameter group's
   own options) becomes the manager's optimizer config and parameter groups, and the
   manager takes the module (each rank keeps its shards). Lightning then holds a
-  :class:`~zero3_offload.integrations.manager_optimizer.ManagerOptimizer` over the same
+  :class:`~zero3_offload.frameworks.manager_optimizer.ManagerOptimizer` over the same
   groups; the LR schedulers are rebound to it, so they drive the manager's rate.
   ``accumulate_grad_batches`` and ``gradient_clip_val`` (by norm) are the manager's
   accumulation and clipping;
@@ -52,10 +52,9 @@ from zero3_offload.config import (
 )
 from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.errors import ConfigError
-from zero3_offload.integrations.managed_model import ManagedModel
-from zero3_offload.integrations.manager_group import manager_group
-from zero3_offload.integrations.manager_optimizer import ManagerOptimizer
-from zero3_offload.integrations.require import require_module
+from zero3_offload.frameworks.managed_model import ManagedModel
+from zero3_offload.frameworks.manager_group import manager_group
+from zero3_offload.frameworks.manager_optimizer import ManagerOptimizer
 from zero3_offload.logging import get_logger
 from zero3_offload.sync.sync_manager import SyncManager
 
@@ -63,7 +62,13 @@ __all__ = ["Zero3Strategy"]
 
 log = get_logger(__name__)
 
-_pl = require_module("lightning.pytorch", "Zero3Strategy")
+try:
+    import lightning.pytorch as _pl
+except ImportError as exc:
+    raise ConfigError(
+        f"Zero3Strategy needs Lightning, which could not be imported ({exc}); install it "
+        "with: pip install 'zero3_offload[lightning]'"
+    ) from exc
 _DDPStrategy = _pl.strategies.DDPStrategy
 _PRECISION = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 _SUFFIX = ".zero3"  # the manager's checkpoint beside Lightning's file

@@ -1,5 +1,5 @@
 """What a transformers ``Trainer``'s arguments become for the manager, and what they ask for
-that :class:`~zero3_offload.integrations.trainer_mixin.Zero3TrainerMixin` cannot honour.
+that :class:`~zero3_offload.frameworks.trainer_mixin.Zero3TrainerMixin` cannot honour.
 
 ``TrainingArguments`` decide the accumulation (``gradient_accumulation_steps``), the
 clipping (``max_grad_norm``), the optimizer (``optim``: ``adamw_torch``,

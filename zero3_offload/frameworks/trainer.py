@@ -1,11 +1,11 @@
 """``Zero3Trainer``: a ``transformers.Trainer`` that trains with ZeRO-3 and offload (see
-[Note: the Trainer under ZeRO-3] in ``integrations.trainer_mixin``). Importing this
+[Note: the Trainer under ZeRO-3] in ``frameworks.trainer_mixin``). Importing this
 module imports transformers."""
 
 from __future__ import annotations
 
+from zero3_offload.frameworks.trainer_mixin import Zero3TrainerMixin
 from zero3_offload.integrations.require import require_transformers
-from zero3_offload.integrations.trainer_mixin import Zero3TrainerMixin
 
 __all__ = ["Zero3Trainer"]
 

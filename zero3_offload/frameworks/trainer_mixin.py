@@ -7,14 +7,14 @@ evaluation, checkpoint rotation); the mixin replaces what touches the parameters
 
 * the model is handed to a module-mode manager at construction (every rank keeps only
   its shards; nothing is wrapped in DDP or moved to the device). Trainer's loop calls
-  ``_wrap_model``'s :class:`~zero3_offload.integrations.managed_model.ManagedModel`,
+  ``_wrap_model``'s :class:`~zero3_offload.frameworks.managed_model.ManagedModel`,
   whose forward is the manager's (see [Note: the framework's model]);
 * ``compute_loss`` (Trainer's, TRL's or the user's) runs as it is;
   ``accelerator.backward(loss)`` becomes the manager's backward of ``A * loss`` (``A``:
   ``gradient_accumulation_steps``): DDP sums the micro-steps' gradients and averages the
   ranks, the manager averages both, so the update is the same. Inside the window each
   micro-step is counted with the manager's ``optimizer_step``;
-* the optimizer is a :class:`~zero3_offload.integrations.manager_optimizer.ManagerOptimizer`
+* the optimizer is a :class:`~zero3_offload.frameworks.manager_optimizer.ManagerOptimizer`
   over Trainer's weight-decay split (the manager's parameter groups are the same split):
   Trainer's LR scheduler sets its rate, and its ``step`` is the manager's update, with
   ``max_grad_norm`` as the manager's clipping; the norm Trainer logs is the manager's;
@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from zero3_offload.errors import CheckpointError, ConfigError
-from zero3_offload.integrations.managed_model import ManagedModel
-from zero3_offload.integrations.manager_group import manager_group
-from zero3_offload.integrations.manager_optimizer import ManagerOptimizer
-from zero3_offload.integrations.trainer_settings import refusals, trainer_config
+from zero3_offload.frameworks.managed_model import ManagedModel
+from zero3_offload.frameworks.manager_group import manager_group
+from zero3_offload.frameworks.manager_optimizer import ManagerOptimizer
+from zero3_offload.frameworks.trainer_settings import refusals, trainer_config
 from zero3_offload.logging import get_logger
 from zero3_offload.sync.sync_manager import SyncManager
 
