@@ -34,6 +34,11 @@ from zero3_offload.integrations import Zero3Strategy
 STEPS = 6  # optimizer steps
 
 
+def emit(report: dict) -> None:
+    """One JSON line in one write: the ranks share stdout, and lines must not interleave."""
+    os.write(1, (json.dumps(report) + "\n").encode())
+
+
 class Regressor(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -126,7 +131,7 @@ def main() -> None:
         report["max_loss_diff_resumed"] = max(
             abs(a - b) for a, b in zip(resumed, resumed_ddp, strict=True)
         )
-    print(json.dumps(report), flush=True)
+    emit(report)
     bad = {k: v for k, v in report.items() if k.startswith("max") and v > 1e-5}
     if bad:
         raise SystemExit(f"rank {rank}: {bad}")

@@ -57,6 +57,11 @@ TEMPLATE = (
 )
 
 
+def emit(report: dict) -> None:
+    """One JSON line in one write: the ranks share stdout, and lines must not interleave."""
+    os.write(1, (json.dumps(report) + "\n").encode())
+
+
 class Zero3SFTTrainer(Zero3TrainerMixin, SFTTrainer):
     """TRL's SFTTrainer under ZeRO-3: the one line."""
 
@@ -168,7 +173,7 @@ def main() -> None:
         root = opts.out or Path(tmp)
         ours = train("zero3", root / "zero3", opts.steps)
         if rank0:
-            print(json.dumps({"zero3_losses": ours["losses"]}), flush=True)
+            emit({"zero3_losses": ours["losses"]})
         if not opts.compare:
             return
         plain = train("plain", root / "plain", opts.steps)
@@ -176,17 +181,14 @@ def main() -> None:
         wa, wb = load_file(ours["weights"]), load_file(plain["weights"])
         weight = max((wa[k] - wb[k]).abs().max().item() for k in wb)
         if rank0:
-            print(
-                json.dumps(
-                    {
-                        "compare": "Zero3SFTTrainer vs SFTTrainer",
-                        "steps": len(plain["losses"]),
-                        "max_loss_diff": loss,
-                        "max_weight_diff": weight,
-                        "accuracy_equal": ours["accuracy"] == plain["accuracy"],
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "compare": "Zero3SFTTrainer vs SFTTrainer",
+                    "steps": len(plain["losses"]),
+                    "max_loss_diff": loss,
+                    "max_weight_diff": weight,
+                    "accuracy_equal": ours["accuracy"] == plain["accuracy"],
+                }
             )
         if loss > 1e-5 or weight > 1e-4 or wa.keys() != wb.keys():
             raise SystemExit(f"losses differ by {loss:.3g}, weights by {weight:.3g}")

@@ -35,6 +35,11 @@ from zero3_offload.integrations import Zero3Trainer
 SEQ = 16
 
 
+def emit(report: dict) -> None:
+    """One JSON line in one write: the ranks share stdout, and lines must not interleave."""
+    os.write(1, (json.dumps(report) + "\n").encode())
+
+
 def build_model(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -135,7 +140,7 @@ def compare(a: dict, b: dict, what: str, loss_tol: float, weight_tol: float) -> 
         "max_weight_diff": weight,
     }
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(report), flush=True)
+        emit(report)
     if loss > loss_tol or weight > weight_tol:
         sys.exit(f"{what}: losses differ by {loss:.3g}, weights by {weight:.3g}")
 
@@ -153,7 +158,7 @@ def main() -> None:
         root = opts.out or Path(tmp)
         ours = train("zero3", opts.arch, root / "zero3", opts.steps)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps({"zero3_losses": ours["losses"]}), flush=True)
+            emit({"zero3_losses": ours["losses"]})
         if opts.compare:
             plain = train("plain", opts.arch, root / "plain", opts.steps)
             compare(ours, plain, f"Zero3Trainer vs Trainer ({opts.arch})", 1e-5, 1e-4)
@@ -162,7 +167,7 @@ def main() -> None:
             resumed = train("zero3", opts.arch, root / "resumed", opts.steps, str(middle))
             compare(resumed, ours, f"resumed vs whole ({opts.arch})", 1e-5, 1e-5)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"rank": int(os.environ.get("RANK", "0")), "peak_rss_mib": peak}))
+        emit({"rank": int(os.environ.get("RANK", "0")), "peak_rss_mib": peak})
 
 
 if __name__ == "__main__":
