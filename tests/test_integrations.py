@@ -179,3 +179,38 @@ async def test_zero3_config_from_a_deepspeed_json(rank: RankContext, tmp_path: P
     bad.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     with pytest.raises(ConfigError, match="stage"):
         config_from_deepspeed(bad)
+
+
+@pytest.mark.ranks(1)
+async def test_trainer_with_a_peft_model_saves_the_adapter_as_plain_trainer(
+    rank: RankContext, tmp_path: Path
+) -> None:
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    from zero3_offload.integrations import Zero3Trainer
+
+    def lora() -> Any:
+        lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        model = peft.get_peft_model(build("llama"), lora_config)
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # nonzero B: every adapter weight moves from the first step
+                torch.nn.init.normal_(p, std=0.02)
+        return model
+
+    args = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 2, "seed": 0}
+    out = {}
+    for kind in ("plain", "zero3"):
+        cls = transformers.Trainer if kind == "plain" else Zero3Trainer
+        trainer = cls(model=lora(), args=_args(tmp_path / kind, **args), train_dataset=Rows(8))
+        trainer.train()
+        trainer.save_model(str(tmp_path / kind / "final"))
+        out[kind] = load_file(tmp_path / kind / "final" / "adapter_model.safetensors")
+        assert (tmp_path / kind / "final" / "adapter_config.json").is_file()
+        if kind == "zero3":
+            trainer.close()
+    assert out["zero3"].keys() == out["plain"].keys() and len(out["plain"]) == 8
+    for name, value in out["plain"].items():
+        assert (out["zero3"][name] - value).abs().max().item() <= WEIGHT_TOL, name
