@@ -79,7 +79,7 @@ class Zero3TrainerMixin:
         trainer: Any = self
         refused = refusals(trainer)
         if refused:
-            raise ConfigError("Zero3Trainer: " + "; ".join(refused))
+            raise ConfigError(f"{type(self).__name__}: " + "; ".join(refused))
         config = trainer_config(trainer.args, zero3_config)
         model = trainer.model
         no_decay = self._no_decay_names(model)
