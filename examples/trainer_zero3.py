@@ -13,6 +13,7 @@ checks that it ends where the whole run ended.
 
     torchrun --nproc_per_node 2 examples/trainer_zero3.py --compare --resume
     python examples/trainer_zero3.py --arch gpt2 --compare       # one process
+    python examples/trainer_zero3.py --resume-from DIR/zero3/checkpoint-4  # another world size
 """
 
 from __future__ import annotations
@@ -152,10 +153,20 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="against plain Trainer")
     parser.add_argument("--resume", action="store_true", help="resume from the middle")
     parser.add_argument("--out", type=Path, default=None, help="(default: a temporary dir)")
+    parser.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="only resume from this checkpoint-N (saved at any number of ranks)",
+    )
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # Every rank must use the same directory: under torchrun pass --out.
         root = opts.out or Path(tmp)
+        if opts.resume_from is not None:
+            resumed = train("zero3", opts.arch, root / "resumed", opts.steps, str(opts.resume_from))
+            emit({"resumed_losses": resumed["losses"]})
+            return
         ours = train("zero3", opts.arch, root / "zero3", opts.steps)
         if int(os.environ.get("RANK", "0")) == 0:
             emit({"zero3_losses": ours["losses"]})

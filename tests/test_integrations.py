@@ -88,6 +88,17 @@ def test_trainer_long_profile(tmp_path, arch, ranks) -> None:
 
 
 @pytest.mark.frameworks
+def test_trainer_checkpoint_of_two_ranks_resumes_on_one(tmp_path) -> None:
+    example("examples/trainer_zero3.py", "--out", str(tmp_path / "two"), ranks=2)
+    middle = tmp_path / "two" / "zero3" / "checkpoint-4"
+    (line,) = example("examples/trainer_zero3.py", "--resume-from", str(middle), "--out",
+                      str(tmp_path / "one"))  # fmt: skip
+    losses = {int(k): v for k, v in line["resumed_losses"].items()}
+    assert sorted(losses) == list(range(1, 9))  # steps 1-4 from the checkpoint's history
+    assert all(0 < v < 5 for v in losses.values())
+
+
+@pytest.mark.frameworks
 def test_sft_trainer_long_profile_two_ranks(tmp_path) -> None:
     lines = example("examples/sft_trl_zero3.py", "--compare", "--out", str(tmp_path), ranks=2)
     (line,) = comparisons(lines).values()
