@@ -225,3 +225,36 @@ async def test_trainer_with_a_peft_model_saves_the_adapter_as_plain_trainer(
     assert out["zero3"].keys() == out["plain"].keys() and len(out["plain"]) == 8
     for name, value in out["plain"].items():
         assert (out["zero3"][name] - value).abs().max().item() <= WEIGHT_TOL, name
+
+
+@pytest.mark.ranks(1)
+async def test_trainer_from_a_model_directory_reads_slices_and_trains_as_plain_trainer(
+    rank: RankContext, tmp_path: Path
+) -> None:
+    import transformers
+    from safetensors.torch import load_file
+
+    from zero3_offload.integrations import Zero3Trainer
+
+    build("llama").save_pretrained(tmp_path / "model")
+    args = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 2, "seed": 0}
+    plain = transformers.Trainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model"),
+        args=_args(tmp_path / "plain", **args),
+        train_dataset=Rows(8),
+    )
+    plain.train()
+    plain.save_model(str(tmp_path / "plain" / "final"))
+    ours = Zero3Trainer(
+        model=str(tmp_path / "model"), args=_args(tmp_path / "ours", **args), train_dataset=Rows(8)
+    )
+    assert ours.model is ours.zero3.model  # built on the meta device, each unit read by slices
+    ours.train()
+    ours.save_model(str(tmp_path / "ours" / "final"))
+    ours.close()
+    a = load_file(tmp_path / "ours" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "plain" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= WEIGHT_TOL
+    with pytest.raises(ConfigError, match="peft_config"):
+        Zero3Trainer(model=str(tmp_path / "model"), args=_args(tmp_path), peft_config=object())

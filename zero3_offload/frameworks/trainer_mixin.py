@@ -45,6 +45,7 @@ from zero3_offload.frameworks.managed_model import ManagedModel
 from zero3_offload.frameworks.manager_group import manager_group
 from zero3_offload.frameworks.manager_optimizer import ManagerOptimizer
 from zero3_offload.frameworks.trainer_settings import refusals, trainer_config
+from zero3_offload.integrations.require import require_transformers
 from zero3_offload.logging import get_logger
 from zero3_offload.sync.sync_manager import SyncManager
 
@@ -61,6 +62,11 @@ class Zero3TrainerMixin:
     """Put before a ``transformers.Trainer`` subclass: trains its model with ZeRO-3 and
     offload (see [Note: the Trainer under ZeRO-3]).
 
+    ``model=`` may be a local transformers directory (``config.json`` and safetensors
+    weights): the manager then reads each rank's slices of the weights, so no rank holds
+    the whole model at any time (a model object is whole on every rank until the manager
+    takes it at construction).
+
     Args:
         zero3_config: a :class:`~zero3_offload.config.Zero3CpuOffloadConfig`, a dict of
             its fields, or the path of a DeepSpeed JSON config (mapped as
@@ -75,16 +81,24 @@ class Zero3TrainerMixin:
     """
 
     def __init__(self, *args: Any, zero3_config: Any = None, **kwargs: Any) -> None:
+        loaded = self._from_directory(args, kwargs, zero3_config)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         trainer: Any = self
         refused = refusals(trainer)
         if refused:
+            if loaded is not None:
+                loaded.close()
             raise ConfigError(f"{type(self).__name__}: " + "; ".join(refused))
-        config = trainer_config(trainer.args, zero3_config)
-        model = trainer.model
-        no_decay = self._no_decay_names(model)
-        groups = [{"params": no_decay, "weight_decay": 0.0}] if no_decay else None
-        self._zero3 = SyncManager(config, manager_group(config.device), model, param_groups=groups)
+        if loaded is not None:
+            self._zero3 = loaded
+        else:
+            config = trainer_config(trainer.args, zero3_config)
+            model = trainer.model
+            no_decay = self._no_decay_names(model)
+            groups = [{"params": no_decay, "weight_decay": 0.0}] if no_decay else None
+            self._zero3 = SyncManager(
+                config, manager_group(config.device), model, param_groups=groups
+            )
         self._zero3_model = ManagedModel(self._zero3)
         self._zero3_optimizer: ManagerOptimizer | None = None
         trainer.model_wrapped = self._zero3_model
@@ -95,6 +109,40 @@ class Zero3TrainerMixin:
             world_size=self._zero3.world_size,
             trainer=type(self).__name__,
         )
+
+    def _from_directory(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], zero3_config: Any
+    ) -> SyncManager | None:
+        """For ``model=`` a local transformers directory: the manager built from it by
+        slices (no rank reads the whole model; ``from_pretrained``), its model put in
+        ``kwargs`` for the Trainer. None for a model object."""
+        model = kwargs.get("model", args[0] if args else None)
+        if not isinstance(model, (str, os.PathLike)):
+            return None
+        if args:
+            raise ConfigError(f"{type(self).__name__}: give model= and args= as keywords")
+        if kwargs.get("peft_config") is not None:
+            raise ConfigError(
+                f"{type(self).__name__}(model=DIR, peft_config=...) is not honoured: build the "
+                "peft model (peft.get_peft_model) and pass it as model="
+            )
+        training = kwargs.get("args")
+        if training is None:
+            raise ConfigError(f"{type(self).__name__}(model=DIR) needs args=TrainingArguments")
+        transformers = require_transformers()
+        config = trainer_config(training, zero3_config)  # args.device: torchrun's group first
+        with torch.device("meta"):  # only the parameter names, for the decay split
+            meta = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(model)
+            )
+        decay = set(transformers.Trainer.get_decay_parameter_names(self, meta))
+        no_decay = [n for n, _ in meta.named_parameters() if n not in decay]
+        groups = [{"params": no_decay, "weight_decay": 0.0}] if no_decay else None
+        sync = SyncManager.from_pretrained(
+            config, manager_group(config.device), model, param_groups=groups
+        )
+        kwargs["model"] = sync.model
+        return sync
 
     @property
     def zero3(self) -> SyncManager:
