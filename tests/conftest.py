@@ -50,7 +50,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # end together instead of one running a long file alone at the end.
 LONGEST_FIRST = (
     "test_train_restart.py",  # 79 (with the elastic shrink)
-    "test_integrations.py",  # 75 (torchrun, TRL and Lightning processes)
+    "test_integrations.py",  # 75 (torchrun, TRL and Lightning processes; 45 s of CPU)
     "test_train.py",  # 75
     "test_examples.py",  # 56
     "test_pytest_plugin.py",  # 55
