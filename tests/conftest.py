@@ -49,6 +49,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # `--dist loadfile --no-loadscope-reorder`), so starting these first lets the workers
 # end together instead of one running a long file alone at the end.
 LONGEST_FIRST = (
+    "test_integrations.py",  # 75 (torchrun, TRL and Lightning processes; 45 s of CPU)
     "test_examples.py",  # 56
     "test_pytest_plugin.py",  # 55
     "test_train.py",  # 45 (its stopped and killed rank with -m faults)

@@ -106,7 +106,9 @@ def test_the_manager_is_one_class_without_mixins() -> None:
     for file in PACKAGE.rglob("*.py"):
         text = file.read_text()
         assert "self: Zero3CpuOffloadManager" not in text, file
-        assert "Mixin" not in text, file
+        # The one mixin is public and not ours to split: Trainer subclasses take it as a base
+        # (class MyTrainer(Zero3TrainerMixin, SFTTrainer)), docs/integrations.md.
+        assert "Mixin" not in text.replace("Zero3TrainerMixin", ""), file
 
 
 ENGINE = PACKAGE / "engine"

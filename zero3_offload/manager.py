@@ -335,11 +335,18 @@ class Zero3CpuOffloadManager:
                 return repr(value)
             return type(value).__name__
 
-        # A backward's tokens= are each rank's own count: only whether it is given must agree.
+        def show_keyword(key: str, value: Any) -> str:
+            # A backward's tokens= are each rank's own count: only whether it is given must
+            # agree. A forward's integers describe each rank's own batch (a packed batch's
+            # max_length_q, say): only their presence must agree; flags must agree.
+            if key == "tokens" or (
+                name == "forward" and isinstance(value, int) and not isinstance(value, bool)
+            ):
+                return f"{key}=given"
+            return f"{key}={show(value)}"
+
         shown = [show(a) for a in args] + [
-            f"{k}={'given' if k == 'tokens' else show(v)}"
-            for k, v in kwargs.items()
-            if not (k == "tokens" and v is None)
+            show_keyword(k, v) for k, v in kwargs.items() if not (k == "tokens" and v is None)
         ]
         grad = "" if torch.is_grad_enabled() else " under no_grad"
         return (
