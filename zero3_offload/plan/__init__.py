@@ -1,0 +1,20 @@
+"""Planning a run: its predicted peak memory, disk and step time per rank
+(:func:`plan`), and the fastest configuration that fits a memory budget
+(:func:`choose_config`). See docs/planning.md."""
+
+from zero3_offload.plan.budget_search import BudgetChoice, NothingFitsError, choose_config
+from zero3_offload.plan.calibration import Calibration, load_or_measure, measure
+from zero3_offload.plan.planner import plan, plan_run
+from zero3_offload.plan.run_plan import RunPlan
+
+__all__ = [
+    "BudgetChoice",
+    "Calibration",
+    "NothingFitsError",
+    "RunPlan",
+    "choose_config",
+    "load_or_measure",
+    "measure",
+    "plan",
+    "plan_run",
+]
