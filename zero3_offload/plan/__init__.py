@@ -3,8 +3,10 @@
 (:func:`choose_config`). See docs/planning.md."""
 
 from zero3_offload.plan.budget_search import BudgetChoice, NothingFitsError, choose_config
-from zero3_offload.plan.calibration import Calibration, load_or_measure, measure
-from zero3_offload.plan.planner import plan, plan_run
+from zero3_offload.plan.calibrate import load_or_measure, measure
+from zero3_offload.plan.calibration import Calibration
+from zero3_offload.plan.plan_model import plan
+from zero3_offload.plan.planner import plan_run
 from zero3_offload.plan.run_plan import RunPlan
 
 __all__ = [

@@ -22,8 +22,9 @@ import attrs
 
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import ConfigError
+from zero3_offload.plan.calibrate import load_or_measure
 from zero3_offload.plan.calibration import Calibration
-from zero3_offload.plan.planner import plan_run
+from zero3_offload.plan.planner import local_ranks, plan_run
 from zero3_offload.plan.run_plan import RunPlan
 from zero3_offload.train.options import TrainOptions, format_size
 
@@ -60,15 +61,17 @@ class BudgetChoice:
     considered: int
     budget: int
     device_budget: int | None
+    start: Zero3CpuOffloadConfig  # the configuration the search started from
 
     def config_file(self) -> dict[str, Any]:
-        """The choice as a ``train --config`` file: the options that differ from the
-        defaults the search started from, and the batch layout."""
+        """The choice as a ``train --config`` file: the micro-batch and accumulation,
+        and the options the search changed from the configuration it started from."""
         out: dict[str, Any] = {
             "batch_size": self.chosen.opts.batch_size,
             "gradient_accumulation_steps": self.chosen.zero3.gradient_accumulation_steps,
         }
-        out.update(self.chosen.changes)
+        start = self.start.to_dict()
+        out.update({k: v for k, v in self.chosen.changes.items() if start.get(k) != v})
         return out
 
 
@@ -91,9 +94,14 @@ def _splits(opts: TrainOptions, zero3: Zero3CpuOffloadConfig) -> Iterator[tuple[
 
 
 def _candidates(
-    opts: TrainOptions, zero3: Zero3CpuOffloadConfig, layers: int, fixed: Collection[str]
+    opts: TrainOptions,
+    zero3: Zero3CpuOffloadConfig,
+    layers: int,
+    fixed: Collection[str],
+    has_peft: bool,
 ) -> Iterator[tuple[TrainOptions, dict[str, Any]]]:
     adapters = opts.lora is not None or opts.peft_config is not None or opts.freeze is not None
+    adapters = adapters or has_peft
     checkpointing: list[dict[str, Any]] = [
         {"activation_checkpointing": False, "selective_checkpointing_units": 0},
         {"activation_checkpointing": True, "selective_checkpointing_units": 0},
@@ -121,7 +129,11 @@ def _candidates(
     offload = [{"offload_activations": "none"}]
     if zero3.nvme_path is not None:
         offload.append({"offload_activations": "nvme"})
-    for sequence, micro, accumulation in _splits(opts, zero3):
+    splits = list(_splits(opts, zero3))
+    if "batch_split" in fixed:
+        given = zero3.gradient_accumulation_steps
+        splits = [(zero3.sequence_parallel_size, opts.batch_size, given)]
+    for sequence, micro, accumulation in splits:
         for parts in itertools.product(checkpointing, frozen, tiled, gathered, offload):
             changes: dict[str, Any] = {}
             for part in parts:
@@ -145,6 +157,7 @@ def choose_config(
     device_budget: int | None = None,
     fixed: Collection[str] = (),
     calibration: Calibration | None = None,
+    peft_config: Any = None,
 ) -> BudgetChoice:
     """The fastest planned configuration whose peak fits ``budget`` bytes per rank (see
     the module docstring).
@@ -154,8 +167,10 @@ def choose_config(
         zero3: the configuration the search starts from.
         budget: host bytes per rank (peak RSS).
         device_budget: device bytes per rank, on an accelerator.
-        fixed: option names the search leaves as ``zero3`` has them.
+        fixed: option names the search leaves as ``zero3`` has them (``batch_split``:
+            the micro-batch and the accumulation).
         calibration: this machine's figures (default: cached or measured).
+        peft_config: the adapters' peft config, instead of ``opts``'s.
 
     Raises:
         NothingFitsError: no candidate fits; the smallest peak and what holds it.
@@ -166,15 +181,16 @@ def choose_config(
             "memory_per_rank needs a transformers model (model=DIR): the planner reads "
             "its config.json"
         )
-    first = plan_run(opts, zero3, calibration)
+    calibration = calibration or load_or_measure(local_ranks(opts.world_size))
+    first = plan_run(opts, zero3, calibration, peft_config=peft_config)
     layers = first.train["layers"]
     seen: list[Candidate] = []
-    for run, changes in _candidates(opts, zero3, layers, fixed):
+    for run, changes in _candidates(opts, zero3, layers, fixed, peft_config is not None):
         try:
             config = zero3.evolve(**changes)
         except ConfigError:
             continue  # a combination the configuration refuses
-        planned = plan_run(run, config, calibration)
+        planned = plan_run(run, config, calibration, peft_config=peft_config)
         host_ok = planned.host_peak_bytes <= budget
         device_ok = device_budget is None or planned.device_peak_bytes <= device_budget
         why = ""
@@ -211,6 +227,7 @@ def choose_config(
         considered=len(seen),
         budget=budget,
         device_budget=device_budget,
+        start=zero3,
     )
 
 

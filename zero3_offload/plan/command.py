@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,15 @@ from rich.table import Table
 
 from zero3_offload.errors import ConfigError, UsageError
 from zero3_offload.plan.budget_search import BudgetChoice, NothingFitsError, choose_config
-from zero3_offload.plan.calibration import Calibration, cache_path, load_or_measure
-from zero3_offload.plan.planner import plan_run
+from zero3_offload.plan.calibrate import load_or_measure
+from zero3_offload.plan.calibration import Calibration, cache_path
+from zero3_offload.plan.planner import local_ranks, plan_run
 from zero3_offload.plan.run_plan import RunPlan
 from zero3_offload.train.command import add_option_flags
 from zero3_offload.train.options import OPTIONS
 from zero3_offload.train.sources import OptionError, Resolved, resolve
 
-__all__ = ["add_plan", "fixed_options"]
+__all__ = ["add_plan", "choose_for_train", "fixed_options"]
 
 _DESCRIPTION = """\
 Predict a run of `zero3-offload train --model DIR` before starting it: per rank, the
@@ -96,14 +98,19 @@ def _plan(args: argparse.Namespace) -> int:
     opts, zero3 = resolved.train, resolved.zero3
     out, err = _console(), _console(stderr=True)
     if args.calibrate:
-        calibration = load_or_measure(opts.world_size, remeasure=True)
-        err.print(f"calibrated: {cache_path(opts.world_size)}", markup=False)
+        local = local_ranks(opts.world_size)
+        try:
+            calibration = load_or_measure(local, remeasure=True)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        err.print(f"calibrated: {cache_path(local)}", markup=False)
         if opts.model is None:
             out.print(_calibration_table(calibration))
             return 0
     if opts.model is None:
         raise UsageError("give --model DIR (a transformers model directory), or --calibrate")
     try:
+        figures = load_or_measure(local_ranks(opts.world_size))
         if opts.memory_per_rank:
             device = opts.device_memory or None
             choice = choose_config(
@@ -112,10 +119,11 @@ def _plan(args: argparse.Namespace) -> int:
                 opts.memory_per_rank,
                 device_budget=device,
                 fixed=fixed_options(resolved),
+                calibration=figures,
             )
             _print_choice(choice, out, err, as_json=args.json)
             return 0
-        planned = plan_run(opts, zero3)
+        planned = plan_run(opts, zero3, figures)
     except NothingFitsError as exc:
         if args.json:
             out.out(json.dumps({"fits": False, "error": str(exc)}, indent=2), highlight=False)
@@ -239,3 +247,48 @@ def _print_choice(choice: BudgetChoice, out: Console, err: Console, *, as_json: 
             runner.why,
         )
     err.print(table)
+
+
+def choose_for_train(args: argparse.Namespace) -> None:
+    """``zero3-offload train --memory-per-rank SIZE``: plan, say the choice on stderr, and
+    set the chosen options on ``args`` as flags, so the run trains with them. Nothing
+    happens without ``memory_per_rank`` (from a flag or a ``--config`` file).
+
+    Raises:
+        UsageError: a bad option, or no configuration fits (the smallest peak named).
+    """
+    flags = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
+    if "optimizer_betas" in flags:
+        flags["optimizer_betas"] = tuple(flags["optimizer_betas"])
+    try:
+        resolved = resolve(
+            flags,
+            config=Path(args.config) if args.config else None,
+            deepspeed=Path(args.deepspeed_config) if args.deepspeed_config else None,
+        )
+    except OptionError as exc:
+        raise UsageError(str(exc)) from None
+    opts = resolved.train
+    if not opts.memory_per_rank:
+        return
+    try:
+        choice = choose_config(
+            opts,
+            resolved.zero3,
+            opts.memory_per_rank,
+            device_budget=opts.device_memory or None,
+            fixed=fixed_options(resolved),
+        )
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    for name, value in choice.config_file().items():
+        setattr(args, name, value)
+    if os.environ.get("RANK", "0") == "0":
+        chosen = ", ".join(f"{k}={v}" for k, v in choice.config_file().items())
+        print(
+            f"memory_per_rank={opts.memory_per_rank}: chose {chosen} of "
+            f"{choice.considered} planned (predicted peak "
+            f"{_mib(choice.chosen.plan.host_peak_bytes)} MiB per rank, "
+            f"{choice.chosen.plan.predicted_step_s:.2f} s per step)",
+            file=sys.stderr,
+        )

@@ -48,14 +48,14 @@ from zero3_offload.memory.budget import disk_record_bytes
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.parameter.frozen_rows import SCRATCH_ELEMENTS
 from zero3_offload.plan.activation_probe import LayerActivations, probe_layer
-from zero3_offload.plan.calibration import Calibration, load_or_measure
+from zero3_offload.plan.calibration import Calibration
 from zero3_offload.plan.model_shape import ModelShape, meta_model
 from zero3_offload.plan.run_plan import RunPlan
 from zero3_offload.storage.record_file import aligned
 from zero3_offload.train.adapters import peft_config_of
 from zero3_offload.train.options import TrainOptions
 
-__all__ = ["plan", "plan_run"]
+__all__ = ["local_ranks", "plan_run"]
 
 _FP32 = 4
 _SHARED_MEMORY_BLOCK = 8 << 20  # engine: two blocks per rank
@@ -82,12 +82,6 @@ def _probe(directory: str, dtype: torch.dtype, peft: _Hashed, freeze: Any) -> La
     return probe_layer(directory, dtype=dtype, peft_config=peft.value, freeze=freeze)
 
 
-def _layer_activations(opts: TrainOptions, zero3: Zero3CpuOffloadConfig) -> LayerActivations:
-    peft = peft_config_of(opts)
-    key = repr(peft)
-    return _probe(str(opts.model), zero3.compute_dtype, _Hashed(key, peft), opts.freeze)
-
-
 @functools.lru_cache(maxsize=8)
 def _meta(directory: str, peft: _Hashed, freeze: Any) -> nn.Module:
     return meta_model(directory, peft_config=peft.value, freeze=freeze)
@@ -109,43 +103,27 @@ def _shape(
     return _shape_of(directory, key, world, peft, freeze)
 
 
-def plan(
-    model: str | os.PathLike[str],
-    zero3: Zero3CpuOffloadConfig | None = None,
-    *,
-    calibration: Calibration | None = None,
-    **train: Any,
-) -> RunPlan:
-    """Predict a run of ``zero3-offload train --model MODEL`` (see [Note: the plan's
-    memory model]).
-
-    Args:
-        model: a local transformers directory (only its ``config.json`` is read).
-        zero3: the configuration (default: ``Zero3CpuOffloadConfig()``).
-        calibration: this machine's figures (default: cached, measured when missing).
-        **train: fields of :class:`~zero3_offload.train.options.TrainOptions`:
-            ``world_size``, ``batch_size``, ``seq_len``, ``lora``, ``peft_config``,
-            ``freeze``, ``corpus_mb``, ...
-
-    Raises:
-        ConfigError: a bad option, or a model that cannot be built from its config.
-        CheckpointError: no readable ``config.json``.
-    """
-    opts = TrainOptions(model=str(model), **train)
-    return plan_run(opts, zero3 or Zero3CpuOffloadConfig(), calibration)
+def local_ranks(world_size: int) -> int:
+    """The ranks of a run of ``world_size`` on one host (torchrun's ``LOCAL_WORLD_SIZE``
+    when set): whose calibration applies."""
+    return min(world_size, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
 
 
 def plan_run(
-    opts: TrainOptions, zero3: Zero3CpuOffloadConfig, calibration: Calibration | None = None
+    opts: TrainOptions,
+    zero3: Zero3CpuOffloadConfig,
+    calibration: Calibration,
+    *,
+    peft_config: Any = None,
 ) -> RunPlan:
-    """Predict the run ``opts`` with ``zero3`` (``opts.model`` must be set)."""
+    """Predict the run ``opts`` with ``zero3`` (``opts.model`` must be set; its adapters
+    are ``opts``'s, or ``peft_config``)."""
     assert opts.model is not None, "the planner needs a transformers model directory"
     world = opts.world_size
-    local = min(world, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    cal = calibration or load_or_measure(local)
-    peft = peft_config_of(opts)
+    cal = calibration
+    peft = peft_config if peft_config is not None else peft_config_of(opts)
     shape = _shape(opts.model, zero3, world, _Hashed(repr(peft), peft), opts.freeze)
-    acts = _layer_activations(opts, zero3)
+    acts = _probe(str(opts.model), zero3.compute_dtype, _Hashed(repr(peft), peft), opts.freeze)
     memory = _Memory(opts, zero3, shape, acts, cal)
     seconds = _StepTime(opts, zero3, shape, cal).seconds()
     return memory.plan(seconds, opts)
@@ -212,7 +190,7 @@ class _Memory:
     def activations(self) -> dict[str, int]:
         zero3, acts = self.zero3, self.acts
         one = self.per_layer()
-        work = one + acts.temporaries.at(self.local_seq) * self.opts.batch_size
+        work = acts.temporaries.at(self.local_seq) * self.opts.batch_size
         if not zero3.activation_checkpointing:
             return {"activations": self.layers * one, "backward working set": work}
         inputs = self.tokens * acts.hidden_bytes_per_token
@@ -237,7 +215,7 @@ class _Memory:
         return tokens * vocab * _FP32 * _LOSS_COPIES
 
     def runtime(self) -> int:
-        adapters = self.opts.lora is not None or self.opts.peft_config is not None
+        adapters = self.shape.trainable < self.shape.params
         return self.cal.adapter_runtime_rss_bytes if adapters else self.cal.runtime_rss_bytes
 
     def shared_memory(self) -> int:
@@ -295,7 +273,12 @@ class _Memory:
             device, step = step, {"shared memory region": 0}
         largest = max((lay.param_numel for lay in self.shape.layouts.values()), default=0)
         load = {**runtime, **state, "a unit read whole": largest * _FP32}
-        at_forward_end = {**runtime, **state, **step}
+        # One micro-step per update: each layer's gradient shard is made in its backward and
+        # updated and let go at once, as its saved activations go: none at the forward's end.
+        held = (
+            state if self.zero3.gradient_accumulation_steps > 1 else {**state, "gradient shards": 0}
+        )
+        at_forward_end = {**runtime, **held, **step}
         optimizer = {
             **runtime,
             **state,
