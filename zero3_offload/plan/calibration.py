@@ -93,11 +93,17 @@ def _vm_rss() -> int:
 
 async def _rank_figures(ctx: RankContext, _settings: None) -> dict[str, Any]:
     """One rank's figures, all ranks working at once (a collective)."""
+    return _figures(ctx.group, ctx.world_size)
+
+
+def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]:
+    """This process's figures; with a ``group``, all its ranks working at once."""
     flops: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
         b = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
-        dist.barrier(group=ctx.group)
+        if group is not None:
+            dist.barrier(group=group)
         # The best of a few tries: other processes on the machine slow some of them.
         seconds = min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(_TRIES))
         flops[str(dtype).removeprefix("torch.")] = 2 * _MATMUL_N**3 / seconds
@@ -105,12 +111,12 @@ async def _rank_figures(ctx: RankContext, _settings: None) -> dict[str, Any]:
     dst = torch.empty_like(src)
     copy = _COPY_BYTES / _timed(lambda: dst.copy_(src))
     gather = copy
-    if ctx.world_size > 1:
-        part = torch.ones(_GATHER_BYTES // 4 // ctx.world_size)
-        outs = [torch.empty_like(part) for _ in range(ctx.world_size)]
-        dist.barrier(group=ctx.group)
-        seconds = _timed(lambda: dist.all_gather(outs, part, group=ctx.group))
-        gather = part.numel() * 4 * ctx.world_size / seconds
+    if group is not None and world_size > 1:
+        part = torch.ones(_GATHER_BYTES // 4 // world_size)
+        outs = [torch.empty_like(part) for _ in range(world_size)]
+        dist.barrier(group=group)
+        seconds = _timed(lambda: dist.all_gather(outs, part, group=group))
+        gather = part.numel() * 4 * world_size / seconds
     with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
         path = Path(tmp) / "probe.bin"
         data = os.urandom(_FILE_BYTES // 16) * 16
@@ -140,16 +146,24 @@ def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calib
     if ranks < 1:
         raise ConfigError(f"ranks={ranks} is invalid: must be >= 1")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
-    figures = asyncio.run(
-        run_ranks(
-            _rank_figures,
-            ranks,
-            None,
-            timeout_s=600.0,
-            threads_per_rank=threads,
-            mmap_threshold=1 << 20,
+    if ranks == 1:  # no group to join: measured here, with the rank's threads
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            figures = [_figures(None, 1)]
+        finally:
+            torch.set_num_threads(before)
+    else:
+        figures = asyncio.run(
+            run_ranks(
+                _rank_figures,
+                ranks,
+                None,
+                timeout_s=600.0,
+                threads_per_rank=threads,
+                mmap_threshold=1 << 20,
+            )
         )
-    )
     calibration = Calibration(
         ranks=ranks,
         threads_per_rank=threads,

@@ -61,6 +61,21 @@ def meta_model(
     return model
 
 
+def _cpu_need(zero3: Zero3CpuOffloadConfig, layouts: dict[str, LayerLayout]) -> CpuMemoryNeed:
+    """This rank's CPU bytes of shards, as the engine counts them (``engine.build_engine``)."""
+    on_disk_copies = zero3.offload_param_device.value == "nvme"
+    return cpu_memory_need(
+        zero3,
+        [lay.shard_numel for lay in layouts.values() if lay.numel],
+        torch.device(zero3.device),
+        disk_tier_buffers=_DISK_TIER_BUFFERS,
+        disk_copy_buffers=zero3.prefetch_buffer_size + _PARAM_READ_AHEAD + 1
+        if on_disk_copies
+        else 0,
+        frozen_numels=[lay.frozen.shard_numel for lay in layouts.values() if lay.frozen],
+    )
+
+
 @attrs.frozen(kw_only=True)
 class ModelShape:
     """The units of a model and what one rank of ``world_size`` holds of them."""
@@ -71,6 +86,7 @@ class ModelShape:
     decoder_units: tuple[str, ...]  # the units of the model's decoder layer class, in order
     other_units: tuple[str, ...]  # the other non-root units (input and output embeddings)
     cpu_need: CpuMemoryNeed  # this rank's shards, by kind (the engine's own count)
+    device_state_bytes: int  # the shards an accelerator holds (those not offloaded)
     params: int  # every parameter's elements
     trainable: int  # the trainable ones
     world_size: int
@@ -116,17 +132,20 @@ class ModelShape:
         decoder = tuple(n for n, m in unit_modules.items() if type(m).__name__ in classes)
         mapping = Zero3RankMapping(rank=0, world_size=world_size)
         layouts = build_layouts(dict(unit_params), mapping, frozen_align=frozen_codec.align)
-        with_params = [lay for lay in layouts.values() if lay.numel]
-        on_disk_copies = zero3.offload_param_device.value == "nvme"
-        need = cpu_memory_need(
-            zero3,
-            [lay.shard_numel for lay in with_params],
-            torch.device(zero3.device),
-            disk_tier_buffers=_DISK_TIER_BUFFERS,
-            disk_copy_buffers=zero3.prefetch_buffer_size + _PARAM_READ_AHEAD + 1
-            if on_disk_copies
-            else 0,
-            frozen_numels=[lay.frozen.shard_numel for lay in layouts.values() if lay.frozen],
+        need = _cpu_need(zero3, layouts)
+        # What is not offloaded lives on the device: the difference from offloading it all.
+        offloaded = zero3.evolve(
+            offload_params=True,
+            offload_grads=True,
+            offload_optimizer_states=True,
+            offload_param_device="cpu",
+            offload_optimizer_device="cpu",
+        )
+        on_device = (
+            _cpu_need(offloaded, layouts).total
+            - _cpu_need(
+                zero3.evolve(offload_param_device="cpu", offload_optimizer_device="cpu"), layouts
+            ).total
         )
         params = sum(lay.param_numel for lay in layouts.values())
         trainable = sum(lay.numel for lay in layouts.values())
@@ -137,6 +156,7 @@ class ModelShape:
             decoder_units=decoder,
             other_units=tuple(n for n in unit_modules if n not in decoder),
             cpu_need=need,
+            device_state_bytes=on_device if torch.device(zero3.device).type != "cpu" else 0,
             params=params,
             trainable=trainable,
             world_size=world_size,

@@ -271,6 +271,7 @@ class _Memory:
         device: dict[str, int] = {}
         if self.on_device:  # gathered units, activations and loss live on the device
             device, step = step, {"shared memory region": 0}
+            device["model state on the device"] = self.shape.device_state_bytes
         largest = max((lay.param_numel for lay in self.shape.layouts.values()), default=0)
         load = {**runtime, **state, "a unit read whole": largest * _FP32}
         # One micro-step per update: each layer's gradient shard is made in its backward and
@@ -312,6 +313,9 @@ class _Memory:
                 "peft_config": opts.peft_config,
                 "freeze": ",".join(opts.freeze) if opts.freeze else None,
                 "layers": self.layers,
+                "largest_unit": max(
+                    (lay.param_numel for lay in self.shape.layouts.values()), default=0
+                ),
             },
             params=self.shape.params,
             trainable=self.shape.trainable,
