@@ -204,8 +204,6 @@ class Zero3CpuOffloadManager:
         param_groups: Sequence[ParamGroup] | None = None,
         peft_config: Any = None,
         seed: int = 0,
-        memory_per_rank: int | None = None,
-        batch_shape: tuple[int, int] | None = None,
     ) -> Zero3CpuOffloadManager:
         """Build a module-mode manager from a local transformers model directory.
 
@@ -228,11 +226,6 @@ class Zero3CpuOffloadManager:
             seed: the seed the adapters are initialised from (with ``peft_config``;
                 ``zero3_offload.integrations.peft_pretrained.reset_adapters`` gives
                 the same values to a plain peft model).
-            memory_per_rank: choose ``config``'s memory options with the planner: the
-                fastest planned configuration whose peak RSS per rank fits these bytes
-                (see docs/planning.md); the fields it does not search stay ``config``'s.
-            batch_shape: with ``memory_per_rank``, the micro-batch each rank passes to
-                ``forward``: (sequences, tokens per sequence).
 
         Returns:
             The manager; ``manager.model`` is the transformers (or peft) model.
@@ -244,10 +237,7 @@ class Zero3CpuOffloadManager:
         """
         from zero3_offload.integrations.peft_pretrained import PeftPretrainedShards
         from zero3_offload.integrations.pretrained_load import PretrainedShards
-        from zero3_offload.plan.budget_config import config_for_budget
 
-        budget = (memory_per_rank, batch_shape, peft_config)
-        config = config_for_budget(config, process_group, path, *budget)
         opened = (
             PretrainedShards(path)
             if peft_config is None

@@ -1,7 +1,8 @@
 """Planning a run: its predicted peak memory, disk and step time per rank
 (:func:`plan`), and the fastest configuration that fits a memory budget
-(:func:`choose_config`). See docs/planning.md."""
+(:func:`choose_config`; for a manager, :func:`config_for_budget`). See docs/planning.md."""
 
+from zero3_offload.plan.budget_config import config_for_budget
 from zero3_offload.plan.budget_search import BudgetChoice, NothingFitsError, choose_config
 from zero3_offload.plan.calibrate import load_or_measure, measure
 from zero3_offload.plan.calibration import Calibration
@@ -15,6 +16,7 @@ __all__ = [
     "NothingFitsError",
     "RunPlan",
     "choose_config",
+    "config_for_budget",
     "load_or_measure",
     "measure",
     "plan",

@@ -1,5 +1,6 @@
-"""``config_for_budget()``: the manager's ``memory_per_rank=``, a configuration chosen
-by the planner for a model directory and a micro-batch shape, the same on every rank."""
+"""``config_for_budget()``: a manager's configuration chosen by the planner for a memory
+budget per rank, a model directory and a micro-batch shape, the same on every rank
+(``Zero3CpuOffloadManager.from_pretrained(config_for_budget(...), group, path)``)."""
 
 from __future__ import annotations
 
