@@ -99,6 +99,7 @@ def _plan(args: argparse.Namespace) -> int:
     out, err = _console(), _console(stderr=True)
     if args.calibrate:
         local = local_ranks(opts.world_size)
+        err.print(f"measuring this machine's figures for {local} local rank(s)", markup=False)
         try:
             calibration = load_or_measure(local, remeasure=True)
         except ConfigError as exc:
@@ -109,8 +110,15 @@ def _plan(args: argparse.Namespace) -> int:
             return 0
     if opts.model is None:
         raise UsageError("give --model DIR (a transformers model directory), or --calibrate")
+    local = local_ranks(opts.world_size)
+    if not cache_path(local).is_file() and not args.calibrate:
+        err.print(
+            f"measuring this machine's figures for {local} local rank(s) first (about a "
+            f"minute; cached in {cache_path(local)})",
+            markup=False,
+        )
     try:
-        figures = load_or_measure(local_ranks(opts.world_size))
+        figures = load_or_measure(local)
         if opts.memory_per_rank:
             device = opts.device_memory or None
             choice = choose_config(
