@@ -19,8 +19,9 @@ Every term is a byte count of tensors the run will hold, or a measurement:
   that keep them; with checkpointing each unit's input instead, plus the selective
   units' products and the one layer recomputed in backward; a tiled MLP's chunk
   instead of its whole intermediates;
-* ``backward working set``: the gradient of the layer being back-propagated, one
-  layer's saved tensors;
+* ``backward working set``: what one layer's forward allocates and frees again (the
+  gradient of the layer being back-propagated needs about as much); with checkpointing
+  only what exceeds the recomputed layer's saved tensors;
 * ``loss``: the logits of one loss chunk (or all of them without chunking), fp32,
   with their softmax and gradient;
 * ``shared memory``: the CPU collectives' region on more than one local rank;
@@ -205,7 +206,9 @@ class _Memory:
             out["checkpointed inputs"] = kept
         out["selective products"] = selective * products
         out["recomputed layer"] = one
-        out["backward working set"] = work
+        # Its forward's temporaries are gone before its backward, which frees its saved
+        # tensors as it goes: the larger of the two, not their sum.
+        out["backward working set"] = max(0, work - one)
         return out
 
     def loss(self) -> int:
