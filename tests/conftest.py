@@ -53,6 +53,7 @@ LONGEST_FIRST = (
     "test_examples.py",  # 56
     "test_pytest_plugin.py",  # 55
     "test_train.py",  # 45 (its stopped and killed rank with -m faults)
+    "test_plan.py",  # 50 (a calibration, three real runs)
     "test_frozen.py",  # 43
     "test_sequence_parallel.py",  # 41
     "test_module_mode.py",  # 37

@@ -293,12 +293,14 @@ def _export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = _Parser(prog=PROG, description="ZeRO-3 with CPU offloading: tools.")
-    from zero3_offload.train import add_train
+    from zero3_offload.plan.command import add_plan
+    from zero3_offload.train.command import add_train
 
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_analyze(commands)
     _add_consolidate(commands)
     _add_export(commands)
+    add_plan(commands)
     add_train(commands)
     return parser
 
@@ -319,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        if args.command == "train":  # --memory-per-rank: the planner chooses the options
+            from zero3_offload.plan.command import choose_for_train
+
+            choose_for_train(args)
         return int(args.handler(args))
     except UsageError as exc:
         _console(stderr=True).print(f"{PROG} {args.command}: error: {exc}", markup=False)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
 
 from zero3_offload.errors import ConfigError
 
-__all__ = ["LOW_RANK", "ProductSaving"]
+__all__ = ["LOW_RANK", "ProductSaving", "saves_product"]
 
 LOW_RANK = 4
 """A product is recomputed, not saved, when its output rows are more than this many
@@ -49,6 +49,13 @@ _PRODUCTS = {
     _aten.bmm.default: 0,
     _aten.baddbmm.default: 1,
 }
+
+
+def saves_product(op: Any, args: Sequence[Any]) -> bool:
+    """Whether a selectively checkpointed layer saves the output of ``op(*args)``: a
+    matrix product that is not low-rank (see [Note: saved products])."""
+    left = _PRODUCTS.get(op)
+    return left is not None and args[left].shape[-1] * LOW_RANK >= args[left + 1].shape[-1]
 
 
 class ProductSaving:
@@ -84,8 +91,7 @@ class ProductSaving:
         def policy(
             ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
         ) -> CheckpointPolicy:
-            left = _PRODUCTS.get(op)
-            if left is None or args[left].shape[-1] * LOW_RANK < args[left + 1].shape[-1]:
+            if not saves_product(op, args):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if not ctx.is_recompute:
                 record(ctx.op_output)

@@ -22,7 +22,7 @@ from zero3_offload.train.loop import TrainError
 from zero3_offload.train.options import OPTIONS, Option, parse_size
 from zero3_offload.train.sources import OptionError, resolve
 
-__all__ = ["add_train"]
+__all__ = ["add_option_flags", "add_train"]
 
 _DESCRIPTION = """\
 Train a byte-level GPT with ZeRO-3 and CPU offloading. The default run needs no
@@ -132,10 +132,15 @@ def add_train(commands: Any) -> None:
         action="store_true",
         help="print the effective options as a --config JSON file and exit",
     )
+    add_option_flags(parser)
+    parser.set_defaults(handler=_train)
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """Add a flag for every option of ``OPTIONS`` (default: not given), in its group."""
     groups = {key: parser.add_argument_group(title) for key, title in _GROUPS.items()}
     for option in OPTIONS.values():
         _add_flag(groups[option.section], option)
-    parser.set_defaults(handler=_train)
 
 
 def _speaks() -> bool:

@@ -393,6 +393,20 @@ class _Trainer:
         return step
 
 
+def _peak_rss() -> int:
+    """The kernel's high-water mark of this process's resident memory: ``VmHWM`` (Linux),
+    else ``ru_maxrss``. Linux's ``ru_maxrss`` carries the parent's mark over ``exec``, so
+    a rank started by a larger process would report that process's peak instead."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # not Linux: getrusage's figure below
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
 async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
     opts, rep, rank = trainer.opts, trainer.reporter, trainer.ctx.rank
     first = await trainer.resume() if opts.resume else 0
@@ -444,8 +458,7 @@ async def _loop(trainer: _Trainer, stop: _StopFlag) -> RankResult:
             if interrupted:
                 break
         final = await trainer.evaluate()
-        # The kernel's high-water mark of this rank's resident memory (Linux: KiB).
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = _peak_rss()
         log.info(
             "train_done",
             rank=rank,

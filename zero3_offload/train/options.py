@@ -154,6 +154,14 @@ class TrainOptions:
     bad_records: str = _choice("bad_records")
     """A record that cannot be an example (missing field, wrong type, empty conversation):
     fail (stop, naming its file and line or row) or skip (leave it out and count it)."""
+    memory_per_rank: int = int_field(0, 0, "bytes; 0 = off")
+    """Choose the memory options from this peak resident memory per rank (e.g. 6GiB; needs
+    model): the planner predicts each configuration's peak and step time and the fastest
+    that fits is trained (see docs/planning.md); options given on the command line or in
+    a config file are kept as given. 0: train with the options as given."""
+    device_memory: int = int_field(0, 0, "bytes; 0 = no limit")
+    """With memory_per_rank on an accelerator: the device memory per rank the chosen
+    configuration's device peak must fit in. 0: only the host peak is checked."""
     progress: bool | None = attrs.field(default=None, validator=_optional_bool)
     """Progress bar on rank 0 (default: only when stdout is a terminal)."""
     log_level: str = _choice("log_level")
@@ -170,6 +178,11 @@ class TrainOptions:
                 "is exported; the built-in GPT's checkpoints are in out=DIR"
             )
         _check_adapters(self)
+        if self.memory_per_rank and self.model is None:
+            raise ConfigError(
+                f"memory_per_rank={self.memory_per_rank} is invalid: the planner needs a "
+                "transformers model (model=DIR) whose config.json it reads"
+            )
 
 
 def _check_adapters(opts: TrainOptions) -> None:
@@ -226,7 +239,15 @@ class Option:
 
 
 # Byte counts accept suffixes (512MiB, 2GiB); which int fields hold bytes.
-_SIZE_FIELDS = frozenset({"cpu_memory_budget", "gpu_param_memory_budget", "prefetch_bucket_size"})
+_SIZE_FIELDS = frozenset(
+    {
+        "cpu_memory_budget",
+        "gpu_param_memory_budget",
+        "prefetch_bucket_size",
+        "memory_per_rank",
+        "device_memory",
+    }
+)
 _ALIASES = {
     "optimizer_weight_decay": ("--weight-decay",),
     "optimizer_betas": ("--betas",),

@@ -1,0 +1,180 @@
+"""``zero3-offload plan``: predicted peaks against real training runs, the JSON and table
+output, and ``--memory-per-rank``'s choice.
+
+Two tiny models with weights (a Llama and a Qwen2, built from configs) are trained for
+real with ``zero3-offload train`` on one rank; each rank's peak resident set (``VmHWM``,
+logged at the end) must be within ±10% of the plan's ``host_peak_bytes``. The machine's
+figures are measured once for the module (``plan.calibrate.measure``: its runtime comes
+from two training runs of a 32-wide Llama), and written where the command reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from zero3_offload import Zero3CpuOffloadConfig  # noqa: E402
+from zero3_offload.cli import main  # noqa: E402
+from zero3_offload.plan import NothingFitsError, choose_config, measure, plan  # noqa: E402
+from zero3_offload.plan.calibration import Calibration, cache_path  # noqa: E402
+from zero3_offload.train.options import TRAIN_DEFAULTS, TrainOptions  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = {"world_size": 1, "batch_size": 1, "seq_len": 512, "corpus_mb": 0.2}
+RUN_FLAGS = ["--steps", "3", "--eval-batches", "1", "--eval-every", "0", "--warmup-steps", "1"]
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plan")
+    common = dict(max_position_embeddings=1024, tie_word_embeddings=False, vocab_size=1024)
+    llama = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        **common,
+    )
+    qwen = transformers.Qwen2Config(
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        **common,
+    )
+    out = {}
+    for name, config, cls in (
+        ("llama", llama, transformers.LlamaForCausalLM),
+        ("qwen2", qwen, transformers.Qwen2ForCausalLM),
+    ):
+        cls(config).save_pretrained(root / name)  # weights: the run loads with from_pretrained
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory: pytest.TempPathFactory) -> tuple[Calibration, dict[str, str]]:
+    """The figures of this machine for one rank, and an environment whose cache has them."""
+    figures = measure(1)
+    cache = tmp_path_factory.mktemp("cache")
+    env = {"XDG_CACHE_HOME": str(cache)}
+    path = cache_path(1).relative_to(cache_path(1).parents[1])
+    (cache / path).parent.mkdir(parents=True)
+    (cache / path).write_text(json.dumps(figures.to_dict()))
+    return figures, env
+
+
+def measured_peak(model: Path, out: Path, *flags: str, env: dict[str, str]) -> tuple[int, str]:
+    """The peak RSS of a real ``zero3-offload train`` run (largest rank), and its stderr."""
+    args = ["--model", str(model), "--out", str(out), *RUN_FLAGS, *flags]
+    args += ["--world-size", "1", "--batch-size", "1", "--seq-len", "512", "--corpus-mb", "0.2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "zero3_offload", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**__import__("os").environ, **env},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = [
+        record["peak_rss_bytes"]
+        for log in (out / "logs").glob("rank*.jsonl")
+        for record in map(json.loads, log.read_text().splitlines())
+        if record["event"] == "train_done"
+    ]
+    return max(peaks), done.stderr
+
+
+def within(predicted: int, measured: int) -> bool:
+    return abs(predicted - measured) <= TOLERANCE * measured
+
+
+def test_a_full_run_peaks_as_planned(
+    models: dict[str, Path], calibration: tuple[Calibration, dict[str, str]], tmp_path: Path
+) -> None:
+    figures, env = calibration
+    config = Zero3CpuOffloadConfig(**TRAIN_DEFAULTS, activation_checkpointing=True)
+    planned = plan(models["llama"], config, calibration=figures, **RUN)
+    measured, _ = measured_peak(
+        models["llama"], tmp_path / "run", "--activation-checkpointing", env=env
+    )
+    assert within(planned.host_peak_bytes, measured), (planned.host_peak_bytes, measured)
+    assert planned.host_peak_bytes == sum(planned.breakdown.values())
+    # The model state is the engine's own count: an fp32 master and AdamW's two moments per
+    # parameter (the gradient shards are let go before the forward's end: one micro-step).
+    state = ("master shards", "optimizer state")
+    assert sum(planned.breakdown[k] for k in state) >= 12 * planned.params
+
+
+def test_memory_per_rank_chooses_a_lora_run_that_fits_and_trains(
+    models: dict[str, Path], calibration: tuple[Calibration, dict[str, str]], tmp_path: Path
+) -> None:
+    figures, env = calibration
+    opts = TrainOptions(model=str(models["qwen2"]), lora="r=8", **RUN)
+    start = Zero3CpuOffloadConfig(**TRAIN_DEFAULTS)
+    default = plan(models["qwen2"], start, calibration=figures, lora="r=8", **RUN)
+    budget = default.host_peak_bytes - (8 << 20)  # the defaults do not fit
+    choice = choose_config(opts, start, budget, calibration=figures)
+    assert choice.chosen.plan.host_peak_bytes <= budget < default.host_peak_bytes
+    assert choice.config_file(), "something had to change"
+    assert all(c.why for c in choice.runners_up)
+    faster_fitting = [
+        r
+        for r in choice.runners_up
+        if r.fits and r.plan.predicted_step_s < choice.chosen.plan.predicted_step_s
+    ]
+    assert faster_fitting == []
+    measured, stderr = measured_peak(
+        models["qwen2"],
+        tmp_path / "run",
+        "--lora",
+        "r=8",
+        "--memory-per-rank",
+        str(budget),
+        env=env,
+    )
+    assert "memory_per_rank=" in stderr and "chose" in stderr
+    assert within(choice.chosen.plan.host_peak_bytes, measured), (
+        choice.chosen.plan.host_peak_bytes,
+        measured,
+    )
+    with pytest.raises(NothingFitsError, match="the smallest peak is") as caught:
+        choose_config(opts, start, 64 << 20, calibration=figures)
+    assert caught.value.smallest.host_peak_bytes > 64 << 20
+
+
+def test_the_plan_command_prints_a_table_and_json(
+    models: dict[str, Path],
+    calibration: tuple[Calibration, dict[str, str]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, env = calibration
+    monkeypatch.setenv("XDG_CACHE_HOME", env["XDG_CACHE_HOME"])
+    args = ["plan", "--model", str(models["llama"]), "--seq-len", "256", "--batch-size", "2"]
+    args += ["--world-size", "1", "--activation-checkpointing"]
+    assert main([*args, "--json"]) == 0
+    data: dict[str, Any] = json.loads(capsys.readouterr().out)
+    keys = {"host_peak_bytes", "device_peak_bytes", "disk_bytes", "breakdown", "predicted_step_s"}
+    assert keys <= set(data)
+    assert data["config"]["activation_checkpointing"] is True
+    assert data["config"] == Zero3CpuOffloadConfig.from_dict(data["config"]).to_dict()
+    assert data["host_peak_bytes"] == sum(data["breakdown"].values())
+    assert data["device_peak_bytes"] == 0 and data["disk_bytes"] == 0  # cpu, no disk tier
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "total (peak RSS)" in table and f"{data['host_peak_bytes'] / 2**20:,.1f}" in table
+    assert main(["plan", "--seq-len", "256"]) == 2
+    assert "give --model" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""Calibrating the planner: this machine's figures, measured once and cached.
+
+``measure()`` takes the timed figures of :func:`~zero3_offload.plan.calibration.
+measure_figures` and measures the runtime every rank holds whatever its model: it
+trains a two-layer, 32-wide Llama for three steps with ``zero3-offload train`` on the
+same number of local ranks, with and without LoRA adapters, and takes each run's peak
+resident set (``VmHWM``) less the planner's figure for that model's own tensors (under
+1 MiB, and the collectives' shared-memory region): what remains is torch, transformers
+and this library loaded, the autograd engine, thread pools and the C heap's arenas.
+:func:`load_or_measure` reads the cache (:func:`~zero3_offload.plan.calibration.
+cache_path`), measuring first when it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+
+from zero3_offload import logging as zlogging
+from zero3_offload.config import Zero3CpuOffloadConfig
+from zero3_offload.errors import ConfigError
+from zero3_offload.plan.calibration import VERSION, Calibration, cache_path, measure_figures
+from zero3_offload.plan.planner import plan_run
+from zero3_offload.train.options import TRAIN_DEFAULTS, TrainOptions
+
+__all__ = ["load_or_measure", "measure"]
+
+log = zlogging.get_logger(__name__)
+
+_TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+_CORPUS_MB = 0.05
+_TINY_RUN = (
+    "--steps",
+    "3",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "1",
+    "--corpus-mb",
+    str(_CORPUS_MB),
+)
+_TINY_RUN += ("--eval-batches", "1", "--eval-every", "0", "--warmup-steps", "1")
+
+
+def _runtime(calibration: Calibration, ranks: int, *, adapters: bool) -> int:
+    """A rank's peak resident set training a tiny Llama, less the planner's figure for
+    that model's tensors (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
+        model = Path(tmp) / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(_TINY))
+        lora = ("--lora", "r=4") if adapters else ()
+        args = ("--model", str(model), "--world-size", str(ranks), "--out", f"{tmp}/run")
+        command = [sys.executable, "-m", "zero3_offload", "train", *args, *_TINY_RUN, *lora]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise ConfigError(f"calibration: the tiny training run failed: {done.stderr[-2000:]}")
+        peaks = [
+            record["peak_rss_bytes"]
+            for log_file in Path(tmp, "run", "logs").glob("rank*.jsonl")
+            for record in map(json.loads, log_file.read_text().splitlines())
+            if record.get("event") == "train_done"
+        ]
+        opts = TrainOptions(
+            model=str(model),
+            world_size=ranks,
+            seq_len=32,
+            batch_size=1,
+            corpus_mb=_CORPUS_MB,
+            lora="r=4" if adapters else None,
+        )
+        tiny = plan_run(opts, Zero3CpuOffloadConfig(**TRAIN_DEFAULTS), calibration)
+    return max(peaks) - tiny.host_peak_bytes
+
+
+def measure(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
+    """Measure this machine's figures with ``ranks`` local ranks (each with
+    ``threads_per_rank`` torch threads; default: the cores divided by the ranks)."""
+    started = time.perf_counter()
+    calibration = measure_figures(ranks, threads_per_rank=threads_per_rank)
+    calibration = attrs.evolve(
+        calibration,
+        runtime_rss_bytes=_runtime(calibration, ranks, adapters=False),
+        adapter_runtime_rss_bytes=_runtime(calibration, ranks, adapters=True),
+    )
+    log.info("calibrated", seconds=time.perf_counter() - started, **calibration.to_dict())
+    return calibration
+
+
+def load_or_measure(ranks: int, *, remeasure: bool = False) -> Calibration:
+    """The cached figures for ``ranks`` local ranks, measured and cached first when
+    there are none (or ``remeasure``)."""
+    path = cache_path(ranks)
+    if not remeasure and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == VERSION:
+                return Calibration(**data)
+        except (OSError, ValueError, TypeError):
+            log.warning("unreadable calibration cache, measuring again", path=str(path))
+    calibration = measure(ranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(calibration.to_dict(), indent=2))
+    tmp.replace(path)
+    return calibration

@@ -1,0 +1,179 @@
+"""``Calibration``: this machine's figures that turn a plan's bytes and FLOPs into time.
+
+:func:`measure_figures` times, once: a matrix product (FLOP/s per rank, with the
+threads each of the run's local ranks gets, all ranks computing at once; the best of a
+few tries), a memory copy (bytes/s), a gloo all-gather between local ranks (bytes/s),
+and writing and reading a file (bytes/s). ``plan.calibrate`` adds the runtime's memory
+and caches the figures as JSON in the user's cache directory (:func:`cache_path`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from zero3_offload import logging as zlogging
+from zero3_offload.errors import ConfigError
+from zero3_offload.testing import RankContext, run_ranks
+
+__all__ = ["VERSION", "Calibration", "cache_path", "measure_figures"]
+
+log = zlogging.get_logger(__name__)
+
+VERSION = 1
+"""The cache file's format; a file of another version is measured again."""
+_MATMUL_N = 1024
+_COPY_BYTES = 64 << 20
+_GATHER_BYTES = 16 << 20
+_FILE_BYTES = 128 << 20
+_MIN_S = 0.3
+_TRIES = 5
+
+
+@attrs.frozen(kw_only=True)
+class Calibration:
+    """Measured figures of this machine for ``ranks`` local ranks."""
+
+    ranks: int
+    threads_per_rank: int
+    matmul_flops: dict[str, float]  # dtype name -> FLOP/s of one rank, all ranks busy
+    copy_bytes_per_s: float
+    gather_bytes_per_s: float  # all-gather output bytes per second on one rank
+    disk_write_bytes_per_s: float
+    disk_read_bytes_per_s: float
+    runtime_rss_bytes: int  # a rank's resident memory besides its model's tensors
+    adapter_runtime_rss_bytes: int  # the same with LoRA adapters (peft loaded)
+    measured_at: float
+    version: int = VERSION
+
+    def flops(self, dtype: torch.dtype) -> float:
+        name = str(dtype).removeprefix("torch.")
+        return self.matmul_flops.get(name) or self.matmul_flops["float32"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def cache_path(ranks: int) -> Path:
+    """Where the figures for ``ranks`` local ranks are cached:
+    ``$XDG_CACHE_HOME/zero3_offload/calibration-<ranks>.json``, else under ``~/.cache``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "zero3_offload" / f"calibration-{ranks}.json"
+
+
+def _timed(work: Any) -> float:
+    """Seconds per call of ``work``, repeated for at least ``_MIN_S``."""
+    work()  # warm up
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < _MIN_S or n < 3:
+        work()
+        n += 1
+    return elapsed / n
+
+
+def _vm_rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+async def _rank_figures(ctx: RankContext, _settings: None) -> dict[str, Any]:
+    """One rank's figures, all ranks working at once (a collective)."""
+    return _figures(ctx.group, ctx.world_size)
+
+
+def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]:
+    """This process's figures; with a ``group``, all its ranks working at once."""
+    flops: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
+        b = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
+        if group is not None:
+            dist.barrier(group=group)
+        # The best of a few tries: other processes on the machine slow some of them.
+        seconds = min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(_TRIES))
+        flops[str(dtype).removeprefix("torch.")] = 2 * _MATMUL_N**3 / seconds
+    src = torch.ones(_COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    copy = _COPY_BYTES / _timed(lambda: dst.copy_(src))
+    gather = copy
+    if group is not None and world_size > 1:
+        part = torch.ones(_GATHER_BYTES // 4 // world_size)
+        outs = [torch.empty_like(part) for _ in range(world_size)]
+        dist.barrier(group=group)
+        seconds = _timed(lambda: dist.all_gather(outs, part, group=group))
+        gather = part.numel() * 4 * world_size / seconds
+    with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
+        path = Path(tmp) / "probe.bin"
+        data = os.urandom(_FILE_BYTES // 16) * 16
+        start = time.perf_counter()
+        with path.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        write = _FILE_BYTES / (time.perf_counter() - start)
+        start = time.perf_counter()
+        with path.open("rb") as f:
+            while f.read(8 << 20):
+                pass
+        read = _FILE_BYTES / (time.perf_counter() - start)
+    return {
+        "flops": flops,
+        "copy": copy,
+        "gather": gather,
+        "write": write,
+        "read": read,
+    }
+
+
+def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
+    """The timed figures (FLOP/s, bandwidths) with ``ranks`` local ranks; the runtime's
+    memory is left at 0 (see ``plan.calibrate.measure``)."""
+    if ranks < 1:
+        raise ConfigError(f"ranks={ranks} is invalid: must be >= 1")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+    if ranks == 1:  # no group to join: measured here, with the rank's threads
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            figures = [_figures(None, 1)]
+        finally:
+            torch.set_num_threads(before)
+    else:
+        figures = asyncio.run(
+            run_ranks(
+                _rank_figures,
+                ranks,
+                None,
+                timeout_s=600.0,
+                threads_per_rank=threads,
+                mmap_threshold=1 << 20,
+            )
+        )
+    calibration = Calibration(
+        ranks=ranks,
+        threads_per_rank=threads,
+        matmul_flops={k: min(f["flops"][k] for f in figures) for k in figures[0]["flops"]},
+        copy_bytes_per_s=min(f["copy"] for f in figures),
+        gather_bytes_per_s=min(f["gather"] for f in figures),
+        disk_write_bytes_per_s=min(f["write"] for f in figures),
+        disk_read_bytes_per_s=min(f["read"] for f in figures),
+        runtime_rss_bytes=0,
+        adapter_runtime_rss_bytes=0,
+        measured_at=time.time(),
+    )
+    return calibration
