@@ -15,7 +15,7 @@ from pathlib import Path
 from harness.render import RESULTS_DIR, machine_info, markdown, write
 from harness.runner import progress
 
-NAMES = "optimizer overlap peers hf_peers scaling pretrained_load soak wire"
+NAMES = "optimizer overlap peers hf_peers scaling pretrained_load soak"
 NAMES += " long_context plan_accuracy"
 SUITES = {n.replace("_", "-"): importlib.import_module(f"suites.{n}") for n in NAMES.split()}
 SUITES["nvme"] = importlib.import_module("suites.nvme")

@@ -1,4 +1,4 @@
-"""The ``zero3-offload train`` job as a user runs it (soak, wire): its command, run by the job
+"""The ``zero3-offload train`` job as a user runs it (soak): its command, run by the job
 runner, its ranks (the descendants holding ``logs/rank<r>.jsonl`` open) sampled from outside,
 and their JSON logs read with ``zero3_offload.analyze`` (and the lines it does not parse)."""
 
