@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -25,9 +24,9 @@ from zero3_offload.plan.calibrate import load_or_measure
 from zero3_offload.plan.calibration import Calibration, cache_path
 from zero3_offload.plan.planner import local_ranks, plan_run
 from zero3_offload.plan.run_plan import RunPlan
-from zero3_offload.train.command import add_option_flags
+from zero3_offload.train.command import add_option_flags, resolve_args
 from zero3_offload.train.options import OPTIONS
-from zero3_offload.train.sources import OptionError, Resolved, resolve
+from zero3_offload.train.sources import Resolved
 
 __all__ = ["add_plan", "choose_for_train", "fixed_options"]
 
@@ -88,13 +87,7 @@ def fixed_options(resolved: Resolved) -> set[str]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    flags = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
-    if "optimizer_betas" in flags:
-        flags["optimizer_betas"] = tuple(flags["optimizer_betas"])
-    try:
-        resolved = resolve(flags, config=Path(args.config) if args.config else None)
-    except OptionError as exc:
-        raise UsageError(str(exc)) from None
+    resolved = resolve_args(args)
     opts, zero3 = resolved.train, resolved.zero3
     out, err = _console(), _console(stderr=True)
     if args.calibrate:
@@ -265,17 +258,7 @@ def choose_for_train(args: argparse.Namespace) -> None:
     Raises:
         UsageError: a bad option, or no configuration fits (the smallest peak named).
     """
-    flags = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
-    if "optimizer_betas" in flags:
-        flags["optimizer_betas"] = tuple(flags["optimizer_betas"])
-    try:
-        resolved = resolve(
-            flags,
-            config=Path(args.config) if args.config else None,
-            deepspeed=Path(args.deepspeed_config) if args.deepspeed_config else None,
-        )
-    except OptionError as exc:
-        raise UsageError(str(exc)) from None
+    resolved = resolve_args(args)
     opts = resolved.train
     if not opts.memory_per_rank:
         return

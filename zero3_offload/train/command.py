@@ -20,9 +20,9 @@ from zero3_offload.testing import RankFailedError
 from zero3_offload.train.launch import launch
 from zero3_offload.train.loop import TrainError
 from zero3_offload.train.options import OPTIONS, Option, parse_size
-from zero3_offload.train.sources import OptionError, resolve
+from zero3_offload.train.sources import OptionError, Resolved, resolve
 
-__all__ = ["add_option_flags", "add_train"]
+__all__ = ["add_option_flags", "add_train", "resolve_args"]
 
 _DESCRIPTION = """\
 Train a byte-level GPT with ZeRO-3 and CPU offloading. The default run needs no
@@ -148,19 +148,29 @@ def _speaks() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _train(args: argparse.Namespace) -> int:
+def resolve_args(args: argparse.Namespace) -> Resolved:
+    """The options of a parsed ``train`` or ``plan`` command line: its flags over its
+    configuration files (``--config``, and ``--deepspeed-config`` where it has one).
 
+    Raises:
+        UsageError: for options that do not resolve (the message says which and why).
+    """
     flags = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
     if "optimizer_betas" in flags:
         flags["optimizer_betas"] = tuple(flags["optimizer_betas"])
+    deepspeed = getattr(args, "deepspeed_config", None)
     try:
-        resolved = resolve(
+        return resolve(
             flags,
             config=Path(args.config) if args.config else None,
-            deepspeed=Path(args.deepspeed_config) if args.deepspeed_config else None,
+            deepspeed=Path(deepspeed) if deepspeed else None,
         )
     except OptionError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _train(args: argparse.Namespace) -> int:
+    resolved = resolve_args(args)
     if _speaks():
         for note in resolved.notes:
             print(note, file=sys.stderr)
