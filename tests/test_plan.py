@@ -11,20 +11,28 @@ from two training runs of a 32-wide Llama), and written where the command reads 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from zero3_offload import Zero3CpuOffloadConfig  # noqa: E402
+from helpers import run_named  # noqa: E402
+
+from zero3_offload import ConfigError, Zero3CpuOffloadConfig, Zero3CpuOffloadManager  # noqa: E402
 from zero3_offload.cli import main  # noqa: E402
 from zero3_offload.plan import NothingFitsError, choose_config, measure, plan  # noqa: E402
+from zero3_offload.plan.budget_config import _FIXED  # noqa: E402
 from zero3_offload.plan.calibration import Calibration, cache_path  # noqa: E402
+from zero3_offload.plan.planner import plan_run  # noqa: E402
+from zero3_offload.testing import RankContext  # noqa: E402
+from zero3_offload.train.adapters import peft_config_of  # noqa: E402
 from zero3_offload.train.options import TRAIN_DEFAULTS, TrainOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,9 +77,10 @@ def calibration(tmp_path_factory: pytest.TempPathFactory) -> tuple[Calibration, 
     figures = measure(1)
     cache = tmp_path_factory.mktemp("cache")
     env = {"XDG_CACHE_HOME": str(cache)}
-    path = cache_path(1).relative_to(cache_path(1).parents[1])
-    (cache / path).parent.mkdir(parents=True)
-    (cache / path).write_text(json.dumps(figures.to_dict()))
+    for ranks in (1, 2):  # the 2-rank manager below plans with the same figures
+        path = cache_path(ranks).relative_to(cache_path(ranks).parents[1])
+        (cache / path).parent.mkdir(parents=True, exist_ok=True)
+        (cache / path).write_text(json.dumps(figures.to_dict()))
     return figures, env
 
 
@@ -178,3 +187,61 @@ def test_the_plan_command_prints_a_table_and_json(
     assert "total (peak RSS)" in table and f"{data['host_peak_bytes'] / 2**20:,.1f}" in table
     assert main(["plan", "--seq-len", "256"]) == 2
     assert "give --model" in capsys.readouterr().err
+
+
+async def budget_manager(
+    ctx: RankContext, path: str, cache: str, peft: Any, budget: int | str
+) -> dict[str, Any] | str:
+    """``from_pretrained(memory_per_rank=budget)`` of a LoRA model on this rank, planned
+    from the cache under ``cache``: its configuration after a step, or the error."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = cache
+    try:
+        manager = Zero3CpuOffloadManager.from_pretrained(
+            Zero3CpuOffloadConfig(**TRAIN_DEFAULTS),
+            ctx.group,
+            path,
+            peft_config=peft,
+            memory_per_rank=budget,
+            batch_shape=(1, 512),
+        )
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        if before is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+    async with manager:
+        ids = torch.randint(0, 1024, (1, 512), generator=torch.Generator().manual_seed(ctx.rank))
+        out = await manager.forward(input_ids=ids, labels=ids)
+        await manager.backward(out.loss)
+        await manager.optimizer_step(1e-3)
+        return manager.config.to_dict()
+
+
+def test_the_manager_takes_memory_per_rank(
+    models: dict[str, Path], calibration: tuple[Calibration, dict[str, str]]
+) -> None:
+    """Rank 0 plans for the budget, every rank trains its choice; when nothing fits,
+    every rank raises the planner's message."""
+    figures, env = calibration
+    path = str(models["qwen2"])
+    peft = peft_config_of(TrainOptions(model=path, lora="r=8"))
+    opts = TrainOptions(model=path, world_size=2, batch_size=1, seq_len=512)
+    start = Zero3CpuOffloadConfig(**TRAIN_DEFAULTS)
+    default = plan_run(opts, start, figures, peft_config=peft)
+    budget = default.host_peak_bytes - (8 << 20)  # the defaults do not fit
+    want = choose_config(opts, start, budget, fixed=_FIXED, calibration=figures, peft_config=peft)
+    cache = env["XDG_CACHE_HOME"]
+    results = run_named(
+        2,
+        {
+            "fits": (budget_manager, path, cache, peft, budget),
+            "too small": (budget_manager, path, cache, peft, "64MiB"),
+        },
+    )
+    assert want.chosen.changes, "something had to change"
+    assert results["fits"] == [want.chosen.zero3.to_dict()] * 2
+    for message in results["too small"]:
+        assert "memory_per_rank=64MiB" in message and "the smallest peak is" in message

@@ -204,6 +204,8 @@ class Zero3CpuOffloadManager:
         param_groups: Sequence[ParamGroup] | None = None,
         peft_config: Any = None,
         seed: int = 0,
+        memory_per_rank: int | str | None = None,
+        batch_shape: tuple[int, int] | None = None,
     ) -> Zero3CpuOffloadManager:
         """Build a module-mode manager from a local transformers model directory.
 
@@ -226,18 +228,32 @@ class Zero3CpuOffloadManager:
             seed: the seed the adapters are initialised from (with ``peft_config``;
                 ``zero3_offload.integrations.peft_pretrained.reset_adapters`` gives
                 the same values to a plain peft model).
+            memory_per_rank: a peak resident memory per rank (bytes, or e.g. ``"6GiB"``):
+                the memory options of ``config`` are replaced by the planner's fastest
+                choice that fits it, as ``zero3-offload train --memory-per-rank`` does
+                (``zero3_offload.plan.config_for_budget``; a collective: rank 0 plans,
+                every rank trains its choice, logged as ``memory_per_rank_chosen``).
+            batch_shape: with ``memory_per_rank``: (sequences, tokens per sequence) of
+                the micro-batch each rank will pass to ``forward``, which the plan is
+                for; the accumulation and the sequence parallelism stay ``config``'s.
 
         Returns:
             The manager; ``manager.model`` is the transformers (or peft) model.
 
         Raises:
-            ConfigError: when transformers is missing or cannot build the config.
+            ConfigError: when transformers is missing or cannot build the config; with
+                ``memory_per_rank``, without ``batch_shape`` or when no configuration
+                fits (the message names the smallest peak and what holds it).
             CheckpointError: for a missing or hostile directory, or weights that do
                 not match the config.
         """
         from zero3_offload.integrations.peft_pretrained import PeftPretrainedShards
         from zero3_offload.integrations.pretrained_load import PretrainedShards
+        from zero3_offload.plan.budget_config import config_for_budget
 
+        config = config_for_budget(
+            config, process_group, path, memory_per_rank, batch_shape, peft_config
+        )
         opened = (
             PretrainedShards(path)
             if peft_config is None
