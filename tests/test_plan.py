@@ -27,7 +27,7 @@ from helpers import run_named  # noqa: E402
 
 from zero3_offload import ConfigError, Zero3CpuOffloadConfig, Zero3CpuOffloadManager  # noqa: E402
 from zero3_offload.cli import main  # noqa: E402
-from zero3_offload.plan import NothingFitsError, choose_config, measure, plan  # noqa: E402
+from zero3_offload.plan import MemoryBudget, NothingFitsError, choose_config, measure, plan  # noqa: E402
 from zero3_offload.plan.budget_config import _FIXED  # noqa: E402
 from zero3_offload.plan.calibration import Calibration, cache_path  # noqa: E402
 from zero3_offload.plan.planner import plan_run  # noqa: E402
@@ -202,8 +202,7 @@ async def budget_manager(
             ctx.group,
             path,
             peft_config=peft,
-            memory_per_rank=budget,
-            batch_shape=(1, 512),
+            memory_per_rank=MemoryBudget(budget, batch_shape=(1, 512)),
         )
     except ConfigError as exc:
         return str(exc)
@@ -238,10 +237,12 @@ def test_the_manager_takes_memory_per_rank(
         2,
         {
             "fits": (budget_manager, path, cache, peft, budget),
-            "too small": (budget_manager, path, cache, peft, "64MiB"),
+            "too small": (budget_manager, path, cache, peft, "64MiB"),  # 64 MiB
         },
     )
     assert want.chosen.changes, "something had to change"
+    with pytest.raises(ConfigError, match="give zero3_offload.plan.MemoryBudget"):
+        Zero3CpuOffloadManager.from_pretrained(start, None, path, memory_per_rank=budget)
     assert results["fits"] == [want.chosen.zero3.to_dict()] * 2
     for message in results["too small"]:
-        assert "memory_per_rank=64MiB" in message and "the smallest peak is" in message
+        assert "memory_per_rank=67108864" in message and "the smallest peak is" in message

@@ -35,11 +35,12 @@ from zero3_offload.engine.call_recovery import CallRecovery
 from zero3_offload.engine.engine import Engine, build_engine
 from zero3_offload.engine.model_units import UnitSpec
 from zero3_offload.engine.step_state import StepState
-from zero3_offload.errors import StateError, StepAbandonedError, Zero3Error
+from zero3_offload.errors import ConfigError, StateError, StepAbandonedError, Zero3Error
 from zero3_offload.execution.arguments import check_lr, check_step_call, check_tokens
 from zero3_offload.execution.chain_runner import ChainRunner, forward_phase
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.logging import get_logger
+from zero3_offload.memory.budget_chooser import BudgetChooser
 from zero3_offload.memory.memory_stats import Zero3MemoryStats
 from zero3_offload.optimizer_state.optimizer_plan import ParamGroup
 from zero3_offload.parameter.flat_layout import owned_numel, total_numel
@@ -204,8 +205,7 @@ class Zero3CpuOffloadManager:
         param_groups: Sequence[ParamGroup] | None = None,
         peft_config: Any = None,
         seed: int = 0,
-        memory_per_rank: int | str | None = None,
-        batch_shape: tuple[int, int] | None = None,
+        memory_per_rank: BudgetChooser | None = None,
     ) -> Zero3CpuOffloadManager:
         """Build a module-mode manager from a local transformers model directory.
 
@@ -228,32 +228,33 @@ class Zero3CpuOffloadManager:
             seed: the seed the adapters are initialised from (with ``peft_config``;
                 ``zero3_offload.integrations.peft_pretrained.reset_adapters`` gives
                 the same values to a plain peft model).
-            memory_per_rank: a peak resident memory per rank (bytes, or e.g. ``"6GiB"``):
-                the memory options of ``config`` are replaced by the planner's fastest
-                choice that fits it, as ``zero3-offload train --memory-per-rank`` does
-                (``zero3_offload.plan.config_for_budget``; a collective: rank 0 plans,
-                every rank trains its choice, logged as ``memory_per_rank_chosen``).
-            batch_shape: with ``memory_per_rank``: (sequences, tokens per sequence) of
-                the micro-batch each rank will pass to ``forward``, which the plan is
-                for; the accumulation and the sequence parallelism stay ``config``'s.
+            memory_per_rank: ``zero3_offload.plan.MemoryBudget(size, batch_shape)``: the
+                memory options of ``config`` are replaced by the planner's fastest choice
+                whose peak fits ``size`` per rank for that micro-batch, as
+                ``zero3-offload train --memory-per-rank`` does (a collective: rank 0
+                plans, every rank trains its choice, logged as ``memory_per_rank_chosen``).
 
         Returns:
             The manager; ``manager.model`` is the transformers (or peft) model.
 
         Raises:
             ConfigError: when transformers is missing or cannot build the config; with
-                ``memory_per_rank``, without ``batch_shape`` or when no configuration
-                fits (the message names the smallest peak and what holds it).
+                ``memory_per_rank``, when no configuration fits (the message names the
+                smallest peak and what holds it).
             CheckpointError: for a missing or hostile directory, or weights that do
                 not match the config.
         """
         from zero3_offload.integrations.peft_pretrained import PeftPretrainedShards
         from zero3_offload.integrations.pretrained_load import PretrainedShards
-        from zero3_offload.plan.budget_config import config_for_budget
 
-        config = config_for_budget(
-            config, process_group, path, memory_per_rank, batch_shape, peft_config
-        )
+        if memory_per_rank is not None:
+            if not isinstance(memory_per_rank, BudgetChooser):
+                raise ConfigError(
+                    f"memory_per_rank={memory_per_rank!r}: give "
+                    "zero3_offload.plan.MemoryBudget(size, batch_shape=(sequences, tokens)), "
+                    "the budget and the micro-batch the plan is for"
+                )
+            config = memory_per_rank.choose(config, process_group, path, peft_config)
         opened = (
             PretrainedShards(path)
             if peft_config is None
@@ -268,12 +269,8 @@ class Zero3CpuOffloadManager:
                 shard_source=pretrained.shard,
                 param_groups=param_groups,
             )
-        log.info(
-            "pretrained_loaded",
-            rank=manager.rank,
-            path=str(path),
-            bytes_read=pretrained.bytes_read,
-        )
+        read = pretrained.bytes_read
+        log.info("pretrained_loaded", rank=manager.rank, path=str(path), bytes_read=read)
         return manager
 
     # -------------------------------------------------------------- accessors

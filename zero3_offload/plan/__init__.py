@@ -1,11 +1,13 @@
 """Planning a run: its predicted peak memory, disk and step time per rank
 (:func:`plan`), and the fastest configuration that fits a memory budget
-(:func:`choose_config`; for a manager, :func:`config_for_budget`). See docs/planning.md."""
+(:func:`choose_config`; for a manager, :class:`MemoryBudget` and
+:func:`config_for_budget`). See docs/planning.md."""
 
 from zero3_offload.plan.budget_config import config_for_budget
 from zero3_offload.plan.budget_search import BudgetChoice, NothingFitsError, choose_config
 from zero3_offload.plan.calibrate import load_or_measure, measure
 from zero3_offload.plan.calibration import Calibration
+from zero3_offload.plan.memory_budget import MemoryBudget
 from zero3_offload.plan.plan_model import plan
 from zero3_offload.plan.planner import plan_run
 from zero3_offload.plan.run_plan import RunPlan
@@ -13,6 +15,7 @@ from zero3_offload.plan.run_plan import RunPlan
 __all__ = [
     "BudgetChoice",
     "Calibration",
+    "MemoryBudget",
     "NothingFitsError",
     "RunPlan",
     "choose_config",

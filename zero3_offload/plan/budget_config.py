@@ -1,7 +1,7 @@
 """``config_for_budget()``: a manager's configuration chosen by the planner for a memory
 budget per rank, a model directory and a micro-batch shape, the same on every rank
-(``Zero3CpuOffloadManager.from_pretrained(..., memory_per_rank=, batch_shape=)`` calls
-it)."""
+(``Zero3CpuOffloadManager.from_pretrained(..., memory_per_rank=MemoryBudget(...))``
+calls it)."""
 
 from __future__ import annotations
 
