@@ -237,6 +237,7 @@ class Split(Torch):
 class Ours(Torch):
     async def start(self) -> None:
         self.lr_in_backward = self.options.pop("lr_in_backward", False)
+        self.budget = self.options.pop("memory_per_rank", None)  # the planner's choice
         self.group = await z.init_process_group_from_env(self.spec.get("backend", "gloo"))
         wd, device = self.spec["weight_decay"], self.device.type
         opt = z.OptimizerConfig(kind="adamw", betas=BETAS, eps=EPS, weight_decay=wd)
@@ -247,6 +248,11 @@ class Ours(Torch):
         if not (path := spec.get("pretrained")) or spec["kind"] != "ours-module":
             return await super().build(spec)
         lora = {"peft_config": workload.lora_config(r)} if (r := spec["dims"].get("lora")) else {}
+        if self.budget:  # as a user would: the budget and the micro-batch, nothing else
+            from zero3_offload.plan import MemoryBudget  # only here: its imports weigh
+
+            shape = (spec["dims"]["global_batch"] // self.rank.world, spec["dims"]["seq"])
+            lora["memory_per_rank"] = MemoryBudget(self.budget, batch_shape=shape)
         load = z.Zero3CpuOffloadManager.from_pretrained
         self.manager = load(self.config, self.group, path, **lora, seed=spec["seed"])
         return self.manager.model
@@ -306,7 +312,9 @@ class OursModule(Ours):
     def info(self) -> dict[str, Any]:
         worst = sorted(self.ticks[1:] or [0.0])  # the first step warms up
         ms = {"median_step": worst[len(worst) // 2] * 1e3, "max": worst[-1] * 1e3}
-        return {"loop_worst_tick_ms": ms}
+        given, ran = self.config.to_dict(), self.manager.config.to_dict()
+        chosen = {k: v for k, v in ran.items() if given.get(k) != v}
+        return {"loop_worst_tick_ms": ms, **({"chosen": chosen} if self.budget else {})}
 
 
 SYSTEMS = {"torch": Torch, "fsdp2": Torch, "deepspeed": DeepSpeed, "zero3_offload": Ours}

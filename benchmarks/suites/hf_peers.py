@@ -40,6 +40,12 @@ for k, (mib, n) in KEPT.items():  # the LM head + 2 bf16 / 6 nf4 layers; sel: th
         {**LORA[f"ours_{f}_ac"].options, "keep_gathered_for_backward": True,
          "keep_gathered_bytes": mib << 20, "selective_checkpointing_units": n})  # fmt: skip
 FSDP2_AC = System("FSDP2 + full AC", "fsdp2", WORLD, {**BY_LAYER, "checkpoint": True})
+# The goal rows reached by a budget alone: 0.6x and 0.45x FSDP2's peak of the 2026-12-06 run
+# (1,983 MiB); the planner chooses every memory option (see docs/planning.md).
+BUDGETS = {"ours_budget_bf16": 1190, "ours_budget_nf4": 892}  # MiB per rank
+LORA.update({k: System(f"zero3_offload, --memory-per-rank {mib:,} MiB, options chosen by the "
+             "planner", "ours-module", WORLD, {"memory_per_rank": mib << 20})
+             for k, mib in BUDGETS.items()})  # fmt: skip
 PARTS["lora"] = {**LLAMA_PEERS, "fsdp2_ac": FSDP2_AC, **LORA}
 TORCH = peers.SYSTEMS["torch"]
 SYSTEMS = {m: {"torch": TORCH, **t} for m, t in PARTS.items()}
@@ -82,7 +88,8 @@ def run(args: Any) -> dict[str, Any] | None:
         ok = [r for r in runs if r["ok"] and r["key"] in ("ours_module", *LORA)]
         ticks = [rk["loop_worst_tick_ms"] for r in ok for rk in r["ranks"]]  # the worse rank's
         loop = {k: max(t[k] for t in ticks) for k in ("median_step", "max")} if ticks else None
-        parts[model] = {"size": model, **part, "loop_ms": loop}
+        chosen = {r["key"]: r["ranks"][0]["chosen"] for r in ok if "chosen" in r["ranks"][0]}
+        parts[model] = {"size": model, **part, "loop_ms": loop, "chosen": chosen}
     if not any(p["systems"] for p in parts.values()):
         return None
     failed = [f"{m}/{r['key']}" for m, p in parts.items() for r in p["runs"] if not r["ok"]]
@@ -112,6 +119,9 @@ def notes(p: dict[str, Any]) -> list[str]:
         lines = peers.notes(part, f"Model: {size} {shape}: {cfg['params']:,} fp32 params")
         lines += [SAVED] if cfg.get("from_saved_weights") else []
         out += [f"{model}: {n}" if i else n for n in lines if n not in out]
+        for key, chosen in part.get("chosen", {}).items():
+            what = ", ".join(f"{k}={v}" for k, v in chosen.items()) or "the defaults"
+            out.append(f"{model}: {key}: the planner chose {what}.")
         if ms := part["loop_ms"]:
             ticker = "(a 10 ms ticker's worst lateness per step, first step out, worse rank)"
             out.append(f"{model}: the event loop in a module-mode step {ticker}: median "
