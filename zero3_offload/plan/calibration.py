@@ -2,9 +2,11 @@
 
 :func:`measure_figures` times, once: a matrix product (FLOP/s per rank, with the
 threads each of the run's local ranks gets, all ranks computing at once; the best of a
-few tries), a memory copy (bytes/s), a gloo all-gather between local ranks (bytes/s),
-and writing and reading a file (bytes/s). ``plan.calibrate`` adds the runtime's memory
-and caches the figures as JSON in the user's cache directory (:func:`cache_path`).
+few tries), a memory copy (bytes/s), decoding frozen weights' compressed copies to
+fp32 with the engine's own codec (elements/s per format), a gloo all-gather between
+local ranks (bytes/s), and writing and reading a file (bytes/s). ``plan.calibrate``
+adds the runtime's memory and caches the figures as JSON in the user's cache directory
+(:func:`cache_path`).
 """
 
 from __future__ import annotations
@@ -21,17 +23,21 @@ import torch
 import torch.distributed as dist
 
 from zero3_offload import logging as zlogging
+from zero3_offload.config import CpuCompressionMethod
 from zero3_offload.errors import ConfigError
+from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.testing import RankContext, run_ranks
 
 __all__ = ["VERSION", "Calibration", "cache_path", "measure_figures"]
 
 log = zlogging.get_logger(__name__)
 
-VERSION = 1
+VERSION = 2
 """The cache file's format; a file of another version is measured again."""
 _MATMUL_N = 1024
 _COPY_BYTES = 64 << 20
+_DECODE_NUMEL = 4 << 20
+_DECODED = (CpuCompressionMethod.BF16, CpuCompressionMethod.NF4)  # frozen weights' lossy formats
 _GATHER_BYTES = 16 << 20
 _FILE_BYTES = 128 << 20
 _MIN_S = 0.3
@@ -46,6 +52,7 @@ class Calibration:
     threads_per_rank: int
     matmul_flops: dict[str, float]  # dtype name -> FLOP/s of one rank, all ranks busy
     copy_bytes_per_s: float
+    decode_elements_per_s: dict[str, float]  # frozen format -> fp32 elements decoded per s
     gather_bytes_per_s: float  # all-gather output bytes per second on one rank
     disk_write_bytes_per_s: float
     disk_read_bytes_per_s: float
@@ -57,6 +64,10 @@ class Calibration:
     def flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
         return self.matmul_flops.get(name) or self.matmul_flops["float32"]
+
+    def decode_rate(self, method: CpuCompressionMethod) -> float:
+        """Elements per second a rank decodes from ``method`` to the compute dtype."""
+        return self.decode_elements_per_s.get(method.value) or self.copy_bytes_per_s / 4
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -110,6 +121,15 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
     src = torch.ones(_COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy = _COPY_BYTES / _timed(lambda: dst.copy_(src))
+    decode: dict[str, float] = {}
+    master = torch.randn(_DECODE_NUMEL)
+    out = torch.empty_like(master)
+    for method in _DECODED:
+        codec = ShardCodec(method, torch.float32)
+        encoded = codec.empty(_DECODE_NUMEL, device=torch.device("cpu"))
+        codec.encode_(master, encoded)
+        seconds = _timed(lambda c=codec, e=encoded: c.decode_(e, out))
+        decode[method.value] = _DECODE_NUMEL / seconds
     gather = copy
     if group is not None and world_size > 1:
         part = torch.ones(_GATHER_BYTES // 4 // world_size)
@@ -125,6 +145,8 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            if hasattr(os, "posix_fadvise"):  # read from the disk, not the page cache
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         write = _FILE_BYTES / (time.perf_counter() - start)
         start = time.perf_counter()
         with path.open("rb") as f:
@@ -134,6 +156,7 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
     return {
         "flops": flops,
         "copy": copy,
+        "decode": decode,
         "gather": gather,
         "write": write,
         "read": read,
@@ -169,6 +192,9 @@ def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calib
         threads_per_rank=threads,
         matmul_flops={k: min(f["flops"][k] for f in figures) for k in figures[0]["flops"]},
         copy_bytes_per_s=min(f["copy"] for f in figures),
+        decode_elements_per_s={
+            k: min(f["decode"][k] for f in figures) for k in figures[0]["decode"]
+        },
         gather_bytes_per_s=min(f["gather"] for f in figures),
         disk_write_bytes_per_s=min(f["write"] for f in figures),
         disk_read_bytes_per_s=min(f["read"] for f in figures),

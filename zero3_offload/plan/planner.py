@@ -371,8 +371,8 @@ class _StepTime:
         lossy = zero3.frozen_compression.storage_dtype(zero3.compute_dtype) != zero3.compute_dtype
         if lossy:  # decoded at each gather (forward and backward), or at each use
             passes = 3 if zero3.frozen_decode_at_use else 2
-            nf4 = zero3.frozen_compression.value == "nf4"
-            decode = passes * frozen * item * (4 if nf4 else 1) * accum / cal.copy_bytes_per_s
+            rate = cal.decode_rate(zero3.frozen_compression)
+            decode = passes * frozen * accum / rate
         trainable_shard = sum(lay.shard_numel for lay in shape.layouts.values() if lay.numel)
         optimizer = 8 * _FP32 * trainable_shard / cal.copy_bytes_per_s
         disk = 0.0
