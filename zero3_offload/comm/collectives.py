@@ -53,6 +53,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from zero3_offload.comm.catch_up import OutOfReach, catch_up
 from zero3_offload.comm.divergence import DivergenceCheck
 from zero3_offload.comm.exchange import BufferLender, ExchangeReduceScatter
 from zero3_offload.comm.failure_report import FailureReport
@@ -427,17 +428,16 @@ class Collectives:
             json.loads(r)
             for r in beat.meet(json.dumps(mine), timeout_s=self.timeout_s, doing=_MEETING)
         ]
-        ahead = max(records, key=lambda r: int(r["launched"]))
-        behind = int(ahead["launched"]) - launcher.launched
-        if behind > len(ahead["log"]):
+        try:
+            _, missing = catch_up(records, launcher.launched)
+        except OutOfReach as gap:
             raise self._fail(
                 CommunicationError(
-                    f"this rank ({self.rank}) is {behind} collectives behind rank "
-                    f"{records.index(ahead)} after the failed call, more than it can complete; "
-                    "the run cannot continue: restart the ranks and resume from the last checkpoint"
+                    f"this rank ({self.rank}) is {gap.behind} collectives behind rank "
+                    f"{gap.ahead} after the failed call, more than it can complete; the run "
+                    "cannot continue: restart the ranks and resume from the last checkpoint"
                 )
-            )
-        missing = [tuple(r) for r in ahead["log"][len(ahead["log"]) - behind :]] if behind else []
+            ) from None
         filled = launcher.submit(functools.partial(self._fill, missing))
         try:
             concurrent.futures.wait([filled], timeout=self.timeout_s)

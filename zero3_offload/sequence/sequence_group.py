@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero3_offload.comm.catch_up import OutOfReach, catch_up
 from zero3_offload.comm.heartbeat import Heartbeat
 from zero3_offload.comm.wait import CollectiveWait
 from zero3_offload.errors import CommunicationError
@@ -112,18 +113,18 @@ class SequenceGroup:
         doing = "complete the sequence groups' collectives"
         met = heartbeat.meet(mine, timeout_s=timeout_s, doing=doing, topic="sequence")
         records = [json.loads(r) for r in met]
-        ahead = max((records[r] for r in self.members), key=lambda r: int(r["launched"]))
-        behind = int(ahead["launched"]) - self.launched
-        if behind > len(ahead["log"]):
+        try:
+            _, missing = catch_up([records[r] for r in self.members], self.launched)
+        except OutOfReach as gap:
             raise CommunicationError(
-                f"this rank is {behind} collectives of its sequence group behind another "
+                f"this rank is {gap.behind} collectives of its sequence group behind another "
                 "after the failed call, more than it can complete; the run cannot continue: "
                 "restart the ranks and resume from the last checkpoint"
-            )
-        for kind, numel, dtype in ahead["log"][len(ahead["log"]) - behind :] if behind else []:
+            ) from None
+        for kind, numel, dtype in missing:
             scratch = torch.zeros(int(numel), dtype=getattr(torch, dtype), device=self.device)
             if kind == "all_to_all":
                 self.all_to_all(torch.empty_like(scratch), scratch)
             else:
                 self.all_reduce(scratch)
-        return behind
+        return len(missing)
