@@ -2,7 +2,9 @@
 
 :func:`measure_figures` times, once: a matrix product (FLOP/s per rank, with the
 threads each of the run's local ranks gets, all ranks computing at once; the best of a
-few tries), a memory copy (bytes/s), decoding frozen weights' compressed copies to
+few tries), one training step of a decoder layer (forward and backward: the FLOP/s
+a model's layers reach, norms, attention and activations included), a memory copy
+(bytes/s), decoding frozen weights' compressed copies to
 fp32 with the engine's own codec (elements/s per format), a gloo all-gather between
 local ranks (bytes/s), and writing and reading a file (bytes/s). ``plan.calibrate``
 adds the runtime's memory and caches the figures as JSON in the user's cache directory
@@ -32,11 +34,13 @@ __all__ = ["VERSION", "Calibration", "cache_path", "measure_figures"]
 
 log = zlogging.get_logger(__name__)
 
-VERSION = 2
+VERSION = 3
 """The cache file's format; a file of another version is measured again."""
 _MATMUL_N = 1024
 _COPY_BYTES = 64 << 20
 _DECODE_NUMEL = 4 << 20
+_LAYER = {"d": 768, "ffn": 2048, "heads": 12, "tokens": 256}  # the timed decoder layer
+_LAYER_TRIES = 2
 _DECODED = (CpuCompressionMethod.BF16, CpuCompressionMethod.NF4)  # frozen weights' lossy formats
 _GATHER_BYTES = 16 << 20
 _FILE_BYTES = 128 << 20
@@ -51,6 +55,7 @@ class Calibration:
     ranks: int
     threads_per_rank: int
     matmul_flops: dict[str, float]  # dtype name -> FLOP/s of one rank, all ranks busy
+    layer_flops: dict[str, float]  # dtype name -> FLOP/s of a decoder layer's training step
     copy_bytes_per_s: float
     decode_elements_per_s: dict[str, float]  # frozen format -> fp32 elements decoded per s
     gather_bytes_per_s: float  # all-gather output bytes per second on one rank
@@ -62,8 +67,10 @@ class Calibration:
     version: int = VERSION
 
     def flops(self, dtype: torch.dtype) -> float:
+        """FLOP/s of a model's training step in ``dtype``, counted as the planner counts
+        them (2 per weight and token, attention over the causal half)."""
         name = str(dtype).removeprefix("torch.")
-        return self.matmul_flops.get(name) or self.matmul_flops["float32"]
+        return self.layer_flops.get(name) or self.layer_flops["float32"]
 
     def decode_rate(self, method: CpuCompressionMethod) -> float:
         """Elements per second a rank decodes from ``method`` to the compute dtype."""
@@ -107,6 +114,37 @@ async def _rank_figures(ctx: RankContext, _settings: None) -> dict[str, Any]:
     return _figures(ctx.group, ctx.world_size)
 
 
+def layer_step_flops(d: int, ffn: int, tokens: int) -> float:
+    """FLOPs of a training step (forward, and a backward of twice its products) of a
+    Llama-like decoder layer of width ``d`` and MLP ``ffn`` on ``tokens`` tokens."""
+    params = 4 * d * d + 3 * d * ffn
+    return 3 * (2 * tokens * params + 2 * tokens * tokens * d)
+
+
+def _layer_seconds(dtype: torch.dtype) -> float:
+    """Seconds of one training step of a decoder layer (``_LAYER``) in ``dtype``."""
+    d, ffn, heads, t = _LAYER["d"], _LAYER["ffn"], _LAYER["heads"], _LAYER["tokens"]
+    g = torch.Generator().manual_seed(0)
+    shapes = {"qkv": (3 * d, d), "o": (d, d), "gate": (ffn, d), "up": (ffn, d), "down": (d, ffn)}
+    w = {
+        n: (torch.randn(s, generator=g) * 0.02).to(dtype).requires_grad_()
+        for n, s in shapes.items()
+    }
+    x = torch.randn(1, t, d, generator=g).to(dtype).requires_grad_()
+    F = torch.nn.functional
+
+    def step() -> None:
+        h = F.rms_norm(x, (d,))
+        q, k, v = F.linear(h, w["qkv"]).view(1, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        h = x + F.linear(a.reshape(1, t, d), w["o"])
+        m = F.rms_norm(h, (d,))
+        out = h + F.linear(F.silu(F.linear(m, w["gate"])) * F.linear(m, w["up"]), w["down"])
+        out.float().sum().backward()
+
+    return min(_timed(step) for _ in range(_LAYER_TRIES))
+
+
 def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]:
     """This process's figures; with a ``group``, all its ranks working at once."""
     flops: dict[str, float] = {}
@@ -118,6 +156,12 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
         # The best of a few tries: other processes on the machine slow some of them.
         seconds = min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(_TRIES))
         flops[str(dtype).removeprefix("torch.")] = 2 * _MATMUL_N**3 / seconds
+    layer: dict[str, float] = {}
+    step_flops = layer_step_flops(_LAYER["d"], _LAYER["ffn"], _LAYER["tokens"])
+    for dtype in (torch.float32, torch.bfloat16):
+        if group is not None:
+            dist.barrier(group=group)
+        layer[str(dtype).removeprefix("torch.")] = step_flops / _layer_seconds(dtype)
     src = torch.ones(_COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy = _COPY_BYTES / _timed(lambda: dst.copy_(src))
@@ -155,6 +199,7 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
         read = _FILE_BYTES / (time.perf_counter() - start)
     return {
         "flops": flops,
+        "layer": layer,
         "copy": copy,
         "decode": decode,
         "gather": gather,
@@ -191,6 +236,7 @@ def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calib
         ranks=ranks,
         threads_per_rank=threads,
         matmul_flops={k: min(f["flops"][k] for f in figures) for k in figures[0]["flops"]},
+        layer_flops={k: min(f["layer"][k] for f in figures) for k in figures[0]["layer"]},
         copy_bytes_per_s=min(f["copy"] for f in figures),
         decode_elements_per_s={
             k: min(f["decode"][k] for f in figures) for k in figures[0]["decode"]

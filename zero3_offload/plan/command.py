@@ -197,6 +197,10 @@ def _calibration_table(calibration: Calibration) -> Table:
     table.add_column("value", justify="right")
     for dtype, flops in calibration.matmul_flops.items():
         table.add_row(f"matmul {dtype} per rank", f"{flops / 1e9:,.1f} GFLOP/s")
+    for dtype, flops in calibration.layer_flops.items():
+        table.add_row(f"decoder layer step {dtype} per rank", f"{flops / 1e9:,.1f} GFLOP/s")
+    for fmt, rate in calibration.decode_elements_per_s.items():
+        table.add_row(f"decode {fmt} to fp32", f"{rate / 1e9:,.2f} G elements/s")
     table.add_row("memory copy", f"{calibration.copy_bytes_per_s / 1e9:,.2f} GB/s")
     table.add_row("gloo all-gather", f"{calibration.gather_bytes_per_s / 1e9:,.2f} GB/s")
     table.add_row("disk write", f"{calibration.disk_write_bytes_per_s / 1e9:,.2f} GB/s")
