@@ -6,10 +6,12 @@ tiled MLP, the format of frozen weights (``bf16``, ``nf4``) and decoding them at
 how many layers stay gathered (``prefetch_buffer_size``, ``keep_gathered_bytes``),
 offloading checkpointed inputs to disk (only with an ``nvme_path``), sequence
 parallelism, and the micro-batch against gradient accumulation at the same global
-batch. Options the user set on the command line or in the config are kept as given
-(``fixed``). Each candidate is planned with :func:`~zero3_offload.plan.planner.plan_run`;
-the fastest whose host peak (and device peak, with ``device_memory``) fits wins, ties to
-the smaller peak.
+batch. Every candidate trims the C heap after the forward (``trim_heap_after_forward``,
+2-3 ms): the plan counts tensors, and without the trim the forward's freed small blocks
+stay resident into the backward's peak. Options the user set on the command line or in
+the config are kept as given (``fixed``). Each candidate is planned with
+:func:`~zero3_offload.plan.planner.plan_run`; the fastest whose host peak (and device
+peak, with ``device_memory``) fits wins, ties to the smaller peak.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def _candidates(
                 continue
             changes["sequence_parallel_size"] = sequence
             changes["gradient_accumulation_steps"] = accumulation
+            changes["trim_heap_after_forward"] = True  # the peak is the tensors counted
             changes = {k: v for k, v in changes.items() if k not in fixed}
             yield attrs.evolve(opts, batch_size=micro), changes
 
