@@ -17,18 +17,17 @@ __all__ = ["OutOfReach", "catch_up"]
 
 
 class OutOfReach(Exception):
-    """A rank is further behind than the furthest rank's log reaches."""
+    """A rank is further behind than the furthest rank's log reaches: by ``behind``
+    collectives, of record ``ahead``."""
 
     def __init__(self, behind: int, ahead: int) -> None:
         super().__init__(f"{behind} collectives behind record {ahead}")
         self.behind, self.ahead = behind, ahead
 
 
-def catch_up(
-    records: Sequence[Mapping[str, Any]], launched: int
-) -> tuple[int, list[tuple[Any, ...]]]:
-    """The index of the record that launched most, and the entries of its log that a
-    rank which launched ``launched`` must launch to match it (oldest first).
+def catch_up(records: Sequence[Mapping[str, Any]], launched: int) -> list[tuple[Any, ...]]:
+    """The entries of the log of the record that launched most that a rank which
+    launched ``launched`` must launch to match it (oldest first).
 
     Each record holds ``"launched"`` (a count) and ``"log"`` (its last launches).
 
@@ -40,4 +39,4 @@ def catch_up(
     behind = int(records[ahead]["launched"]) - launched
     if behind > len(log):
         raise OutOfReach(behind, ahead)
-    return ahead, [tuple(entry) for entry in log[len(log) - behind :]] if behind > 0 else []
+    return [tuple(entry) for entry in log[len(log) - behind :]] if behind > 0 else []

@@ -429,7 +429,7 @@ class Collectives:
             for r in beat.meet(json.dumps(mine), timeout_s=self.timeout_s, doing=_MEETING)
         ]
         try:
-            _, missing = catch_up(records, launcher.launched)
+            missing = catch_up(records, launcher.launched)
         except OutOfReach as gap:
             raise self._fail(
                 CommunicationError(

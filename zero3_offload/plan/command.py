@@ -69,8 +69,9 @@ def add_plan(commands: Any) -> None:
     own.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine's figures again (matmul FLOP/s, copy, collective and "
-        "disk bandwidth, the runtime's memory) and cache them; with no --model, only that",
+        help="measure this machine's figures again (matmul and decoder-layer FLOP/s, "
+        "frozen-weight decode rates, copy, collective and disk bandwidth, the runtime's "
+        "memory) and cache them; with no --model, only that",
     )
     files = parser.add_argument_group("configuration files")
     files.add_argument("--config", metavar="FILE", help="options from a TOML (.toml) or JSON file")

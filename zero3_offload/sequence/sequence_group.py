@@ -114,7 +114,7 @@ class SequenceGroup:
         met = heartbeat.meet(mine, timeout_s=timeout_s, doing=doing, topic="sequence")
         records = [json.loads(r) for r in met]
         try:
-            _, missing = catch_up([records[r] for r in self.members], self.launched)
+            missing = catch_up([records[r] for r in self.members], self.launched)
         except OutOfReach as gap:
             raise CommunicationError(
                 f"this rank is {gap.behind} collectives of its sequence group behind another "
