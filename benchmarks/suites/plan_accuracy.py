@@ -1,8 +1,9 @@
 """Plan accuracy: `zero3-offload plan`'s peak RSS per rank and step time against real runs.
 
 Each case trains a transformers model with weights (a Llama and a Qwen2 built from configs) with
-`zero3-offload train --model` for 3 steps; the largest rank's VmHWM and the median step after
-the first are compared with what the planner predicts for the same flags."""
+`zero3-offload train --model` for 5 steps; the largest rank's VmHWM and the median step after
+the first are compared with what `zero3-offload plan --json` predicts for the same flags (run
+as a process of its own, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,6 @@ from typing import Any
 
 from harness.render import Col
 from harness.runner import progress, work_directory
-
-from zero3_offload.cli import build_parser
-from zero3_offload.plan import load_or_measure, plan_run
-from zero3_offload.train.options import OPTIONS as FLAGS
-from zero3_offload.train.sources import resolve
 
 FAMILIES = {"llama": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8,
                           num_key_value_heads=4),
@@ -50,7 +46,7 @@ CASES = [  # model, ranks, tokens, flags
     ("llama", 2, 8192, f"{AC} {SP2} --mlp-chunk-tokens 1024"),
     ("qwen2", 2, 8192, f"{LORA} {AC} {SP2}"),
 ]  # fmt: skip
-COMMON = "--steps 3 --eval-batches 1 --eval-every 0 --warmup-steps 1 --corpus-mb 0.3 --batch-size 1"
+COMMON = "--steps 5 --eval-batches 1 --eval-every 0 --warmup-steps 1 --corpus-mb 0.3 --batch-size 1"
 TAKES = ["timeout", "keep"]
 OPTIONS = {"--cases": {"help": "comma-separated case numbers (from 1; default: all)"},
             "--budget-s": {"type": float, "default": 0.0, "help": "start no case after this many "
@@ -78,11 +74,15 @@ def case(n: int, work: Path, timeout: float) -> dict[str, Any]:
     row["peak"] = max(r["peak_rss_bytes"] for r in logs if r["event"] == "train_done")
     row["step"] = statistics.median(
         r["seconds"] for r in logs if r["event"] == "train_step" and r["step"] > 1)  # fmt: skip
-    args = build_parser().parse_args(argv)  # the flags as `plan` reads them
-    flags = {name: getattr(args, name) for name in FLAGS if hasattr(args, name)}
-    resolved = resolve(flags, env={})
-    planned = plan_run(resolved.train, resolved.zero3, load_or_measure(world))
-    row.update(predicted=planned.host_peak_bytes, predicted_step=planned.predicted_step_s)
+    # The plan as a user gets it: `zero3-offload plan --json` with the same flags, in a
+    # process of its own (its probe times the model's layer there).
+    command = [sys.executable, "-m", "zero3_offload", "plan", *argv[1:], "--json"]
+    planning = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if planning.returncode:
+        return {**row, "error": "plan: " + planning.stderr.strip().splitlines()[-1]}
+    planned = json.loads(planning.stdout)
+    row.update(predicted=planned["host_peak_bytes"], predicted_step=planned["predicted_step_s"],
+               step_breakdown=planned["step_breakdown"])  # fmt: skip
     row.update(peak_ratio=row["predicted"] / row["peak"])
     row.update(step_ratio=row["predicted_step"] / row["step"])
     row.update(met=abs(row["peak_ratio"] - 1) <= GOALS["peak"],
@@ -125,5 +125,6 @@ LAYOUT = [([Col("#", "case", "d"), Col("model", "model"), Col("ranks", "ranks", 
           "{summary[worst_peak_ratio]:.1%}."]  # fmt: skip
 NOTES = ["Each case: `zero3-offload train --model` with weights (from_pretrained), "
          "{config[common]}; peak: the largest rank's VmHWM over the run; step: the median of the "
-         "steps after the first. Predicted: `zero3-offload plan` with the same flags and this "
-         "machine's cached calibration. Whole benchmark {total_wall_s:.0f} s wall."]  # fmt: skip
+         "steps after the first. Predicted: `zero3-offload plan --json` with the same flags (a "
+         "process of its own) and this machine's cached calibration. Whole benchmark "
+         "{total_wall_s:.0f} s wall."]  # fmt: skip

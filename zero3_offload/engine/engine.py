@@ -100,7 +100,7 @@ _GRADIENT_BUFFERS = 2
 # Bytes of each rank's block in the shared-memory region of a CPU group (see
 # [Note: shared-memory collectives]): a round of ~8 MiB copies per ordering all-reduce
 # (4 MiB blocks took twice as long for a 12 MB gather on 2 ranks; 16 MiB, no faster).
-_SHARED_MEMORY_BLOCK = 8 * _MIB
+SHARED_MEMORY_BLOCK_BYTES = 8 * _MIB  # the shared-memory collectives' block
 # Reused buffers of the disk tier: one layer updating, one being read ahead, one
 # being written back (see [Note: disk tier]).
 _DISK_TIER_BUFFERS = 3
@@ -352,7 +352,7 @@ def _build_comm(
         timeout_s=config.collective_timeout_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         verify=config.divergence_check,
-        shared_memory_block_bytes=_SHARED_MEMORY_BLOCK
+        shared_memory_block_bytes=SHARED_MEMORY_BLOCK_BYTES
         if config.shared_memory_collectives
         else None,
         observer=stats.add_collective,

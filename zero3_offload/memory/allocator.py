@@ -20,7 +20,11 @@ import gc
 
 import torch
 
-__all__ = ["return_freed_memory", "set_mmap_threshold", "trim_heap"]
+__all__ = ["TRAIN_MMAP_THRESHOLD", "return_freed_memory", "set_mmap_threshold", "trim_heap"]
+
+TRAIN_MMAP_THRESHOLD = 1 << 20
+"""The threshold ``zero3-offload train`` sets in every training process: blocks of 1 MiB
+or more are returned on free (and each is new memory, faulted in, when allocated)."""
 
 # mallopt's parameter number for the mmap threshold (M_MMAP_THRESHOLD in malloc.h).
 _M_MMAP_THRESHOLD = -3

@@ -4,7 +4,7 @@
 :func:`config_for_budget`). See docs/planning.md."""
 
 from zero3_offload.plan.budget_config import config_for_budget
-from zero3_offload.plan.budget_search import BudgetChoice, NothingFitsError, choose_config
+from zero3_offload.plan.budget_search import HEADROOM, BudgetChoice, NothingFitsError, choose_config
 from zero3_offload.plan.calibrate import load_or_measure, measure
 from zero3_offload.plan.calibration import Calibration
 from zero3_offload.plan.memory_budget import MemoryBudget
@@ -13,6 +13,7 @@ from zero3_offload.plan.planner import plan_run
 from zero3_offload.plan.run_plan import RunPlan
 
 __all__ = [
+    "HEADROOM",
     "BudgetChoice",
     "Calibration",
     "MemoryBudget",

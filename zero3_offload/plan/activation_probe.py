@@ -8,7 +8,16 @@ parameters left out, and so are the outputs of the matrix products a selectively
 checkpointed layer keeps (the rule of ``execution.product_saving``) and what the
 layer's ``mlp`` saves. A quadratic through the three points gives the bytes at any
 length: linear for attention kernels that save O(T) (SDPA, flash), quadratic for eager
-attention's [T, T] weights.
+attention's [T, T] weights. The layer's backward runs too (from a gradient of ones on
+its output), and each new tensor of the forward and of the backward gets its own
+quadratic: the planner sums those at or above the mmap threshold of a training process
+(new memory each, see ``plan.calibration``'s fresh-memory figure).
+
+The same one-layer model's training step (forward, backward) is timed on two lengths (up
+to 256 tokens, and a quarter of that) with a rank's threads, its minor page faults
+counted: the planner draws a line through the two (seconds against FLOPs: a fixed cost
+per layer and step, and this model's FLOP/s; see ``planner._StepTime``). Gradients are
+let go as they are computed, so the probe never holds a second copy of the layer.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import os
+import resource
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +45,10 @@ __all__ = ["LayerActivations", "probe_layer"]
 
 _PROBE_VOCAB = 8
 _POINTS = 3
+_TIMED_FLOPS = 4e9  # a timed step's FLOPs at most (6 per parameter and token) ...
+_MIN_TIMED, _MAX_TIMED = 16, 256  # ... within these tokens
+_TIMED_TRIES = 5
+_WARM_S = 0.2  # warm-up steps for at least this long (2 to _TIMED_TRIES of them)
 
 
 @attrs.frozen
@@ -67,26 +82,47 @@ class LayerActivations:
     mlp: Quadratic  # what its ``mlp`` saves (all of it goes with a tiled MLP)
     temporaries: Quadratic  # what its forward allocates and frees again (not saved)
     hidden_bytes_per_token: int  # one token's hidden state in the compute dtype
+    forward_outputs: tuple[Quadratic, ...]  # each new tensor its forward makes, in order
+    backward_outputs: tuple[Quadratic, ...]  # the same for its backward
+    layer_params: int  # the decoder layer's parameters (adapters included)
+    step_tokens: tuple[int, int]  # the timed training steps' tokens (two lengths)
+    step_seconds: tuple[float, float]  # the one-layer model's step on them (best of a few)
+    step_faulted_bytes: tuple[int, int]  # the pages each step faulted in, in bytes
+
+    def large_outputs(self, tokens: int, threshold: int) -> tuple[int, int]:
+        """Bytes of the tensors of ``threshold`` bytes or more that the layer's forward
+        and its backward make for a sequence of ``tokens`` tokens: each a new memory
+        mapping when the C heap serves blocks that large with mmap."""
+        return (
+            sum(n for q in self.forward_outputs if (n := q.at(tokens)) >= threshold),
+            sum(n for q in self.backward_outputs if (n := q.at(tokens)) >= threshold),
+        )
 
 
 class _Products(TorchDispatchMode):
     """Counts the bytes of the product outputs a selective layer would save, and of every
-    op's output (what the layer's forward allocates)."""
+    op's output (what the layer's forward allocates), and lists each new output's bytes
+    in order, per pass (``forward``, ``backward``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
         self.allocated = 0
         self.active = False
+        self.outputs: dict[str, list[int]] = {"forward": [], "backward": []}
+        self.backward = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.active:
-            if saves_product(func, args):
-                self.bytes += out.numel() * out.element_size()
+        if self.active or self.backward:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             fresh = [t for t in outs if isinstance(t, torch.Tensor) and not _is_view(func)]
-            self.allocated += sum(t.numel() * t.element_size() for t in fresh)
+            sizes = [t.numel() * t.element_size() for t in fresh]
+            self.outputs["backward" if self.backward else "forward"].extend(sizes)
+            if self.active:
+                if saves_product(func, args):
+                    self.bytes += out.numel() * out.element_size()
+                self.allocated += sum(sizes)
         return out
 
 
@@ -151,6 +187,7 @@ def probe_layer(
     peft_config: Any = None,
     freeze: Any = None,
     tokens: int = 32,
+    threads: int = 1,
 ) -> LayerActivations:
     """Measure one decoder layer of the model in ``directory`` (see the module docstring).
 
@@ -169,6 +206,7 @@ def probe_layer(
         "mlp": [],
         "temporaries": [],
     }
+    outputs: dict[str, list[list[int]]] = {"forward": [], "backward": []}
     for length in lengths:
         flags = {"layer": False, "mlp": False}
         seen: dict[str, dict[int, int]] = {"saved": {}, "mlp": {}}
@@ -191,6 +229,8 @@ def probe_layer(
             products.active = True
             with products:
                 _run(model, layer, ids, products)
+        for name, sizes in products.outputs.items():
+            outputs[name].append(sizes)
         points["saved"].append((length, sum(seen["saved"].values())))
         points["mlp"].append((length, sum(seen["mlp"].values())))
         points["products"].append((length, products.bytes))
@@ -198,40 +238,124 @@ def probe_layer(
         points["temporaries"].append((length, max(temporaries, 0)))
     hidden = int(getattr(model.config, "hidden_size", 0) or 0)
     item = torch.empty((), dtype=dtype).element_size()
+    layer_params = sum(p.numel() for p in layer.parameters())
+    step_tokens = max(_MIN_TIMED, min(_MAX_TIMED, int(_TIMED_FLOPS / (6 * max(layer_params, 1)))))
+    if positions:
+        step_tokens = min(step_tokens, positions)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timed = [_step_seconds(model, layer, n) for n in (step_tokens // 4, step_tokens)]
+    finally:
+        torch.set_num_threads(before)
     return LayerActivations(
         saved=Quadratic.through(points["saved"]),
         products=Quadratic.through(points["products"]),
         mlp=Quadratic.through(points["mlp"]),
         temporaries=Quadratic.through(points["temporaries"]),
         hidden_bytes_per_token=hidden * item,
+        forward_outputs=_each(lengths, outputs["forward"]),
+        backward_outputs=_each(lengths, outputs["backward"]),
+        layer_params=layer_params,
+        step_tokens=(step_tokens // 4, step_tokens),
+        step_seconds=(timed[0][0], timed[1][0]),
+        step_faulted_bytes=(timed[0][1], timed[1][1]),
     )
 
 
-def _run(model: nn.Module, layer: nn.Module, ids: torch.Tensor, products: _Products) -> None:
-    def enter(*_: Any) -> None:
-        products.active = True
+def _each(lengths: list[int], sizes: list[list[int]]) -> tuple[Quadratic, ...]:
+    """One quadratic per tensor when every length made the same tensors in the same
+    order, else one for their sum."""
+    if len({len(s) for s in sizes}) == 1:
+        columns = zip(*sizes, strict=True)
+        return tuple(Quadratic.through(list(zip(lengths, c, strict=True))) for c in columns)
+    return (Quadratic.through([(n, sum(s)) for n, s in zip(lengths, sizes, strict=True)]),)
 
-    def leave(*_: Any) -> None:
+
+def _step_seconds(model: nn.Module, layer: nn.Module, tokens: int) -> tuple[float, int]:
+    """Seconds of a training step (forward, backward) of the one-layer model on
+    ``tokens`` tokens, its layer's input carrying a gradient as a middle layer's does
+    (the best of a few after a warm-up), and the bytes of the pages that step faulted in
+    (the process's minor faults)."""
+    ids = torch.randint(0, _PROBE_VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    handles = [layer.register_forward_pre_hook(_trained_input, with_kwargs=True)]
+    handles += _dropping_gradients(model)
+
+    def step() -> None:
+        with torch.enable_grad():
+            out = model(input_ids=ids, use_cache=False).logits
+            out.float().sum().backward()
+
+    try:
+        warm = time.perf_counter()
+        for done in range(_TIMED_TRIES):  # warm up: thread pools, the heap, the caches
+            step()
+            if done and time.perf_counter() - warm > _WARM_S:
+                break
+        best = (float("inf"), 0)
+        for _ in range(_TIMED_TRIES):
+            faults = _minor_faults()
+            start = time.perf_counter()
+            step()
+            best = min(best, (time.perf_counter() - start, _minor_faults() - faults))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return best[0], best[1] * resource.getpagesize()
+
+
+def _dropping_gradients(model: nn.Module) -> list[Any]:
+    """Hooks that let each parameter's gradient go as soon as it is computed: the probe
+    holds one gradient at a time, not a second copy of the layer."""
+
+    def drop(param: torch.Tensor) -> None:
+        param.grad = None
+
+    return [
+        p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad
+    ]
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _trained_input(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A layer past the first gets hidden states that carry a gradient (from the layers
+    before it); the probe's only layer must see the same."""
+    if args:
+        return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+    hidden = kwargs["hidden_states"].detach().requires_grad_()
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _run(model: nn.Module, layer: nn.Module, ids: torch.Tensor, products: _Products) -> None:
+    """The layer's forward under ``products``, then its backward alone (from a gradient
+    of ones on its output)."""
+    outputs: list[torch.Tensor] = []
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        products.active = True
+        return _trained_input(module, args, kwargs)
+
+    def leave(_: nn.Module, __: Any, out: Any) -> None:
         products.active = False
+        outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
 
     products.active = False
-
-    def trained_input(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        # A layer past the first gets hidden states that carry a gradient (from the
-        # layers before it); the probe's only layer must see the same.
-        enter()
-        if args:
-            return (args[0].detach().requires_grad_(), *args[1:]), kwargs
-        hidden = kwargs["hidden_states"].detach().requires_grad_()
-        return args, {**kwargs, "hidden_states": hidden}
-
     handles = [
-        layer.register_forward_pre_hook(trained_input, with_kwargs=True),
+        layer.register_forward_pre_hook(enter, with_kwargs=True),
         layer.register_forward_hook(leave),
+        *_dropping_gradients(model),
     ]
     try:
         with torch.enable_grad():
             model(input_ids=ids, use_cache=False)
+        out = outputs[0]
+        grad = torch.ones_like(out)
+        products.backward = True
+        torch.autograd.backward(out, grad)
     finally:
+        products.backward = False
         for handle in handles:
             handle.remove()

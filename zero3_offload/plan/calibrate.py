@@ -7,6 +7,10 @@ same number of local ranks, with and without LoRA adapters, and takes each run's
 resident set (``VmHWM``) less the planner's figure for that model's own tensors (under
 1 MiB, and the collectives' shared-memory region): what remains is torch, transformers
 and this library loaded, the autograd engine, thread pools and the C heap's arenas.
+It then times a small model's training steps the same way (``_unit_overhead``): what
+the library's step takes beyond the sum of its planned parts, per unit (the hooks and
+bookkeeping of each unit's gather, compute and release, the event loop, threads
+contending for the cores).
 :func:`load_or_measure` reads the cache (:func:`~zero3_offload.plan.calibration.
 cache_path`), measuring first when it is missing.
 """
@@ -14,6 +18,7 @@ cache_path`), measuring first when it is missing.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +95,45 @@ def _runtime(calibration: Calibration, ranks: int, *, adapters: bool) -> int:
     return max(peaks) - tiny.host_peak_bytes
 
 
+_TIMED_MODEL = {
+    **_TINY,
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 4,
+    "max_position_embeddings": 512,
+}
+_TIMED_RUN = ("--steps", "4", "--seq-len", "512", "--batch-size", "1", "--corpus-mb", "0.2")
+_TIMED_RUN += ("--eval-batches", "1", "--eval-every", "0", "--warmup-steps", "1")
+
+
+def _unit_overhead(calibration: Calibration, ranks: int) -> float:
+    """Seconds per unit and micro-step that the library's step takes beyond the sum of
+    its planned parts on this machine: a 4-layer, 256-wide Llama trained on 512 tokens
+    per rank with ``zero3-offload train`` (the median step after the first, the slowest
+    rank), less the plan of that run, over its units."""
+    with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
+        model = Path(tmp) / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(_TIMED_MODEL))
+        args = ("--model", str(model), "--world-size", str(ranks), "--out", f"{tmp}/run")
+        command = [sys.executable, "-m", "zero3_offload", "train", *args, *_TIMED_RUN]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise ConfigError(f"calibration: the timed training run failed: {done.stderr[-2000:]}")
+        steps: dict[int, list[float]] = {}
+        for log_file in Path(tmp, "run", "logs").glob("rank*.jsonl"):
+            for record in map(json.loads, log_file.read_text().splitlines()):
+                if record.get("event") == "train_step" and record["step"] > 1:
+                    steps.setdefault(record["step"], []).append(record["seconds"])
+        measured = statistics.median(max(seconds) for seconds in steps.values())
+        opts = TrainOptions(
+            model=str(model), world_size=ranks, seq_len=512, batch_size=1, corpus_mb=0.2
+        )
+        planned = plan_run(opts, Zero3CpuOffloadConfig(**TRAIN_DEFAULTS), calibration)
+    return max(measured - planned.predicted_step_s, 0.0) / planned.train["units"]
+
+
 def measure(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
     """Measure this machine's figures with ``ranks`` local ranks (each with
     ``threads_per_rank`` torch threads; default: the cores divided by the ranks)."""
@@ -100,6 +144,7 @@ def measure(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
         runtime_rss_bytes=_runtime(calibration, ranks, adapters=False),
         adapter_runtime_rss_bytes=_runtime(calibration, ranks, adapters=True),
     )
+    calibration = attrs.evolve(calibration, unit_overhead_s=_unit_overhead(calibration, ranks))
     log.info("calibrated", seconds=time.perf_counter() - started, **calibration.to_dict())
     return calibration
 

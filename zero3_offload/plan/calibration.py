@@ -5,8 +5,11 @@ threads each of the run's local ranks gets, all ranks computing at once; the bes
 few tries), one training step of a decoder layer (forward and backward: the FLOP/s
 a model's layers reach, norms, attention and activations included), a memory copy
 (bytes/s), decoding frozen weights' compressed copies to
-fp32 with the engine's own codec (elements/s per format), a gloo all-gather between
-local ranks (bytes/s), and writing and reading a file (bytes/s). ``plan.calibrate``
+fp32 with the engine's own codec (elements/s per format), fresh memory (a block mapped,
+first written and unmapped, as glibc serves each allocation of 1 MiB or more in a
+``zero3-offload train`` process: bytes/s beyond the write itself), a gloo all-gather between
+local ranks (bytes/s), the engine's own all-gather through its shared-memory region
+(bytes/s), and writing and reading a file (bytes/s). ``plan.calibrate``
 adds the runtime's memory and caches the figures as JSON in the user's cache directory
 (:func:`cache_path`).
 """
@@ -14,6 +17,7 @@ adds the runtime's memory and caches the figures as JSON in the user's cache dir
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import tempfile
 import time
@@ -25,25 +29,36 @@ import torch
 import torch.distributed as dist
 
 from zero3_offload import logging as zlogging
+from zero3_offload.comm.collectives import Collectives
 from zero3_offload.config import CpuCompressionMethod
+from zero3_offload.engine.engine import SHARED_MEMORY_BLOCK_BYTES
 from zero3_offload.errors import ConfigError
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.testing import RankContext, run_ranks
 
-__all__ = ["VERSION", "Calibration", "cache_path", "measure_figures"]
+__all__ = [
+    "VERSION",
+    "Calibration",
+    "cache_path",
+    "layer_step_flops",
+    "measure_figures",
+]
 
 log = zlogging.get_logger(__name__)
 
-VERSION = 3
+VERSION = 4
 """The cache file's format; a file of another version is measured again."""
 _MATMUL_N = 1024
 _COPY_BYTES = 64 << 20
+_FRESH_BYTES = 16 << 20
 _DECODE_NUMEL = 4 << 20
 _LAYER = {"d": 768, "ffn": 2048, "heads": 12, "tokens": 256}  # the timed decoder layer
 _LAYER_TRIES = 2
 _DECODED = (CpuCompressionMethod.BF16, CpuCompressionMethod.NF4)  # frozen weights' lossy formats
 _GATHER_BYTES = 16 << 20
+_GATHERS = 10
 _FILE_BYTES = 128 << 20
+_DISK_TRIES = 3
 _MIN_S = 0.3
 _TRIES = 5
 
@@ -56,14 +71,18 @@ class Calibration:
     threads_per_rank: int
     matmul_flops: dict[str, float]  # dtype name -> FLOP/s of one rank, all ranks busy
     layer_flops: dict[str, float]  # dtype name -> FLOP/s of a decoder layer's training step
+    layer_flops_alone: dict[str, float]  # the same with one rank busy, the others idle
     copy_bytes_per_s: float
+    fresh_bytes_per_s: float  # mapping, first touch and unmapping of new memory
     decode_elements_per_s: dict[str, float]  # frozen format -> fp32 elements decoded per s
     gather_bytes_per_s: float  # all-gather output bytes per second on one rank
+    shared_gather_bytes_per_s: float  # the engine's all-gather through shared memory
     disk_write_bytes_per_s: float
     disk_read_bytes_per_s: float
     runtime_rss_bytes: int  # a rank's resident memory besides its model's tensors
     adapter_runtime_rss_bytes: int  # the same with LoRA adapters (peft loaded)
     measured_at: float
+    unit_overhead_s: float = 0.0  # a step beyond its planned parts, per unit (plan.calibrate)
     version: int = VERSION
 
     def flops(self, dtype: torch.dtype) -> float:
@@ -71,6 +90,13 @@ class Calibration:
         them (2 per weight and token, attention over the causal half)."""
         name = str(dtype).removeprefix("torch.")
         return self.layer_flops.get(name) or self.layer_flops["float32"]
+
+    def busy(self, dtype: torch.dtype) -> float:
+        """How much of its speed alone a rank keeps with every local rank computing (the
+        decoder layer's FLOP/s both ways; 1 with one rank)."""
+        name = str(dtype).removeprefix("torch.")
+        name = name if name in self.layer_flops_alone else "float32"
+        return self.layer_flops[name] / self.layer_flops_alone[name]
 
     def decode_rate(self, method: CpuCompressionMethod) -> float:
         """Elements per second a rank decodes from ``method`` to the compute dtype."""
@@ -97,6 +123,23 @@ def _timed(work: Any) -> float:
     return elapsed / n
 
 
+def _fresh_bytes_per_s() -> float:
+    """Bytes/s of new memory beyond writing it: a private anonymous block mapped,
+    written once (each page faulted in and zeroed by the kernel) and unmapped, as glibc
+    serves a large allocation, against the same write into a block written before."""
+    numel = _FRESH_BYTES // 4
+    reused = torch.empty(numel)
+    reused.fill_(1.0)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+    def fresh() -> None:
+        with mmap.mmap(-1, _FRESH_BYTES, flags=flags) as block:
+            torch.frombuffer(block, dtype=torch.float32).fill_(1.0)
+
+    extra = _timed(fresh) - _timed(lambda: reused.fill_(1.0))
+    return _FRESH_BYTES / max(extra, 1e-9)
+
+
 def _vm_rss() -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -111,7 +154,27 @@ def _vm_rss() -> int:
 
 async def _rank_figures(ctx: RankContext, _settings: None) -> dict[str, Any]:
     """One rank's figures, all ranks working at once (a collective)."""
-    return _figures(ctx.group, ctx.world_size)
+    figures = _figures(ctx.group, ctx.world_size)
+    return {**figures, "shared": await _shared_gather_bytes_per_s(ctx.group)}
+
+
+async def _shared_gather_bytes_per_s(group: dist.ProcessGroup) -> float:
+    """Output bytes/s of the engine's own all-gather with shared-memory collectives (as
+    ``train`` runs it on one host: the data through the region, one small all-reduce per
+    block to order the ranks); the same count of calls on every rank."""
+    comm = Collectives(
+        group, device=torch.device("cpu"), shared_memory_block_bytes=SHARED_MEMORY_BLOCK_BYTES
+    )
+    try:
+        part = torch.ones(_GATHER_BYTES // 4 // group.size())
+        out = torch.empty(part.numel() * group.size())
+        await comm.all_gather(out, part)  # warm up
+        start = time.perf_counter()
+        for _ in range(_GATHERS):
+            await comm.all_gather(out, part)
+        return out.numel() * 4 * _GATHERS / (time.perf_counter() - start)
+    finally:
+        comm.close()
 
 
 def layer_step_flops(d: int, ffn: int, tokens: int) -> float:
@@ -162,9 +225,16 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
         if group is not None:
             dist.barrier(group=group)
         layer[str(dtype).removeprefix("torch.")] = step_flops / _layer_seconds(dtype)
+    alone = dict(layer)  # the same layer with the other ranks idle (rank 0 only)
+    for dtype in (torch.float32, torch.bfloat16) if world_size > 1 else ():
+        dist.barrier(group=group)
+        if dist.get_rank(group) == 0:
+            alone[str(dtype).removeprefix("torch.")] = step_flops / _layer_seconds(dtype)
+        dist.barrier(group=group)
     src = torch.ones(_COPY_BYTES // 4)
     dst = torch.empty_like(src)
     copy = _COPY_BYTES / _timed(lambda: dst.copy_(src))
+    fresh = _fresh_bytes_per_s()
     decode: dict[str, float] = {}
     master = torch.randn(_DECODE_NUMEL)
     out = torch.empty_like(master)
@@ -179,28 +249,38 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
         part = torch.ones(_GATHER_BYTES // 4 // world_size)
         outs = [torch.empty_like(part) for _ in range(world_size)]
         dist.barrier(group=group)
-        seconds = _timed(lambda: dist.all_gather(outs, part, group=group))
+        dist.all_gather(outs, part, group=group)  # warm up
+        # A fixed count: every rank must launch the same collectives.
+        start = time.perf_counter()
+        for _ in range(_GATHERS):
+            dist.all_gather(outs, part, group=group)
+        seconds = (time.perf_counter() - start) / _GATHERS
         gather = part.numel() * 4 * world_size / seconds
+    write, read = 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
         path = Path(tmp) / "probe.bin"
         data = os.urandom(_FILE_BYTES // 16) * 16
-        start = time.perf_counter()
-        with path.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):  # read from the disk, not the page cache
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        write = _FILE_BYTES / (time.perf_counter() - start)
-        start = time.perf_counter()
-        with path.open("rb") as f:
-            while f.read(8 << 20):
-                pass
-        read = _FILE_BYTES / (time.perf_counter() - start)
+        for _ in range(_DISK_TRIES):  # the best of a few: the disk is shared
+            start = time.perf_counter()
+            with path.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):  # read from the disk, not the page cache
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            write = max(write, _FILE_BYTES / (time.perf_counter() - start))
+            start = time.perf_counter()
+            with path.open("rb") as f:
+                while f.read(8 << 20):
+                    pass
+            read = max(read, _FILE_BYTES / (time.perf_counter() - start))
+            path.unlink()
     return {
         "flops": flops,
         "layer": layer,
+        "alone": alone,
         "copy": copy,
+        "fresh": fresh,
         "decode": decode,
         "gather": gather,
         "write": write,
@@ -237,11 +317,14 @@ def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calib
         threads_per_rank=threads,
         matmul_flops={k: min(f["flops"][k] for f in figures) for k in figures[0]["flops"]},
         layer_flops={k: min(f["layer"][k] for f in figures) for k in figures[0]["layer"]},
+        layer_flops_alone=figures[0]["alone"],
         copy_bytes_per_s=min(f["copy"] for f in figures),
+        fresh_bytes_per_s=min(f["fresh"] for f in figures),
         decode_elements_per_s={
             k: min(f["decode"][k] for f in figures) for k in figures[0]["decode"]
         },
         gather_bytes_per_s=min(f["gather"] for f in figures),
+        shared_gather_bytes_per_s=min(f.get("shared", f["copy"]) for f in figures),
         disk_write_bytes_per_s=min(f["write"] for f in figures),
         disk_read_bytes_per_s=min(f["read"] for f in figures),
         runtime_rss_bytes=0,

@@ -204,6 +204,9 @@ def _calibration_table(calibration: Calibration) -> Table:
         table.add_row(f"decode {fmt} to fp32", f"{rate / 1e9:,.2f} G elements/s")
     table.add_row("memory copy", f"{calibration.copy_bytes_per_s / 1e9:,.2f} GB/s")
     table.add_row("gloo all-gather", f"{calibration.gather_bytes_per_s / 1e9:,.2f} GB/s")
+    shared = calibration.shared_gather_bytes_per_s
+    table.add_row("all-gather through shared memory", f"{shared / 1e9:,.2f} GB/s")
+    table.add_row("fresh memory", f"{calibration.fresh_bytes_per_s / 1e9:,.2f} GB/s")
     table.add_row("disk write", f"{calibration.disk_write_bytes_per_s / 1e9:,.2f} GB/s")
     table.add_row("disk read", f"{calibration.disk_read_bytes_per_s / 1e9:,.2f} GB/s")
     table.add_row("runtime per rank", f"{_mib(calibration.runtime_rss_bytes)} MiB")

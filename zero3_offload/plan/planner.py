@@ -45,6 +45,8 @@ import torch
 from torch import nn
 
 from zero3_offload.config import OffloadActivations, OffloadDevice, Zero3CpuOffloadConfig
+from zero3_offload.engine.engine import SHARED_MEMORY_BLOCK_BYTES
+from zero3_offload.memory.allocator import TRAIN_MMAP_THRESHOLD
 from zero3_offload.memory.budget import disk_record_bytes
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.parameter.frozen_rows import SCRATCH_ELEMENTS
@@ -59,7 +61,6 @@ from zero3_offload.train.options import TrainOptions
 __all__ = ["local_ranks", "plan_run"]
 
 _FP32 = 4
-_SHARED_MEMORY_BLOCK = 8 << 20  # engine: two blocks per rank
 _POOL_EXTRA_LAYERS = 2  # engine: the unit in use and the one being released
 _LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32
 _TEXT_ITEMSIZE = 8  # token ids (int64) of the training text
@@ -79,8 +80,12 @@ class _Hashed:
 
 
 @functools.lru_cache(maxsize=32)
-def _probe(directory: str, dtype: torch.dtype, peft: _Hashed, freeze: Any) -> LayerActivations:
-    return probe_layer(directory, dtype=dtype, peft_config=peft.value, freeze=freeze)
+def _probe(
+    directory: str, dtype: torch.dtype, peft: _Hashed, freeze: Any, threads: int
+) -> LayerActivations:
+    return probe_layer(
+        directory, dtype=dtype, peft_config=peft.value, freeze=freeze, threads=threads
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -124,9 +129,10 @@ def plan_run(
     cal = calibration
     peft = peft_config if peft_config is not None else peft_config_of(opts)
     shape = _shape(opts.model, zero3, world, _Hashed(repr(peft), peft), opts.freeze)
-    acts = _probe(str(opts.model), zero3.compute_dtype, _Hashed(repr(peft), peft), opts.freeze)
+    hashed = _Hashed(repr(peft), peft)
+    acts = _probe(str(opts.model), zero3.compute_dtype, hashed, opts.freeze, cal.threads_per_rank)
     memory = _Memory(opts, zero3, shape, acts, cal)
-    seconds = _StepTime(opts, zero3, shape, cal).seconds()
+    seconds = _StepTime(opts, zero3, shape, cal, acts).seconds()
     return memory.plan(seconds, opts)
 
 
@@ -225,7 +231,7 @@ class _Memory:
         local = min(self.opts.world_size, self.cal.ranks)
         if local < 2 or not self.zero3.shared_memory_collectives or self.on_device:
             return 0
-        return 2 * _SHARED_MEMORY_BLOCK * local
+        return 2 * SHARED_MEMORY_BLOCK_BYTES * local  # two blocks per rank
 
     def data(self) -> int:
         if self.opts.data is not None:
@@ -316,6 +322,7 @@ class _Memory:
                 "peft_config": opts.peft_config,
                 "freeze": ",".join(opts.freeze) if opts.freeze else None,
                 "layers": self.layers,
+                "units": len(self.shape.layouts),
                 "largest_unit": max(
                     (lay.param_numel for lay in self.shape.layouts.values()), default=0
                 ),
@@ -329,9 +336,48 @@ class _StepTime:
     """Seconds of one optimizer step from the calibrated figures."""
 
     def __init__(
-        self, opts: TrainOptions, zero3: Zero3CpuOffloadConfig, shape: ModelShape, cal: Calibration
+        self,
+        opts: TrainOptions,
+        zero3: Zero3CpuOffloadConfig,
+        shape: ModelShape,
+        cal: Calibration,
+        acts: LayerActivations,
     ) -> None:
-        self.opts, self.zero3, self.shape, self.cal = opts, zero3, shape, cal
+        self.opts, self.zero3, self.shape, self.cal, self.acts = opts, zero3, shape, cal, acts
+
+    def line(self, full: bool) -> tuple[float, float]:
+        """Seconds of one decoder layer's training step as ``fixed + FLOPs / rate``: the
+        line through the one-layer model's two timed steps (``plan.activation_probe``,
+        this process alone, their page faults taken out), the rate slowed as the
+        calibration's decoder layer is slowed with every local rank busy."""
+        acts, hidden = self.acts, self.shape.dim("hidden_size")
+        points = []
+        for tokens, seconds, faulted in zip(
+            acts.step_tokens, acts.step_seconds, acts.step_faulted_bytes, strict=True
+        ):
+            flops = (2 * tokens * acts.layer_params + 2 * tokens * tokens * hidden) * (
+                3 if full else 2
+            )
+            points.append((flops, max(seconds - faulted / self.cal.fresh_bytes_per_s, 1e-9)))
+        (f0, s0), (f1, s1) = points
+        per_flop = (s1 - s0) / (f1 - f0) if f1 > f0 and s1 > s0 else s1 / f1
+        fixed = max(s1 - per_flop * f1, 0.0)
+        return fixed, self.cal.busy(self.zero3.compute_dtype) / per_flop
+
+    def fresh_bytes(self, recomputed: float) -> float:
+        """Bytes of one micro-step's tensors of ``TRAIN_MMAP_THRESHOLD`` or more (each
+        mapped, faulted in and unmapped again): the decoder layers' forward, backward and
+        ``recomputed`` forwards (from ``plan.activation_probe``), and the loss's logits."""
+        opts, zero3, shape = self.opts, self.zero3, self.shape
+        rows = opts.batch_size
+        tokens = opts.seq_len // zero3.sequence_parallel_size
+        forward, backward = self.acts.large_outputs(tokens, TRAIN_MMAP_THRESHOLD // rows)
+        layers = len(shape.decoder_units) * rows * (forward * (1 + recomputed) + backward)
+        chunk = min(zero3.loss_chunk_tokens or tokens, tokens) * rows
+        logits = chunk * shape.dim("vocab_size") * _FP32
+        # fp32 logits in the forward; recomputed, with their gradient, in the backward.
+        loss = 3 * logits * (rows * tokens / chunk) if logits >= TRAIN_MMAP_THRESHOLD else 0
+        return layers + loss
 
     def seconds(self) -> dict[str, float]:
         opts, zero3, shape, cal = self.opts, self.zero3, self.shape, self.cal
@@ -354,13 +400,16 @@ class _StepTime:
             recompute = forward * (1 - 0.85 * share)
         if zero3.mlp_chunk_tokens:
             recompute += forward * 0.6
-        compute = (forward + backward + recompute) * accum / cal.flops(zero3.compute_dtype)
+        fixed, rate = self.line(full)
+        passes = (1 + recompute / forward) * accum  # the layers' steps, recomputation in
+        compute = (forward + backward + recompute) * accum / rate + fixed * layers * passes
+        fresh = self.fresh_bytes(recompute / forward) * accum / cal.fresh_bytes_per_s
         item = torch.empty((), dtype=zero3.compute_dtype).element_size()
         world = opts.world_size
         gathered = sum(shape.gather_bytes(u, zero3) for u in shape.decoder_units)
         wire = (world - 1) / world if world > 1 else 0.0
         same_host = zero3.shared_memory_collectives and torch.device(zero3.device).type == "cpu"
-        bandwidth = cal.copy_bytes_per_s if same_host else cal.gather_bytes_per_s
+        bandwidth = cal.shared_gather_bytes_per_s if same_host else cal.gather_bytes_per_s
         communication = 2 * gathered * wire * accum / bandwidth
         communication += _FP32 * shape.trainable * wire * accum / bandwidth
         if sequence > 1:  # all-to-alls around attention: q, k, v and the output
@@ -386,6 +435,8 @@ class _StepTime:
             disk += spilled / cal.disk_write_bytes_per_s + spilled / cal.disk_read_bytes_per_s
         return {
             "compute": compute,
+            "new memory": fresh,
+            "per unit": cal.unit_overhead_s * len(shape.layouts) * accum,
             "collectives": communication,
             "optimizer": optimizer,
             "disk": disk,

@@ -39,7 +39,7 @@ from zero3_offload.comm import (
 )
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import CommunicationError, RankDivergenceError
-from zero3_offload.memory.allocator import set_mmap_threshold
+from zero3_offload.memory.allocator import TRAIN_MMAP_THRESHOLD, set_mmap_threshold
 from zero3_offload.testing import RankContext, RankFailedError, free_port, run_ranks
 from zero3_offload.train import hf
 from zero3_offload.train.adapters import read_peft_config
@@ -51,7 +51,6 @@ from zero3_offload.train.sources import OptionError, Resolved, in_torchrun
 
 __all__ = ["launch"]
 
-_MMAP_THRESHOLD = 1 << 20  # see set_mmap_threshold: allocations >= 1 MiB are returned on free
 _RUN_LIMIT_S = 30 * 24 * 3600.0  # run_ranks needs a limit; a training run may take weeks
 _INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
@@ -142,7 +141,7 @@ def _local_ranks(settings: RunSettings, world_size: int, threads: int) -> RankRe
                         timeout_s=_RUN_LIMIT_S,
                         threads_per_rank=threads,
                         backend=_backend(settings),
-                        mmap_threshold=_MMAP_THRESHOLD,
+                        mmap_threshold=TRAIN_MMAP_THRESHOLD,
                     )
                 )
             except RankFailedError as exc:
@@ -231,11 +230,11 @@ def launch(resolved: Resolved) -> int:
     if in_torchrun():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(_threads(opts.threads, local))
-        set_mmap_threshold(_MMAP_THRESHOLD)
+        set_mmap_threshold(TRAIN_MMAP_THRESHOLD)
         result = asyncio.run(_in_process(settings, from_env=True))
     elif opts.world_size == 1:
         torch.set_num_threads(_threads(opts.threads, 1))
-        set_mmap_threshold(_MMAP_THRESHOLD)
+        set_mmap_threshold(TRAIN_MMAP_THRESHOLD)
         result = asyncio.run(_in_process(settings, from_env=False))
     else:
         result = _local_ranks(settings, opts.world_size, _threads(opts.threads, opts.world_size))
