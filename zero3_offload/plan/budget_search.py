@@ -83,8 +83,14 @@ class BudgetChoice:
         return out
 
 
-def _mib(n: int) -> str:
+def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
+
+
+def _size(n: int) -> str:
+    """``n`` bytes as the user would write it: ``6GiB`` when a unit divides it, else MiB."""
+    text = format_size(n)
+    return text if not text.isdigit() else _mib(n)
 
 
 def _splits(opts: TrainOptions, zero3: Zero3CpuOffloadConfig) -> Iterator[tuple[int, int, int]]:
@@ -217,8 +223,9 @@ def choose_config(
         held = sorted(smallest.plan.breakdown.items(), key=lambda kv: -kv[1])[:4]
         parts = ", ".join(f"{name} {_mib(n)}" for name, n in held)
         raise NothingFitsError(
-            f"no configuration of the {len(seen)} planned fits {format_size(budget)} per "
-            f"rank: the smallest peak is {_mib(smallest.plan.host_peak_bytes)} "
+            f"no configuration of the {len(seen)} planned fits {_size(budget)} per rank "
+            f"(a plan must leave {HEADROOM:.0%} free: {_mib(budget * (1 - HEADROOM))}): "
+            f"the smallest peak is {_mib(smallest.plan.host_peak_bytes)} "
             f"({_describe(smallest.changes)}), held by {parts}; use more ranks, LoRA or a "
             "smaller sequence",
             smallest.plan,
