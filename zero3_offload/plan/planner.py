@@ -333,7 +333,9 @@ class _Memory:
 
 
 class _StepTime:
-    """Seconds of one optimizer step from the calibrated figures."""
+    """Seconds of one optimizer step, by kind of work: the model's own layer as timed by
+    the probe (compute), the new memory its large tensors map, the calibrated per-unit
+    time, collectives, the optimizer, the disk tiers and frozen-weight decoding."""
 
     def __init__(
         self,
