@@ -23,7 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -64,25 +67,40 @@ _TINY_RUN = (
 _TINY_RUN += ("--eval-batches", "1", "--eval-every", "0", "--warmup-steps", "1")
 
 
-def _runtime(calibration: Calibration, ranks: int, *, adapters: bool) -> int:
-    """A rank's peak resident set training a tiny Llama, less the planner's figure for
-    that model's tensors (see the module docstring)."""
+@contextmanager
+def _trained(
+    config: dict[str, Any], ranks: int, run: Sequence[str], what: str
+) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    """Train a model of ``config`` (no weights) with ``zero3-offload train`` on ``ranks``
+    local ranks with the flags ``run``; yields its directory (there while the block
+    runs, for the plan of the same run) and every rank's log records.
+
+    Raises:
+        ConfigError: the ``what`` training run failed (its stderr's end quoted).
+    """
     with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
         model = Path(tmp) / "model"
         model.mkdir()
-        (model / "config.json").write_text(json.dumps(_TINY))
-        lora = ("--lora", "r=4") if adapters else ()
+        (model / "config.json").write_text(json.dumps(config))
         args = ("--model", str(model), "--world-size", str(ranks), "--out", f"{tmp}/run")
-        command = [sys.executable, "-m", "zero3_offload", "train", *args, *_TINY_RUN, *lora]
+        command = [sys.executable, "-m", "zero3_offload", "train", *args, *run]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
-            raise ConfigError(f"calibration: the tiny training run failed: {done.stderr[-2000:]}")
-        peaks = [
-            record["peak_rss_bytes"]
+            raise ConfigError(f"calibration: the {what} training run failed: {done.stderr[-2000:]}")
+        records = [
+            record
             for log_file in Path(tmp, "run", "logs").glob("rank*.jsonl")
             for record in map(json.loads, log_file.read_text().splitlines())
-            if record.get("event") == "train_done"
         ]
+        yield model, records
+
+
+def _runtime(calibration: Calibration, ranks: int, *, adapters: bool) -> int:
+    """A rank's peak resident set training a tiny Llama, less the planner's figure for
+    that model's tensors (see the module docstring)."""
+    lora = ("--lora", "r=4") if adapters else ()
+    with _trained(_TINY, ranks, (*_TINY_RUN, *lora), "tiny") as (model, records):
+        peaks = [r["peak_rss_bytes"] for r in records if r.get("event") == "train_done"]
         opts = TrainOptions(
             model=str(model),
             world_size=ranks,
@@ -112,20 +130,11 @@ def _unit_overhead(calibration: Calibration, ranks: int) -> float:
     its planned parts on this machine: a 4-layer, 256-wide Llama trained on 512 tokens
     per rank with ``zero3-offload train`` (the median step after the first, the slowest
     rank), less the plan of that run, over its units."""
-    with tempfile.TemporaryDirectory(prefix="zero3-calibrate-") as tmp:
-        model = Path(tmp) / "model"
-        model.mkdir()
-        (model / "config.json").write_text(json.dumps(_TIMED_MODEL))
-        args = ("--model", str(model), "--world-size", str(ranks), "--out", f"{tmp}/run")
-        command = [sys.executable, "-m", "zero3_offload", "train", *args, *_TIMED_RUN]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode:
-            raise ConfigError(f"calibration: the timed training run failed: {done.stderr[-2000:]}")
+    with _trained(_TIMED_MODEL, ranks, _TIMED_RUN, "timed") as (model, records):
         steps: dict[int, list[float]] = {}
-        for log_file in Path(tmp, "run", "logs").glob("rank*.jsonl"):
-            for record in map(json.loads, log_file.read_text().splitlines()):
-                if record.get("event") == "train_step" and record["step"] > 1:
-                    steps.setdefault(record["step"], []).append(record["seconds"])
+        for record in records:
+            if record.get("event") == "train_step" and record["step"] > 1:
+                steps.setdefault(record["step"], []).append(record["seconds"])
         measured = statistics.median(max(seconds) for seconds in steps.values())
         opts = TrainOptions(
             model=str(model), world_size=ranks, seq_len=512, batch_size=1, corpus_mb=0.2
