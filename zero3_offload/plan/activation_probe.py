@@ -242,10 +242,11 @@ def probe_layer(
     step_tokens = max(_MIN_TIMED, min(_MAX_TIMED, int(_TIMED_FLOPS / (6 * max(layer_params, 1)))))
     if positions:
         step_tokens = min(step_tokens, positions)
+    timed_lengths = (step_tokens // 4, step_tokens)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        timed = [_step_seconds(model, layer, n) for n in (step_tokens // 4, step_tokens)]
+        timed = [_step_seconds(model, layer, n) for n in timed_lengths]
     finally:
         torch.set_num_threads(before)
     return LayerActivations(
@@ -257,7 +258,7 @@ def probe_layer(
         forward_outputs=_each(lengths, outputs["forward"]),
         backward_outputs=_each(lengths, outputs["backward"]),
         layer_params=layer_params,
-        step_tokens=(step_tokens // 4, step_tokens),
+        step_tokens=timed_lengths,
         step_seconds=(timed[0][0], timed[1][0]),
         step_faulted_bytes=(timed[0][1], timed[1][1]),
     )

@@ -199,6 +199,7 @@ def choose_config(
     calibration = calibration or load_or_measure(local_ranks(opts.world_size))
     first = plan_run(opts, zero3, calibration, peft_config=peft_config)
     layers = first.train["layers"]
+    usable = budget * (1 - HEADROOM)  # what a plan may peak at
     seen: list[Candidate] = []
     for run, changes in _candidates(opts, zero3, layers, fixed, peft_config is not None):
         try:
@@ -206,11 +207,11 @@ def choose_config(
         except ConfigError:
             continue  # a combination the configuration refuses
         planned = plan_run(run, config, calibration, peft_config=peft_config)
-        host_ok = planned.host_peak_bytes <= budget * (1 - HEADROOM)
+        host_ok = planned.host_peak_bytes <= usable
         device_ok = device_budget is None or planned.device_peak_bytes <= device_budget
         why = ""
         if not host_ok:
-            why = f"peak {_mib(planned.host_peak_bytes)} over {_mib(budget * (1 - HEADROOM))}"
+            why = f"peak {_mib(planned.host_peak_bytes)} over {_mib(usable)}"
         elif not device_ok:
             why = f"device peak {_mib(planned.device_peak_bytes)} over {_mib(device_budget or 0)}"
         seen.append(Candidate(run, config, planned, changes, host_ok and device_ok, why))
@@ -224,7 +225,7 @@ def choose_config(
         parts = ", ".join(f"{name} {_mib(n)}" for name, n in held)
         raise NothingFitsError(
             f"no configuration of the {len(seen)} planned fits {_size(budget)} per rank "
-            f"(a plan must leave {HEADROOM:.0%} free: {_mib(budget * (1 - HEADROOM))}): "
+            f"(a plan must leave {HEADROOM:.0%} free: {_mib(usable)}): "
             f"the smallest peak is {_mib(smallest.plan.host_peak_bytes)} "
             f"({_describe(smallest.changes)}), held by {parts}; use more ranks, LoRA or a "
             "smaller sequence",

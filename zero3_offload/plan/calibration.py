@@ -36,13 +36,7 @@ from zero3_offload.errors import ConfigError
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.testing import RankContext, run_ranks
 
-__all__ = [
-    "VERSION",
-    "Calibration",
-    "cache_path",
-    "layer_step_flops",
-    "measure_figures",
-]
+__all__ = ["VERSION", "Calibration", "cache_path", "measure_figures"]
 
 log = zlogging.get_logger(__name__)
 
@@ -85,16 +79,10 @@ class Calibration:
     unit_overhead_s: float = 0.0  # a step beyond its planned parts, per unit (plan.calibrate)
     version: int = VERSION
 
-    def flops(self, dtype: torch.dtype) -> float:
-        """FLOP/s of a model's training step in ``dtype``, counted as the planner counts
-        them (2 per weight and token, attention over the causal half)."""
-        name = str(dtype).removeprefix("torch.")
-        return self.layer_flops.get(name) or self.layer_flops["float32"]
-
     def busy(self, dtype: torch.dtype) -> float:
         """How much of its speed alone a rank keeps with every local rank computing (the
         decoder layer's FLOP/s both ways; 1 with one rank)."""
-        name = str(dtype).removeprefix("torch.")
+        name = _name(dtype)
         name = name if name in self.layer_flops_alone else "float32"
         return self.layer_flops[name] / self.layer_flops_alone[name]
 
@@ -111,6 +99,11 @@ def cache_path(ranks: int) -> Path:
     ``$XDG_CACHE_HOME/zero3_offload/calibration-<ranks>.json``, else under ``~/.cache``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "zero3_offload" / f"calibration-{ranks}.json"
+
+
+def _name(dtype: torch.dtype) -> str:
+    """The figures' key for ``dtype`` (``float32``, ``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _timed(work: Any) -> float:
@@ -177,7 +170,7 @@ async def _shared_gather_bytes_per_s(group: dist.ProcessGroup) -> float:
         comm.close()
 
 
-def layer_step_flops(d: int, ffn: int, tokens: int) -> float:
+def _layer_step_flops(d: int, ffn: int, tokens: int) -> float:
     """FLOPs of a training step (forward, and a backward of twice its products) of a
     Llama-like decoder layer of width ``d`` and MLP ``ffn`` on ``tokens`` tokens."""
     params = 4 * d * d + 3 * d * ffn
@@ -218,18 +211,18 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
             dist.barrier(group=group)
         # The best of a few tries: other processes on the machine slow some of them.
         seconds = min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(_TRIES))
-        flops[str(dtype).removeprefix("torch.")] = 2 * _MATMUL_N**3 / seconds
+        flops[_name(dtype)] = 2 * _MATMUL_N**3 / seconds
     layer: dict[str, float] = {}
-    step_flops = layer_step_flops(_LAYER["d"], _LAYER["ffn"], _LAYER["tokens"])
+    step_flops = _layer_step_flops(_LAYER["d"], _LAYER["ffn"], _LAYER["tokens"])
     for dtype in (torch.float32, torch.bfloat16):
         if group is not None:
             dist.barrier(group=group)
-        layer[str(dtype).removeprefix("torch.")] = step_flops / _layer_seconds(dtype)
+        layer[_name(dtype)] = step_flops / _layer_seconds(dtype)
     alone = dict(layer)  # the same layer with the other ranks idle (rank 0 only)
     for dtype in (torch.float32, torch.bfloat16) if world_size > 1 else ():
         dist.barrier(group=group)
         if dist.get_rank(group) == 0:
-            alone[str(dtype).removeprefix("torch.")] = step_flops / _layer_seconds(dtype)
+            alone[_name(dtype)] = step_flops / _layer_seconds(dtype)
         dist.barrier(group=group)
     src = torch.ones(_COPY_BYTES // 4)
     dst = torch.empty_like(src)

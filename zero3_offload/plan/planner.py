@@ -128,8 +128,8 @@ def plan_run(
     world = opts.world_size
     cal = calibration
     peft = peft_config if peft_config is not None else peft_config_of(opts)
-    shape = _shape(opts.model, zero3, world, _Hashed(repr(peft), peft), opts.freeze)
     hashed = _Hashed(repr(peft), peft)
+    shape = _shape(opts.model, zero3, world, hashed, opts.freeze)
     acts = _probe(str(opts.model), zero3.compute_dtype, hashed, opts.freeze, cal.threads_per_rank)
     memory = _Memory(opts, zero3, shape, acts, cal)
     seconds = _StepTime(opts, zero3, shape, cal, acts).seconds()
