@@ -230,7 +230,7 @@ class Zero3CpuOffloadManager:
                 the same values to a plain peft model).
             memory_per_rank: ``zero3_offload.plan.MemoryBudget(size, batch_shape)``: the
                 memory options of ``config`` are replaced by the planner's fastest choice
-                whose peak fits ``size`` per rank for that micro-batch, as
+                whose peak leaves 5% of ``size`` per rank free for that micro-batch, as
                 ``zero3-offload train --memory-per-rank`` does (a collective: rank 0
                 plans, every rank trains its choice, logged as ``memory_per_rank_chosen``).
 

@@ -42,8 +42,8 @@ Step times and the runtime's memory come from this machine's figures, measured o
 by --calibrate (about a minute) and cached; a plan without them measures them first.
 
 --memory-per-rank SIZE chooses the configuration instead: the fastest planned one
-whose peak fits, printed as a file that `train --config` takes, with the runners-up
-and why they lost. See docs/planning.md.
+whose peak leaves 5% of SIZE free, printed as a file that `train --config` takes, with
+the runners-up and why they lost. See docs/planning.md.
 """
 _EPILOG = """\
 examples:
@@ -70,8 +70,9 @@ def add_plan(commands: Any) -> None:
         "--calibrate",
         action="store_true",
         help="measure this machine's figures again (matmul and decoder-layer FLOP/s, "
-        "frozen-weight decode rates, copy, collective and disk bandwidth, the runtime's "
-        "memory) and cache them; with no --model, only that",
+        "frozen-weight decode rates, copy and fresh-memory rates, collective and disk "
+        "bandwidth, the runtime's memory and a training step's time per unit) and cache "
+        "them; with no --model, only that",
     )
     files = parser.add_argument_group("configuration files")
     files.add_argument("--config", metavar="FILE", help="options from a TOML (.toml) or JSON file")
