@@ -145,3 +145,28 @@ def test_embedding_decoded_at_use_equals_torch_embedding(
     assert torch.equal(out, F.embedding(ids, weight))
     with pytest.raises(IndexError, match="index out of range"):
         forward(torch.tensor([[1, shape[0]]]))
+
+
+def test_a_decoded_linear_last_in_a_checkpointed_block_is_not_computed_again() -> None:
+    # Its wire is saved before its product, so the recomputation, which stops at the
+    # block's last saved tensor, ends before the product: 2 decodes in the forward, then
+    # 1 in the recomputation (the first linear) and 2 for the inputs' gradients.
+    torch.manual_seed(0)
+    shape = (40, 40)
+    rows, _, weight = _rows("nf4", 1, shape, scratch=1 << 20)
+    decodes = []
+    decode = rows.decode
+    rows.decode = lambda *a: decodes.append(a[1:]) or decode(*a)  # type: ignore[method-assign]
+    first, last = (FrozenLinearForward(nn.Linear(40, 40, bias=False), rows) for _ in range(2))
+    x = torch.randn(3, 40, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return last(torch.relu(first(x)))
+
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    assert len(decodes) == 2
+    out.square().sum().backward()
+    assert len(decodes) == 5
+    ref_x = x.detach().clone().requires_grad_()
+    F.linear(torch.relu(F.linear(ref_x, weight)), weight).square().sum().backward()
+    assert torch.equal(x.grad, ref_x.grad)

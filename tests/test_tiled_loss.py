@@ -295,3 +295,21 @@ def test_the_head_loss_reproduces_each_familys_logit_transform(build: Any) -> No
     params = [p for p in model.parameters() if p.requires_grad]
     for a, b in zip(_grads(tiled.loss, *params), _grads(own.loss, *params), strict=True):
         assert (a - b).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("upstream", [1.0, 0.25, 3.0])
+def test_a_frozen_heads_gradient_taken_in_the_forward_is_bitwise_the_recomputed_one(
+    upstream: float,
+) -> None:
+    # A frozen head: the hidden states' gradient is taken in the forward (for an upstream
+    # gradient of 1, scaled exactly by a power of two, recomputed otherwise); a trained
+    # head's loss recomputes its chunks in the backward. Same values either way.
+    hidden, weight, labels = _data()
+    grads = []
+    for trained in (False, True):
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_(trained)
+        loss = tiled_causal_lm_loss(h, w, labels, chunk_tokens=4)
+        (loss * upstream).backward()
+        grads.append(h.grad)
+    assert torch.equal(grads[0], grads[1])

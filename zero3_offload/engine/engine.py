@@ -41,6 +41,7 @@ from zero3_offload.execution.chain_runner import ChainRunner
 from zero3_offload.execution.gradient_landing import GradientLanding
 from zero3_offload.execution.head_loss import HeadLoss
 from zero3_offload.execution.layer_runner import LayerRunner
+from zero3_offload.execution.lora_forward import LoraLinearForward
 from zero3_offload.execution.module_runner import ModuleRunner
 from zero3_offload.execution.product_saving import ProductSaving
 from zero3_offload.execution.tiled_mlp import TiledMlp
@@ -748,6 +749,8 @@ def _build_runners(
     assert split.unit_params is not None
     if config.mlp_chunk_tokens:  # replaces each unit's mlp forward on the instance
         TiledMlp(chunk_tokens=config.mlp_chunk_tokens, unit_modules=split.unit_modules)
+    # peft's LoRA layers over frozen weights: the adapter's branch before the base product
+    LoraLinearForward.install(split.model)
     module = ModuleRunner(
         model=split.model,
         units=split.unit_params,

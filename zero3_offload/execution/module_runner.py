@@ -391,6 +391,7 @@ class ModuleRunner:
             return out if finish is None else finish(out)
 
         def run() -> Any:
+            self._gatherer.reserve_scratch()
             if not grad:
                 with torch.no_grad(), reads:
                     return call_model()
@@ -473,7 +474,7 @@ class ModuleRunner:
             if self._root is not None and self._root in forward_units:
                 await self._enter(self._root)
             try:
-                await self._in_thread(functools.partial(_backward, scaled))
+                await self._in_thread(functools.partial(_backward, scaled, self._gatherer))
             except Zero3Error:
                 raise
             except Exception as exc:
@@ -825,8 +826,9 @@ class ModuleRunner:
             self.activations.close()
 
 
-def _backward(loss: torch.Tensor) -> None:
-    """``loss``'s backward (on the model thread)."""
+def _backward(loss: torch.Tensor, gatherer: ParameterGatherer) -> None:
+    """``loss``'s backward (on the model thread), its decode scratch allocated first."""
+    gatherer.reserve_scratch()
     with warnings.catch_warnings():
         # A released root parameter (empty values) still accumulates into its
         # gradient view, which torch reports as a layout mismatch: expected.

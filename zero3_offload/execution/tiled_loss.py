@@ -272,22 +272,35 @@ class _TiledLoss(torch.autograd.Function):
         spec: _Spec,
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
+        ctx.spec = spec
+        ctx.head = tensors
+        ctx.eager = False
+        # A frozen head: the hidden states' gradient is taken here, for an upstream
+        # gradient of 1 (see [Note: tiled loss], "the gradient in the forward").
+        if ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[3:]):
+            loss, grad_hidden = _loss_and_gradient(hidden, targets, spec, tensors)
+            ctx.save_for_backward(hidden, targets, grad_hidden)
+            ctx.eager = True
+            return loss
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with spec.gather():
             for start in range(0, hidden.shape[0], spec.chunk):
                 logits = spec.project.logits(hidden[start : start + spec.chunk], tensors)
                 total = total + spec.chunk_sum(logits, targets[start : start + spec.chunk])
                 del logits  # one chunk's logits at a time
-        loss = spec.divide(total, targets)
-        ctx.spec = spec
         ctx.save_for_backward(hidden, targets, *tensors)
-        return loss
+        return spec.divide(total, targets)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         spec: _Spec = ctx.spec
         # Unpacking the head's tensors gathers a sharded head again (module mode).
         hidden, targets, *tensors = ctx.saved_tensors
+        if ctx.eager:  # the hidden states' gradient, taken in forward
+            scaled = _scaled(tensors[0], grad)
+            if scaled is not None:
+                return (scaled, None, None, *(None for _ in ctx.head))
+            tensors = list(ctx.head)  # recomputed below with this upstream gradient
         needs_hidden = ctx.needs_input_grad[0]
         needs = list(ctx.needs_input_grad[3:])
         # d loss / d chunk sum: the gradient over the divisor (the mean's count or
@@ -319,3 +332,37 @@ class _TiledLoss(torch.autograd.Function):
                         at += 1
         out = [s.to(t.dtype) if s is not None else None for s, t in zip(sums, tensors, strict=True)]
         return (grad_hidden, None, None, *out)
+
+
+def _loss_and_gradient(
+    hidden: torch.Tensor, targets: torch.Tensor, spec: _Spec, tensors: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and its gradient with respect to ``hidden`` for an upstream gradient of 1,
+    chunk by chunk: each chunk's logits are computed once, for both."""
+    one = torch.ones((), dtype=torch.float32, device=hidden.device)
+    scale = spec.divide(one, targets)  # what backward's scale is for a gradient of 1
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden)
+    # The chunk's graph lives and dies here: its saved tensors skip the caller's hooks.
+    with spec.gather(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        for start in range(0, hidden.shape[0], spec.chunk):
+            end = start + spec.chunk
+            h = hidden[start:end].detach().requires_grad_()
+            part = spec.chunk_sum(spec.project.logits(h, tensors), targets[start:end])
+            (grad_hidden[start:end],) = torch.autograd.grad(part, [h], grad_outputs=scale)
+            total = total + part.detach()
+    return spec.divide(total, targets), grad_hidden
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _scaled(grad_hidden: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """``grad_hidden`` (taken for an upstream gradient of 1) for the upstream gradient
+    ``grad``, when that is exact: ``grad`` a power of two (1, a loss scale), by which every
+    step of the gradient's computation scales without rounding; else None."""
+    mantissa, _ = torch.frexp(grad.float())
+    if not bool(torch.isfinite(grad)) or float(mantissa.abs()) != 0.5:
+        return None
+    return grad_hidden if float(grad) == 1.0 else grad_hidden * grad.to(grad_hidden.dtype)

@@ -42,7 +42,7 @@ import torch
 
 from zero3_offload.parameter.codec import ShardCodec
 
-__all__ = ["SCRATCH_ELEMENTS", "FrozenRows", "release_scratch"]
+__all__ = ["SCRATCH_ELEMENTS", "FrozenRows", "release_scratch", "reserve_scratch"]
 
 SCRATCH_ELEMENTS = 1 << 22
 """Elements of the per-thread scratch a weight decoded at use is decoded into (16 MiB
@@ -108,6 +108,11 @@ class FrozenRows:
         """Whether the whole weight is decoded at once."""
         return self.block_rows >= self.rows
 
+    @property
+    def block_numel(self) -> int:
+        """Elements of the largest block decoded at once."""
+        return self.block_rows * self.cols
+
     def blocks(self) -> Iterator[tuple[int, int]]:
         """``(first, end)`` rows of each block, in order."""
         for first in range(0, self.rows, self.block_rows):
@@ -127,6 +132,16 @@ class FrozenRows:
             start=self._offset + first * self.cols,
         )
         return out.view(end - first, self.cols)
+
+
+def reserve_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Allocate this thread's scratch for ``numel`` elements now (at the start of a pass).
+
+    So no decode allocates it inside a unit: selective checkpointing records every
+    allocation a unit's forward makes and expects its recomputation to make the same
+    ones, which a scratch first allocated in one of them and found in the other breaks.
+    """
+    _scratch_for(numel, dtype, device)
 
 
 def release_scratch() -> None:

@@ -23,7 +23,7 @@ from zero3_offload.parameter.codec import CompressedShard, ShardCodec
 from zero3_offload.parameter.flat_layout import LayerLayout, ParamSlot, param_key
 from zero3_offload.parameter.frozen_embedding import FrozenEmbeddingForward
 from zero3_offload.parameter.frozen_linear import FrozenLinearForward
-from zero3_offload.parameter.frozen_rows import FrozenRows, release_scratch
+from zero3_offload.parameter.frozen_rows import FrozenRows, release_scratch, reserve_scratch
 from zero3_offload.parameter.store import ParameterStore
 from zero3_offload.parameter.unit_params import UnitParams
 from zero3_offload.stats.phase import Phase
@@ -235,6 +235,14 @@ class ParameterGatherer:
                     at += -(-slot.numel // 16) * 16  # even offsets: the fast nf4 decode
             self._eager[name] = tuple(eager)
             self._eager_numel[name] = at - layout.padded_numel
+
+    def reserve_scratch(self) -> None:
+        """Allocate the calling thread's scratch for the largest weight decoded at use (at
+        the start of a pass, on the thread that runs the model; nothing to do when no
+        weight is decoded at use)."""
+        if self.decoded_at_use:
+            rows = max(self.decoded_at_use.values(), key=lambda r: r.block_numel)
+            reserve_scratch(rows.block_numel, rows.dtype, self.device)
 
     def release_scratch(self) -> None:
         """Free the scratch frozen weights are decoded into at use (at the end of a pass;

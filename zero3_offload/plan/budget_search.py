@@ -1,7 +1,8 @@
 """``choose_config()``: the fastest planned configuration whose peak fits a budget.
 
 The search goes over the options that trade memory for time (see docs/planning.md):
-activation checkpointing (off, full, selective over half or all of the layers), a
+activation checkpointing (off, full, selective over half or all of the layers, and for
+the fastest candidate that checkpoints, as many selective layers as fit), a
 tiled MLP, the format of frozen weights (``bf16``, ``nf4``) and decoding them at use,
 how many layers stay gathered (``prefetch_buffer_size``, ``keep_gathered_bytes``),
 offloading checkpointed inputs to disk (only with an ``nvme_path``), sequence
@@ -18,7 +19,7 @@ it leaves ``HEADROOM`` (5%) of the budget free, for the plan's own error.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import attrs
@@ -201,24 +202,34 @@ def choose_config(
     layers = first.train["layers"]
     usable = budget * (1 - HEADROOM)  # what a plan may peak at
     seen: list[Candidate] = []
-    for run, changes in _candidates(opts, zero3, layers, fixed, peft_config is not None):
+
+    def planned(run: TrainOptions, changes: dict[str, Any]) -> Candidate | None:
         try:
             config = zero3.evolve(**changes)
         except ConfigError:
-            continue  # a combination the configuration refuses
-        planned = plan_run(run, config, calibration, peft_config=peft_config)
-        host_ok = planned.host_peak_bytes <= usable
-        device_ok = device_budget is None or planned.device_peak_bytes <= device_budget
+            return None  # a combination the configuration refuses
+        plan = plan_run(run, config, calibration, peft_config=peft_config)
+        host_ok = plan.host_peak_bytes <= usable
+        device_ok = device_budget is None or plan.device_peak_bytes <= device_budget
         why = ""
         if not host_ok:
-            why = f"peak {_mib(planned.host_peak_bytes)} over {_mib(usable)}"
+            why = f"peak {_mib(plan.host_peak_bytes)} over {_mib(usable)}"
         elif not device_ok:
-            why = f"device peak {_mib(planned.device_peak_bytes)} over {_mib(device_budget or 0)}"
-        seen.append(Candidate(run, config, planned, changes, host_ok and device_ok, why))
+            why = f"device peak {_mib(plan.device_peak_bytes)} over {_mib(device_budget or 0)}"
+        found = Candidate(run, config, plan, changes, host_ok and device_ok, why)
+        seen.append(found)
+        return found
+
+    for run, changes in _candidates(opts, zero3, layers, fixed, peft_config is not None):
+        planned(run, changes)
     fitting = sorted(
         (c for c in seen if c.fits),
         key=lambda c: (c.plan.predicted_step_s, c.plan.host_peak_bytes),
     )
+    if fitting and "selective_checkpointing_units" not in fixed:
+        most = _most_saved(fitting[0], layers, planned)
+        if most is not fitting[0]:
+            fitting.insert(0, most)
     if not fitting:
         smallest = min(seen, key=lambda c: c.plan.host_peak_bytes)
         held = sorted(smallest.plan.breakdown.items(), key=lambda kv: -kv[1])[:4]
@@ -246,6 +257,29 @@ def choose_config(
         device_budget=device_budget,
         start=zero3,
     )
+
+
+def _most_saved(
+    best: Candidate,
+    layers: int,
+    planned: Callable[[TrainOptions, dict[str, Any]], Candidate | None],
+) -> Candidate:
+    """``best`` with as many checkpointed layers saving their products as fit (the most
+    that do, by bisection: each one saved raises the peak and shortens the step), when
+    that plans faster; else ``best``."""
+    if not best.zero3.activation_checkpointing:
+        return best
+    fits, over = best.zero3.selective_checkpointing_units, layers + 1  # fits < over
+    found = best
+    while over - fits > 1:
+        units = (fits + over) // 2
+        tried = planned(best.opts, {**best.changes, "selective_checkpointing_units": units})
+        if tried is not None and tried.fits:
+            fits, found = units, tried
+        else:
+            over = units
+    faster = found.plan.predicted_step_s < best.plan.predicted_step_s
+    return found if faster else best
 
 
 def _describe(changes: dict[str, Any]) -> str:

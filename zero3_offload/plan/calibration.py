@@ -86,6 +86,11 @@ class Calibration:
         name = name if name in self.layer_flops_alone else "float32"
         return self.layer_flops[name] / self.layer_flops_alone[name]
 
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        """FLOP/s of a rank's matrix products in ``dtype`` with every local rank busy."""
+        name = _name(dtype)
+        return self.matmul_flops.get(name) or self.matmul_flops["float32"]
+
     def decode_rate(self, method: CpuCompressionMethod) -> float:
         """Elements per second a rank decodes from ``method`` to the compute dtype."""
         return self.decode_elements_per_s.get(method.value) or self.copy_bytes_per_s / 4

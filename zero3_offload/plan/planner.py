@@ -392,19 +392,28 @@ class _StepTime:
         decoder = sum(shape.layouts[u].param_numel for u in shape.decoder_units)
         # Matrix products: 2 FLOPs per weight and token, and attention's QK^T and AV
         # over the causal half of each sequence.
-        forward = 2 * tokens * (decoder + vocab * hidden)
+        head = 2 * tokens * vocab * hidden
+        forward = 2 * tokens * decoder + head
         forward += 2 * tokens * opts.seq_len * hidden * layers
         full = shape.trainable >= shape.params * 0.5
         backward = 2 * forward if full else forward
-        recompute = 0.0
+        recompute = skipped = 0.0
         if zero3.activation_checkpointing:
-            share = zero3.selective_checkpointing_units / max(layers, 1)
-            recompute = forward * (1 - 0.85 * share)
+            share = 1 - 0.85 * zero3.selective_checkpointing_units / max(layers, 1)
+            recompute = forward * share
+            # Products the line counts that are not computed again, at the matrix
+            # product's rate: a recomputation stops at the layer's last saved tensor, so
+            # the MLP's down-projection (its output only feeds the residual) is not
+            # recomputed; a frozen head's gradient is taken in the forward, so its loss
+            # computes no logits again (see execution.tiled_loss).
+            skipped = 2 * tokens * shape.dim("intermediate_size") * hidden * layers * share
+            skipped += 0.0 if full else head
         if zero3.mlp_chunk_tokens:
             recompute += forward * 0.6
         fixed, rate = self.line(full)
         passes = (1 + recompute / forward) * accum  # the layers' steps, recomputation in
         compute = (forward + backward + recompute) * accum / rate + fixed * layers * passes
+        compute -= skipped * accum / cal.matmul_rate(zero3.compute_dtype)
         fresh = self.fresh_bytes(recompute / forward) * accum / cal.fresh_bytes_per_s
         item = torch.empty((), dtype=zero3.compute_dtype).element_size()
         world = opts.world_size
@@ -421,7 +430,9 @@ class _StepTime:
         decode = 0.0
         lossy = zero3.frozen_compression.storage_dtype(zero3.compute_dtype) != zero3.compute_dtype
         if lossy:  # decoded at each gather (forward and backward), or at each use
-            passes = 3 if zero3.frozen_decode_at_use else 2
+            # at use: the forward, the recomputation (checkpointed) and the backward
+            at_use = 3 if zero3.activation_checkpointing else 2
+            passes = at_use if zero3.frozen_decode_at_use else 2
             rate = cal.decode_rate(zero3.frozen_compression)
             decode = passes * frozen * accum / rate
         trainable_shard = sum(lay.shard_numel for lay in shape.layouts.values() if lay.numel)
