@@ -36,7 +36,7 @@ from zero3_offload.plan import (  # noqa: E402
     plan,
 )
 from zero3_offload.plan.budget_config import _FIXED  # noqa: E402
-from zero3_offload.plan.calibration import Calibration, cache_path  # noqa: E402
+from zero3_offload.plan.calibration import Calibration, cache_path, in_own_loop  # noqa: E402
 from zero3_offload.plan.planner import plan_run  # noqa: E402
 from zero3_offload.testing import RankContext  # noqa: E402
 from zero3_offload.train.adapters import peft_config_of  # noqa: E402
@@ -255,3 +255,20 @@ def test_the_manager_takes_memory_per_rank(
     assert results["fits"] == [want.chosen.zero3.to_dict()] * 2
     for message in results["too small"]:
         assert "memory_per_rank=67108864" in message and "the smallest peak is" in message
+
+
+def test_figures_measured_inside_a_running_event_loop_run_in_a_loop_of_their_own() -> None:
+    # A manager built with memory_per_rank inside an async function measures the
+    # calibration there: asyncio.run() cannot run on a thread whose loop is running.
+    import asyncio
+    import threading
+
+    async def where() -> int:
+        return threading.get_ident()
+
+    async def caller() -> tuple[int, int]:
+        return threading.get_ident(), in_own_loop(where)
+
+    outer, inner = asyncio.run(caller())
+    assert outer != inner
+    assert in_own_loop(where) == threading.get_ident()  # no loop running: this thread

@@ -828,8 +828,10 @@ class Zero3CpuOffloadConfig:
     loss_chunk_tokens: int = int_field(256, 0, "tokens; 0 = the model's own loss")
     """Module mode: a forward given ``labels=`` computes a transformers causal LM's loss in
     chunks of this many tokens (head, logit transform, cross-entropy per chunk), so the full
-    logits (tokens x vocabulary, fp32) are never held; its backward recomputes each chunk's
-    logits. Equal to the model's own loss up to fp32 rounding; the output's ``logits`` is
+    logits (tokens x vocabulary, fp32) are never held. A frozen head's gradient is taken in
+    the forward, each chunk's logits computed once; a trained head's loss recomputes each
+    chunk's logits in the backward. Equal to the model's own loss up to fp32 rounding; the
+    output's ``logits`` is
     then None (pass ``return_logits=True`` to ``forward`` for the model's own logits and
     loss). A model whose head or loss it cannot reproduce exactly uses its own loss (logged
     once). 0: always the model's own loss and logits."""

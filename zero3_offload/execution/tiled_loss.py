@@ -16,6 +16,17 @@ sees one gradient). Saving the head's tensors also makes module mode gather a sh
 head again before the backward recomputes with it (see ``_pack``/``_unpack`` in
 ``execution.module_runner``).
 
+The gradient in the forward: when no tensor of the head needs a gradient (a frozen head:
+LoRA, frozen layers), the forward takes each chunk's gradient with respect to its hidden
+states right away, for an upstream gradient of 1, from the logits it has just computed,
+and saves the hidden states' gradient (their size) instead of recomputing the logits in
+the backward: the head's product runs twice per step, not three times. The backward
+hands it over when the loss's upstream gradient is 1, and multiplied by it when it is
+another power of two (a loss scale), which scales every step of the gradient's
+computation without rounding; any other upstream gradient recomputes the chunks as
+above, from the module's parameters or the weight given. The values are those of the
+recomputation either way.
+
 A head given as a module is applied through its ``forward`` method, not its ``__call__``:
 its hooks do not run (under ``manager.forward`` a sharded head is read inside
 ``manager.gathered(head)``). Random ops in a module head (a LoRA dropout) see the same
@@ -276,7 +287,7 @@ class _TiledLoss(torch.autograd.Function):
         ctx.head = tensors
         ctx.eager = False
         # A frozen head: the hidden states' gradient is taken here, for an upstream
-        # gradient of 1 (see [Note: tiled loss], "the gradient in the forward").
+        # gradient of 1 (see [Note: tiled loss], the gradient in the forward).
         if ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[3:]):
             loss, grad_hidden = _loss_and_gradient(hidden, targets, spec, tensors)
             ctx.save_for_backward(hidden, targets, grad_hidden)
@@ -348,10 +359,41 @@ def _loss_and_gradient(
         for start in range(0, hidden.shape[0], spec.chunk):
             end = start + spec.chunk
             h = hidden[start:end].detach().requires_grad_()
-            part = spec.chunk_sum(spec.project.logits(h, tensors), targets[start:end])
-            (grad_hidden[start:end],) = torch.autograd.grad(part, [h], grad_outputs=scale)
+            logits = spec.project.logits(h, tensors)
+            if spec.transform is None:
+                logits = logits.float()
+                part, grad = _cross_entropy_into(logits, targets[start:end], spec, scale)
+                (grad_hidden[start:end],) = torch.autograd.grad(logits, [h], grad_outputs=grad)
+                del grad
+            else:
+                part = spec.chunk_sum(logits, targets[start:end])
+                (grad_hidden[start:end],) = torch.autograd.grad(part, [h], grad_outputs=scale)
             total = total + part.detach()
+            del logits
     return spec.divide(total, targets), grad_hidden
+
+
+def _cross_entropy_into(
+    logits: torch.Tensor, targets: torch.Tensor, spec: _Spec, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's summed cross-entropy and its gradient with respect to ``logits`` (fp32,
+    ``[tokens, vocabulary]``) times ``scale``, the gradient written over the logits: the
+    operations autograd runs for ``F.cross_entropy`` (log-softmax, then the negative
+    log-likelihood, and their backward), so bitwise its values, with two chunks' worth of
+    memory, not three. Nothing saved the logits (the head's product saves its inputs)."""
+    with torch.no_grad():
+        out = logits.detach()
+        log_probs = torch.log_softmax(out, -1)
+        part = F.nll_loss(log_probs, targets, ignore_index=spec.ignore_index, reduction="sum")
+        unused = torch.zeros((), dtype=torch.float32, device=out.device)  # the mean's weight
+        torch.ops.aten.nll_loss_backward.grad_input(
+            scale, log_probs, targets, None, _SUM, spec.ignore_index, unused, grad_input=out
+        )
+        torch.ops.aten._log_softmax_backward_data.out(out, log_probs, -1, torch.float32, out=out)
+    return part, out
+
+
+_SUM = 2  # torch's reduction enum: none, mean, sum
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from zero3_offload import logging as zlogging
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import ConfigError
+from zero3_offload.memory.allocator import return_freed_memory
 from zero3_offload.plan.budget_search import choose_config
+from zero3_offload.plan.calibrate import load_or_measure
+from zero3_offload.plan.planner import local_ranks
 from zero3_offload.train.options import TrainOptions, parse_size
 
 __all__ = ["config_for_budget"]
@@ -62,7 +66,11 @@ def config_for_budget(
                 batch_size=batch_shape[0],
                 seq_len=batch_shape[1],
             )
-            choice = choose_config(opts, config, budget, fixed=_FIXED, peft_config=peft_config)
+            # Figures measured, if they must be, in a process of their own.
+            calibration = load_or_measure(local_ranks(opts.world_size), isolated=True)
+            choice = choose_config(
+                opts, config, budget, fixed=_FIXED, calibration=calibration, peft_config=peft_config
+            )
             chosen[0] = choice.chosen.zero3.to_dict()
             log.info(
                 "memory_per_rank_chosen",
@@ -73,6 +81,9 @@ def config_for_budget(
         except Exception as exc:  # every rank raises it, not rank 0 alone
             failure = exc
             chosen[0] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        # What planning freed (the probe's layer, its activations) leaves the heap before
+        # the model is built.
+        return_freed_memory(torch.device("cpu"))
     dist.broadcast_object_list(chosen, src=0, group=process_group)
     if isinstance(chosen[0], str):
         raise ConfigError(f"memory_per_rank={memory_per_rank}: {chosen[0]}") from failure

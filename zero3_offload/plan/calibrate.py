@@ -18,6 +18,7 @@ cache_path`), measuring first when it is missing.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def _trained(
         (model / "config.json").write_text(json.dumps(config))
         args = ("--model", str(model), "--world-size", str(ranks), "--out", f"{tmp}/run")
         command = [sys.executable, "-m", "zero3_offload", "train", *args, *run]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=_own_env())
         if done.returncode:
             raise ConfigError(f"calibration: the {what} training run failed: {done.stderr[-2000:]}")
         records = [
@@ -158,17 +159,52 @@ def measure(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
     return calibration
 
 
-def load_or_measure(ranks: int, *, remeasure: bool = False) -> Calibration:
-    """The cached figures for ``ranks`` local ranks, measured and cached first when
-    there are none (or ``remeasure``)."""
+def _own_env() -> dict[str, str]:
+    """This process's environment without a launcher's rank variables: a job started
+    from a rank (torchrun's) is a run of its own, not one of the launcher's ranks."""
+    launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+    launcher |= {"ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    own = {k: v for k, v in os.environ.items() if k not in launcher}
+    return {k: v for k, v in own.items() if not k.startswith("TORCHELASTIC")}
+
+
+def _cached(ranks: int) -> Calibration | None:
     path = cache_path(ranks)
-    if not remeasure and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("version") == VERSION:
-                return Calibration(**data)
-        except (OSError, ValueError, TypeError):
-            log.warning("unreadable calibration cache, measuring again", path=str(path))
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == VERSION:
+            return Calibration(**data)
+    except (OSError, ValueError, TypeError):
+        log.warning("unreadable calibration cache, measuring again", path=str(path))
+    return None
+
+
+def load_or_measure(ranks: int, *, remeasure: bool = False, isolated: bool = False) -> Calibration:
+    """The cached figures for ``ranks`` local ranks, measured and cached first when
+    there are none (or ``remeasure``).
+
+    ``isolated``: measure them with ``zero3-offload plan --calibrate`` in a process of its
+    own (a training process plans: its ranks, threads and memory stay out of the
+    figures, and its own memory out of theirs).
+
+    Raises:
+        ConfigError: the isolated measurement failed (its stderr's end quoted).
+    """
+    path = cache_path(ranks)
+    found = None if remeasure else _cached(ranks)
+    if found is not None:
+        return found
+    if isolated:
+        command = [sys.executable, "-m", "zero3_offload", "plan", "--calibrate"]
+        command += ["--world-size", str(ranks)]
+        log.info("calibrating", ranks=ranks, command=" ".join(command))
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=_own_env())
+        found = _cached(ranks)
+        if done.returncode or found is None:
+            raise ConfigError(f"calibration failed: {done.stderr[-2000:]}")
+        return found
     calibration = measure(ranks)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

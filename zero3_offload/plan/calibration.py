@@ -17,12 +17,14 @@ adds the runtime's memory and caches the figures as JSON in the user's cache dir
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import mmap
 import os
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -36,7 +38,9 @@ from zero3_offload.errors import ConfigError
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.testing import RankContext, run_ranks
 
-__all__ = ["VERSION", "Calibration", "cache_path", "measure_figures"]
+__all__ = ["VERSION", "Calibration", "cache_path", "in_own_loop", "measure_figures"]
+
+_T = TypeVar("_T")
 
 log = zlogging.get_logger(__name__)
 
@@ -286,6 +290,18 @@ def _figures(group: dist.ProcessGroup | None, world_size: int) -> dict[str, Any]
     }
 
 
+def in_own_loop(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """Run the coroutine ``make()`` returns to completion, in an event loop of its own: on
+    this thread, or on a thread of its own when this one runs a loop already (a manager
+    built with ``memory_per_rank`` inside an async function measures the figures there)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="calibrate") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
 def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
     """The timed figures (FLOP/s, bandwidths) with ``ranks`` local ranks; the runtime's
     memory is left at 0 (see ``plan.calibrate.measure``)."""
@@ -300,8 +316,8 @@ def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calib
         finally:
             torch.set_num_threads(before)
     else:
-        figures = asyncio.run(
-            run_ranks(
+        figures = in_own_loop(
+            lambda: run_ranks(
                 _rank_figures,
                 ranks,
                 None,

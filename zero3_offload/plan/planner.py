@@ -63,6 +63,8 @@ __all__ = ["local_ranks", "plan_run"]
 _FP32 = 4
 _POOL_EXTRA_LAYERS = 2  # engine: the unit in use and the one being released
 _LOSS_COPIES = 3  # a chunk's logits, their softmax and their gradient, fp32
+# With a frozen head and no logit transform, the gradient is written over the logits.
+_LOSS_COPIES_IN_PLACE = 2
 _TEXT_ITEMSIZE = 8  # token ids (int64) of the training text
 
 
@@ -107,6 +109,17 @@ def _shape(
 ) -> ModelShape:
     key = json.dumps(zero3.to_dict(), sort_keys=True)
     return _shape_of(directory, key, world, peft, freeze)
+
+
+def _loss_copies(zero3: Zero3CpuOffloadConfig, shape: ModelShape) -> int:
+    """fp32 chunks of logits the tiled loss holds at once: two where a frozen head's
+    gradient is taken in the forward and written over its logits (no logit transform),
+    else three (see [Note: tiled loss] in ``execution.tiled_loss``)."""
+    frozen_head = shape.trainable < shape.params * 0.5
+    softcap = shape.config.get("final_logit_softcapping") is not None
+    if zero3.loss_chunk_tokens and frozen_head and not softcap:
+        return _LOSS_COPIES_IN_PLACE
+    return _LOSS_COPIES
 
 
 def local_ranks(world_size: int) -> int:
@@ -221,7 +234,7 @@ class _Memory:
         vocab = self.shape.dim("vocab_size")
         chunk = self.zero3.loss_chunk_tokens
         tokens = min(chunk, self.tokens) if chunk else self.tokens
-        return tokens * vocab * _FP32 * _LOSS_COPIES
+        return tokens * vocab * _FP32 * _loss_copies(self.zero3, self.shape)
 
     def runtime(self) -> int:
         adapters = self.shape.trainable < self.shape.params
@@ -377,8 +390,10 @@ class _StepTime:
         layers = len(shape.decoder_units) * rows * (forward * (1 + recomputed) + backward)
         chunk = min(zero3.loss_chunk_tokens or tokens, tokens) * rows
         logits = chunk * shape.dim("vocab_size") * _FP32
-        # fp32 logits in the forward; recomputed, with their gradient, in the backward.
-        loss = 3 * logits * (rows * tokens / chunk) if logits >= TRAIN_MMAP_THRESHOLD else 0
+        # fp32 logits and their log-softmax (the gradient written over the logits), or
+        # the logits in the forward and again, with their gradient, in the backward.
+        copies = _loss_copies(zero3, shape)
+        loss = copies * logits * (rows * tokens / chunk) if logits >= TRAIN_MMAP_THRESHOLD else 0
         return layers + loss
 
     def seconds(self) -> dict[str, float]:
