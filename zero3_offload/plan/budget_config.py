@@ -8,13 +8,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from zero3_offload import logging as zlogging
 from zero3_offload.config import Zero3CpuOffloadConfig
 from zero3_offload.errors import ConfigError
-from zero3_offload.memory.allocator import return_freed_memory
 from zero3_offload.plan.budget_search import choose_config
 from zero3_offload.plan.calibrate import load_or_measure
 from zero3_offload.plan.planner import local_ranks
@@ -81,9 +79,6 @@ def config_for_budget(
         except Exception as exc:  # every rank raises it, not rank 0 alone
             failure = exc
             chosen[0] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-        # What planning freed (the probe's layer, its activations) leaves the heap before
-        # the model is built.
-        return_freed_memory(torch.device("cpu"))
     dist.broadcast_object_list(chosen, src=0, group=process_group)
     if isinstance(chosen[0], str):
         raise ConfigError(f"memory_per_rank={memory_per_rank}: {chosen[0]}") from failure

@@ -84,10 +84,7 @@ def _trained(
         model.mkdir()
         (model / "config.json").write_text(json.dumps(config))
         args = ("--model", str(model), "--world-size", str(ranks), "--out", f"{tmp}/run")
-        command = [sys.executable, "-m", "zero3_offload", "train", *args, *run]
-        done = subprocess.run(command, capture_output=True, text=True, check=False, env=_own_env())
-        if done.returncode:
-            raise ConfigError(f"calibration: the {what} training run failed: {done.stderr[-2000:]}")
+        _command("train", *args, *run, failed=f"the {what} training run")
         records = [
             record
             for log_file in Path(tmp, "run", "logs").glob("rank*.jsonl")
@@ -159,6 +156,18 @@ def measure(ranks: int, *, threads_per_rank: int | None = None) -> Calibration:
     return calibration
 
 
+def _command(*args: str, failed: str) -> None:
+    """Run ``zero3-offload ARGS`` in a process of its own (see :func:`_own_env`).
+
+    Raises:
+        ConfigError: it failed (``failed`` names it; its stderr's end quoted).
+    """
+    command = [sys.executable, "-m", "zero3_offload", *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_own_env())
+    if done.returncode:
+        raise ConfigError(f"calibration: {failed} failed: {done.stderr[-2000:]}")
+
+
 def _own_env() -> dict[str, str]:
     """This process's environment without a launcher's rank variables: a job started
     from a rank (torchrun's) is a run of its own, not one of the launcher's ranks."""
@@ -197,13 +206,11 @@ def load_or_measure(ranks: int, *, remeasure: bool = False, isolated: bool = Fal
     if found is not None:
         return found
     if isolated:
-        command = [sys.executable, "-m", "zero3_offload", "plan", "--calibrate"]
-        command += ["--world-size", str(ranks)]
-        log.info("calibrating", ranks=ranks, command=" ".join(command))
-        done = subprocess.run(command, capture_output=True, text=True, check=False, env=_own_env())
+        log.info("calibrating", ranks=ranks, isolated=True)
+        _command("plan", "--calibrate", "--world-size", str(ranks), failed="the measurement")
         found = _cached(ranks)
-        if done.returncode or found is None:
-            raise ConfigError(f"calibration failed: {done.stderr[-2000:]}")
+        if found is None:
+            raise ConfigError(f"calibration: the measurement left no figures at {path}")
         return found
     calibration = measure(ranks)
     path.parent.mkdir(parents=True, exist_ok=True)

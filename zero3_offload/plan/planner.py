@@ -111,13 +111,18 @@ def _shape(
     return _shape_of(directory, key, world, peft, freeze)
 
 
+def _full_training(shape: ModelShape) -> bool:
+    """Whether the run trains the model itself (at least half its parameters), the head
+    included, rather than adapters or a few layers over a frozen model and head."""
+    return shape.trainable >= shape.params * 0.5
+
+
 def _loss_copies(zero3: Zero3CpuOffloadConfig, shape: ModelShape) -> int:
     """fp32 chunks of logits the tiled loss holds at once: two where a frozen head's
     gradient is taken in the forward and written over its logits (no logit transform),
     else three (see [Note: tiled loss] in ``execution.tiled_loss``)."""
-    frozen_head = shape.trainable < shape.params * 0.5
     softcap = shape.config.get("final_logit_softcapping") is not None
-    if zero3.loss_chunk_tokens and frozen_head and not softcap:
+    if zero3.loss_chunk_tokens and not _full_training(shape) and not softcap:
         return _LOSS_COPIES_IN_PLACE
     return _LOSS_COPIES
 
@@ -410,7 +415,7 @@ class _StepTime:
         head = 2 * tokens * vocab * hidden
         forward = 2 * tokens * decoder + head
         forward += 2 * tokens * opts.seq_len * hidden * layers
-        full = shape.trainable >= shape.params * 0.5
+        full = _full_training(shape)
         backward = 2 * forward if full else forward
         recompute = skipped = 0.0
         if zero3.activation_checkpointing:
