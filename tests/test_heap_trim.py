@@ -1,5 +1,6 @@
-"""``trim_heap_after_forward``: a trim after each training forward, in both modes, on real
-ranks, and nothing else changes (losses and parameters bitwise those of a run without)."""
+"""``trim_heap_after_forward``: a trim at the end of each training forward, in both modes,
+and in module mode one more as the forward enters its last unit (the head), on real ranks;
+nothing else changes (losses and parameters bitwise those of a run without)."""
 
 from __future__ import annotations
 
@@ -76,14 +77,14 @@ def runs() -> dict[str, list[Any]]:
 
 
 @pytest.mark.parametrize("mode", ["module", "chain"])
-def test_a_trim_after_each_training_forward_changes_no_number(
+def test_the_trims_of_each_training_forward_change_no_number(
     runs: dict[str, list[Any]], mode: str
 ) -> None:
     for plain, trimmed in zip(runs[f"{mode}-False"], runs[f"{mode}-True"], strict=True):
         assert plain["trims"] == 0
-        # One heap-trim interval per training forward (the timeline keeps the recent
-        # steps: both of this run's).
-        assert trimmed["trims"] == STEPS
+        # One heap-trim interval per training forward, and in module mode one before its
+        # last unit (the timeline keeps the recent steps: both of this run's).
+        assert trimmed["trims"] == STEPS * (2 if mode == "module" else 1)
         assert trimmed["losses"] == plain["losses"]
         assert trimmed["state"].keys() == plain["state"].keys()
         assert all(torch.equal(trimmed["state"][k], v) for k, v in plain["state"].items())

@@ -173,6 +173,37 @@ def test_memory_per_rank_chooses_a_lora_run_that_fits_and_trains(
     assert caught.value.smallest.host_peak_bytes > 64 << 20
 
 
+# Every option the search changes but the loss's chunk.
+_ALL_BUT_THE_LOSS_CHUNK = (
+    "activation_checkpointing", "selective_checkpointing_units", "frozen_compression",
+    "frozen_decode_at_use", "mlp_chunk_tokens", "prefetch_buffer_size", "keep_gathered_bytes",
+    "offload_activations", "sequence_parallel_size", "gradient_accumulation_steps",
+    "trim_heap_after_forward", "batch_split",
+)  # fmt: skip
+
+
+def test_a_budget_only_a_smaller_loss_chunk_fits_chooses_it(
+    models: dict[str, Path], calibration: tuple[Calibration, dict[str, str]]
+) -> None:
+    figures, _ = calibration
+    opts = TrainOptions(model=str(models["qwen2"]), lora="r=8", **RUN)
+    start = Zero3CpuOffloadConfig(**TRAIN_DEFAULTS)
+    given = plan_run(opts, start, figures)
+    quarter = plan_run(opts, start.evolve(loss_chunk_tokens=64), figures)
+    # Its logits: 256 tokens of the vocabulary in fp32 at once, then 64.
+    assert quarter.host_peak_bytes < given.host_peak_bytes
+    budget = int(given.host_peak_bytes / (1 - HEADROOM)) - 1  # the given chunk just misses
+    choice = choose_config(opts, start, budget, fixed=_ALL_BUT_THE_LOSS_CHUNK, calibration=figures)
+    assert choice.chosen.zero3.loss_chunk_tokens == 64
+    assert choice.chosen.plan.host_peak_bytes == quarter.host_peak_bytes
+    # A chunk the user gave stays as given, and then nothing fits.
+    with pytest.raises(NothingFitsError):
+        choose_config(
+            opts, start, budget, fixed=(*_ALL_BUT_THE_LOSS_CHUNK, "loss_chunk_tokens"),
+            calibration=figures,
+        )  # fmt: skip
+
+
 def test_the_plan_command_prints_a_table_and_json(
     models: dict[str, Path],
     calibration: tuple[Calibration, dict[str, str]],

@@ -845,10 +845,11 @@ class Zero3CpuOffloadConfig:
     otherwise idle during backward (compute on a GPU), not where the layers compute on the
     same cores. False: with clipping or fp16 the updates wait for the whole backward."""
     trim_heap_after_forward: bool = bool_field(False)
-    """After each training forward, return the C heap's free pages to the OS (glibc's
-    ``malloc_trim(0)``, 2-3 ms; nothing off glibc), so the forward's freed small blocks
-    do not count in the backward's peak RSS. Each trim is a ``heap-trim`` interval on the
-    timeline, its bytes the measured fall of the RSS."""
+    """After each training forward, and in module mode also as it enters its last unit
+    (most often the head, as the loss begins), return the C heap's free pages to the OS
+    (glibc's ``malloc_trim(0)``, 2-3 ms; nothing off glibc), so the small blocks the
+    layers freed do not count in the peak RSS of the loss and the backward. Each trim is
+    a ``heap-trim`` interval on the timeline, its bytes the measured fall of the RSS."""
     keep_gathered_for_backward: bool = bool_field(True)
     """Keep the last layers of a training forward gathered until their backward (which
     starts there) instead of gathering them again: as many as ``gpu_param_memory_budget``

@@ -9,6 +9,7 @@ from harness import train
 from harness.systems import System
 
 from suites import peers
+from zero3_offload.memory.allocator import TRAIN_MMAP_THRESHOLD
 
 WORLD, BATCH = 2, 4
 LLAMA = dict(model="llama", d=1024, ffn=2816, n_layers=20, heads=16, kv_heads=8, vocab=32000)
@@ -56,7 +57,7 @@ OPTIONS = {
 }
 TAKES = ["rounds", "seed", "timeout", "keep", "mmap_threshold"]
 DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 4, "rounds": 1, "timeout": 3600.0, "seed": 0}
-DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
+DEFAULTS["mmap_threshold"] = TRAIN_MMAP_THRESHOLD  # MALLOC_MMAP_THRESHOLD_, as `train` sets
 QUICK = {"timeout": 300.0}
 TITLE = "zero3_offload module mode vs peers on a transformers Llama (same model, data and seed)"
 TITLES = {"gpt": "Module mode vs chain mode on the library's GPT, with plain torch and FSDP2:"}

@@ -14,6 +14,8 @@ from harness import train
 from harness.render import MIB, Col
 from harness.systems import System
 
+from zero3_offload.memory.allocator import TRAIN_MMAP_THRESHOLD
+
 W, LLAMA = 2, {"model": "llama", "vocab": 32000}
 MODELS = {  # name: dims, first length; the issue's model and hf-peers' ~300M Llama
     "small": ({**LLAMA, "d": 256, "ffn": 688, "n_layers": 4, "heads": 4, "kv_heads": 2}, 1024),
@@ -52,7 +54,7 @@ OPTIONS = {
 }
 TAKES = ["seed", "timeout", "keep", "mmap_threshold"]
 DEFAULTS = {"threads": 1, "warmup": 1, "repeats": 1, "rounds": 1, "timeout": 3600.0, "seed": 0}
-DEFAULTS["mmap_threshold"] = 1 << 20  # MALLOC_MMAP_THRESHOLD_, as `zero3-offload train` sets
+DEFAULTS["mmap_threshold"] = TRAIN_MMAP_THRESHOLD  # MALLOC_MMAP_THRESHOLD_, as `train` sets
 QUICK = {"timeout": 300.0}
 TITLE = "Long sequences: peak RSS per rank and tokens/s against the sequence length"
 GOALS = {  # name: (measured as, wanted, at least?)

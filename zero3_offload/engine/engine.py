@@ -764,6 +764,7 @@ def _build_runners(
         clock=clock,
         device=device,
         after_forward=heap.after_forward,
+        before_last_unit=heap.before_last_unit,
         recompute=config.activation_checkpointing,
         products=products,
         activations=activations,

@@ -147,6 +147,10 @@ class ModuleRunner:
         device: the compute device (the call's tensors are moved there).
         after_forward: called with the phase at the end of every forward (the C heap
             trimmed after a training one, when ``trim_heap_after_forward`` is on).
+        before_last_unit: called with the phase as a forward enters its last unit of
+            ``unit_modules`` (every other one entered: in a transformers model most
+            often the head, as the loss begins); the C heap trimmed in a training one,
+            likewise.
         recompute: wrap every unit's forward in (non-reentrant) activation
             checkpointing, except units that are one ``nn.Linear`` or ``nn.Embedding``
             (they save only their input anyway: a recomputation would only add their
@@ -184,6 +188,7 @@ class ModuleRunner:
         clock: PassClock,
         device: torch.device,
         after_forward: Callable[[Phase], None],
+        before_last_unit: Callable[[Phase], None],
         recompute: bool,
         products: ProductSaving | None = None,
         activations: ActivationOffload | None = None,
@@ -204,6 +209,8 @@ class ModuleRunner:
         self._clock = clock
         self._device = device
         self._after_forward = after_forward
+        self._before_last_unit = before_last_unit
+        self._unit_count = len(unit_modules)
         config = getattr(model, "config", None)
         self._no_cache = recompute and bool(getattr(config, "use_cache", False))
         self._root = ROOT_UNIT if ROOT_UNIT in units else None
@@ -547,6 +554,9 @@ class ModuleRunner:
             if not self._gatherer.is_gathered(unit):
                 await self._prefetch.regather(unit)
             return
+        entered = p.where.keys() - {self._root}
+        if unit != self._root and unit not in entered and len(entered) == self._unit_count - 1:
+            self._before_last_unit(p.phase)  # the forward's last unit
         i = len(p.observed)
         p.on_track = p.on_track and i < len(p.predicted) and p.predicted[i] == unit
         p.observed.append(unit)

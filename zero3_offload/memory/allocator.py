@@ -24,7 +24,9 @@ __all__ = ["TRAIN_MMAP_THRESHOLD", "return_freed_memory", "set_mmap_threshold", 
 
 TRAIN_MMAP_THRESHOLD = 1 << 20
 """The threshold ``zero3-offload train`` sets in every training process: blocks of 1 MiB
-or more are returned on free (and each is new memory, faulted in, when allocated)."""
+or more are returned on free (and each is new memory, faulted in, when allocated).
+Smaller blocks stay resident in the heap's arenas when freed (docs/planning.md, "The C
+heap", has what a lower threshold changes)."""
 
 # mallopt's parameter number for the mmap threshold (M_MMAP_THRESHOLD in malloc.h).
 _M_MMAP_THRESHOLD = -3

@@ -1,4 +1,4 @@
-"""Returning the C heap's free pages to the OS after each training forward."""
+"""Returning the C heap's free pages to the OS in each training forward."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ __all__ = ["HeapTrimmer"]
 
 
 class HeapTrimmer:
-    """Trims the C heap (glibc's ``malloc_trim(0)``) after each training forward, when on.
+    """Trims the C heap (glibc's ``malloc_trim(0)``) in each training forward, when on:
+    in module mode as the forward enters its last unit (most often the head, as the loss
+    begins), and at the forward's end.
 
-    A forward frees most of its temporaries, but the pages of small blocks
-    (below the mmap threshold) stay resident in malloc's arenas; the backward's
-    peak then counts them on top of what it allocates itself. Trimming between the
-    passes returns those pages first (2-3 ms). Each trim is a ``heap-trim``
-    interval on the timeline whose ``nbytes`` is the fall of the process's RSS
-    across it, measured.
+    The layers' forwards free most of their temporaries, but the pages of small blocks
+    (below the mmap threshold) stay resident in malloc's arenas; the head and loss, and
+    then the backward, count them on top of what they allocate themselves. Trimming
+    before them returns those pages first (2-3 ms each). Each trim is a ``heap-trim``
+    interval on the timeline whose ``nbytes`` is the fall of the process's RSS across
+    it, measured.
 
     Args:
         enabled: trim (``trim_heap_after_forward``); False does nothing.
@@ -33,6 +35,11 @@ class HeapTrimmer:
         self.enabled = enabled
         self._rss = rss
         self._timeline = timeline
+
+    def before_last_unit(self, phase: Phase) -> None:
+        """A forward of ``phase`` enters its last unit (module mode): trim when it is a
+        training one."""
+        self.after_forward(phase)
 
     def after_forward(self, phase: Phase) -> None:
         """The forward of ``phase`` ended: trim when it was a training one."""

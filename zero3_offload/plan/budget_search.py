@@ -2,17 +2,19 @@
 
 The search goes over the options that trade memory for time (see docs/planning.md):
 activation checkpointing (off, full, selective over half or all of the layers, and for
-the fastest candidate that checkpoints, as many selective layers as fit), a
-tiled MLP, the format of frozen weights (``bf16``, ``nf4``) and decoding them at use,
-how many layers stay gathered (``prefetch_buffer_size``, ``keep_gathered_bytes``),
-offloading checkpointed inputs to disk (only with an ``nvme_path``), sequence
-parallelism, and the micro-batch against gradient accumulation at the same global
-batch. Every candidate trims the C heap after the forward (``trim_heap_after_forward``,
-2-3 ms): the plan counts tensors, and without the trim the forward's freed small blocks
-stay resident into the backward's peak. Options the user set on the command line or in
+the fastest candidate that checkpoints, as many selective layers as fit), a tiled MLP,
+the loss's chunk (as given, or a quarter of it), the format of frozen weights
+(``bf16``, ``nf4``) and decoding them at use, how many layers stay gathered
+(``prefetch_buffer_size``, ``keep_gathered_bytes``), offloading checkpointed inputs to
+disk (only with an ``nvme_path``), sequence parallelism, and the micro-batch against
+gradient accumulation at the same global batch. Every candidate trims the C heap
+(``trim_heap_after_forward``, 2-3 ms a trim): the plan counts tensors, and without the
+trims the freed small blocks stay resident into the loss's and the backward's peaks.
+Options the user set on the command line or in
 the config are kept as given (``fixed``). Each candidate is planned with
 :func:`~zero3_offload.plan.planner.plan_run`; the fastest whose host peak (and device
-peak, with ``device_memory``) fits wins, ties to the smaller peak. A host peak fits when
+peak, with ``device_memory``) fits wins, ties to the loss chunk as given, then to the
+smaller peak. A host peak fits when
 it leaves ``HEADROOM`` (5%) of the budget free, for the plan's own error.
 """
 
@@ -38,6 +40,9 @@ HEADROOM = 0.05
 """The share of a host budget a plan leaves free: a candidate fits when its planned peak
 is at most 95% of the budget. Measured peaks ran up to 10% off their plans (the
 plan-accuracy suite), 5-7% above them in a training loop of the user's own."""
+
+
+_SMALLEST_LOSS_CHUNK = 32  # tokens: the smallest loss chunk the search proposes
 
 
 class NothingFitsError(ConfigError):
@@ -137,6 +142,10 @@ def _candidates(
     tiled = [{"mlp_chunk_tokens": 0}]
     if opts.seq_len * opts.batch_size >= 2048:
         tiled.append({"mlp_chunk_tokens": 1024})
+    # The loss's chunk (its fp32 logits held at once): as given, and a quarter of it.
+    chunk = zero3.loss_chunk_tokens
+    if chunk >= 4 * _SMALLEST_LOSS_CHUNK and opts.seq_len * opts.batch_size > chunk // 4:
+        tiled = [{**t, **c} for t in tiled for c in ({}, {"loss_chunk_tokens": chunk // 4})]
     gathered = [
         {"prefetch_buffer_size": 2, "keep_gathered_bytes": 0},
         {"prefetch_buffer_size": 1, "keep_gathered_bytes": 0},
@@ -222,9 +231,15 @@ def choose_config(
 
     for run, changes in _candidates(opts, zero3, layers, fixed, peft_config is not None):
         planned(run, changes)
+    # Fastest first; at the same time the loss chunk as given (fewer, larger chunks),
+    # then the smaller peak.
     fitting = sorted(
         (c for c in seen if c.fits),
-        key=lambda c: (c.plan.predicted_step_s, c.plan.host_peak_bytes),
+        key=lambda c: (
+            c.plan.predicted_step_s,
+            c.zero3.loss_chunk_tokens != zero3.loss_chunk_tokens,
+            c.plan.host_peak_bytes,
+        ),
     )
     if fitting and "selective_checkpointing_units" not in fixed:
         most = _most_saved(fitting[0], layers, planned)

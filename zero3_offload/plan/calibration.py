@@ -35,6 +35,7 @@ from zero3_offload.comm.collectives import Collectives
 from zero3_offload.config import CpuCompressionMethod
 from zero3_offload.engine.engine import SHARED_MEMORY_BLOCK_BYTES
 from zero3_offload.errors import ConfigError
+from zero3_offload.memory.allocator import TRAIN_MMAP_THRESHOLD
 from zero3_offload.parameter.codec import ShardCodec
 from zero3_offload.testing import RankContext, run_ranks
 
@@ -323,7 +324,7 @@ def measure_figures(ranks: int, *, threads_per_rank: int | None = None) -> Calib
                 None,
                 timeout_s=600.0,
                 threads_per_rank=threads,
-                mmap_threshold=1 << 20,
+                mmap_threshold=TRAIN_MMAP_THRESHOLD,
             )
         )
     calibration = Calibration(
