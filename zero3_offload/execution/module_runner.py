@@ -554,8 +554,8 @@ class ModuleRunner:
             if not self._gatherer.is_gathered(unit):
                 await self._prefetch.regather(unit)
             return
-        entered = p.where.keys() - {self._root}
-        if unit != self._root and unit not in entered and len(entered) == self._unit_count - 1:
+        entered = len(p.where) - (self._root in p.where)  # units other than the root
+        if unit != self._root and unit not in p.where and entered == self._unit_count - 1:
             self._before_last_unit(p.phase)  # the forward's last unit
         i = len(p.observed)
         p.on_track = p.on_track and i < len(p.predicted) and p.predicted[i] == unit
