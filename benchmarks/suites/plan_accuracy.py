@@ -2,8 +2,8 @@
 
 Each case trains a transformers model with weights (a Llama and a Qwen2 built from configs) with
 `zero3-offload train --model` for 5 steps; the largest rank's VmHWM and the median step after
-the first are compared with what `zero3-offload plan --json` predicts for the same flags (run
-as a process of its own, as a user runs it)."""
+the first are compared with what `zero3-offload plan --json` predicted for the same flags just
+before the run (a process of its own, as a user runs it)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,15 @@ def case(n: int, work: Path, timeout: float) -> dict[str, Any]:
     argv = ["train", "--model", str(work / family), "--world-size", str(world), "--seq-len",
             str(seq), "--out", str(work / f"run{n}"), *f"{COMMON} {flags}".format(
                 work=work / f"nvme{n}").split()]  # fmt: skip
+    # The plan as a user gets it before the run: `zero3-offload plan --json` with the same
+    # flags, in a process of its own (its probe times the model's layer there).
+    command = [sys.executable, "-m", "zero3_offload", "plan", *argv[1:], "--json"]
+    planning = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if planning.returncode:
+        return {**row, "error": "plan: " + planning.stderr.strip().splitlines()[-1]}
+    planned = json.loads(planning.stdout)
+    row.update(predicted=planned["host_peak_bytes"], predicted_step=planned["predicted_step_s"],
+               step_breakdown=planned["step_breakdown"])  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "zero3_offload", *argv], capture_output=True,
                           text=True, timeout=timeout, check=False)  # fmt: skip
     if done.returncode:
@@ -74,15 +83,6 @@ def case(n: int, work: Path, timeout: float) -> dict[str, Any]:
     row["peak"] = max(r["peak_rss_bytes"] for r in logs if r["event"] == "train_done")
     row["step"] = statistics.median(
         r["seconds"] for r in logs if r["event"] == "train_step" and r["step"] > 1)  # fmt: skip
-    # The plan as a user gets it: `zero3-offload plan --json` with the same flags, in a
-    # process of its own (its probe times the model's layer there).
-    command = [sys.executable, "-m", "zero3_offload", "plan", *argv[1:], "--json"]
-    planning = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    if planning.returncode:
-        return {**row, "error": "plan: " + planning.stderr.strip().splitlines()[-1]}
-    planned = json.loads(planning.stdout)
-    row.update(predicted=planned["host_peak_bytes"], predicted_step=planned["predicted_step_s"],
-               step_breakdown=planned["step_breakdown"])  # fmt: skip
     row.update(peak_ratio=row["predicted"] / row["peak"])
     row.update(step_ratio=row["predicted_step"] / row["step"])
     row.update(met=abs(row["peak_ratio"] - 1) <= GOALS["peak"],
@@ -125,6 +125,6 @@ LAYOUT = [([Col("#", "case", "d"), Col("model", "model"), Col("ranks", "ranks", 
           "{summary[worst_peak_ratio]:.1%}."]  # fmt: skip
 NOTES = ["Each case: `zero3-offload train --model` with weights (from_pretrained), "
          "{config[common]}; peak: the largest rank's VmHWM over the run; step: the median of the "
-         "steps after the first. Predicted: `zero3-offload plan --json` with the same flags (a "
-         "process of its own) and this machine's cached calibration. Whole benchmark "
-         "{total_wall_s:.0f} s wall."]  # fmt: skip
+         "steps after the first. Predicted: `zero3-offload plan --json` with the same flags just "
+         "before the run (a process of its own) and this machine's cached calibration. Whole "
+         "benchmark {total_wall_s:.0f} s wall."]  # fmt: skip
