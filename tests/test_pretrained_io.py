@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zero3_offload.errors import CheckpointError, ConfigError, InputError, StateError
+from zero3_offload.integrations import pretrained_weights
 from zero3_offload.integrations.meta_model import build_model_from_directory, parameters_on_meta
 from zero3_offload.integrations.pretrained_weights import PretrainedWeights
 from zero3_offload.integrations.pretrained_writer import write_pretrained
@@ -103,7 +104,10 @@ def test_reads_every_parameter_fully_and_in_ranges(layout, models, saved):
         assert "no.such.weight" not in weights
 
 
-def test_reads_ranges_of_every_shape(tmp_path):
+@pytest.mark.parametrize("read_elements", [None, 3], ids=["default-reads", "3-element-reads"])
+def test_reads_ranges_of_every_shape(tmp_path, monkeypatch, read_elements):
+    if read_elements is not None:  # whole rows read a few elements at a time
+        monkeypatch.setattr(pretrained_weights, "READ_ELEMENTS", read_elements)
     gen = torch.Generator().manual_seed(2)
     tensors = {
         "scalar": torch.tensor(2.5),
@@ -129,6 +133,14 @@ def test_reads_ranges_of_every_shape(tmp_path):
                 got = weights.read_flat(name, start, end)
                 assert got.dtype == torch.float32, name
                 assert torch.equal(got, flat[start:end]), (name, start, end)
+                # Into a view of a larger buffer: that view is written, nothing around it.
+                into = torch.full((end - start + 2,), 7.0)
+                view = into[1:-1]
+                assert weights.read_flat(name, start, end, out=view) is view
+                assert torch.equal(view, flat[start:end]), (name, start, end)
+                assert into[0] == 7.0 and into[-1] == 7.0
+        with pytest.raises(StateError, match="read_flat writes 4 float32 elements"):
+            weights.read_flat("matrix", 0, 4, out=torch.empty(5))
 
 
 def test_small_range_of_a_large_tensor_reads_only_that_range(tmp_path):

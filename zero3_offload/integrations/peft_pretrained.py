@@ -77,7 +77,7 @@ class PeftPretrainedShards:
         files = [s for s in layout.slots if param_key(layer, s.name) not in self._adapters]
         if files:
             renamed = {s.name: base_name(param_key(layer, s.name), self._prefix) for s in files}
-            out += self._base.shard_of(layer, layout, names=renamed)
+            self._base.shard_of(layer, layout, names=renamed, out=out)
         for slot in layout.slots:
             value = self._adapters.get(param_key(layer, slot.name))
             if value is None:

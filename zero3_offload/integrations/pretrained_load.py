@@ -53,15 +53,23 @@ class PretrainedShards:
         return self.shard_of(layer, layout)
 
     def shard_of(
-        self, layer: str, layout: LayerLayout, *, names: dict[str, str] | None = None
+        self,
+        layer: str,
+        layout: LayerLayout,
+        *,
+        names: dict[str, str] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`shard`, with ``names`` (slot name -> name in the files) for the slots
-        to read: the others are left zero; None reads every slot under its own name.
+        to read: the others are left as they are (zero in a new shard); None reads every
+        slot under its own name. ``out``: the fp32 shard to read into (``shard_numel``
+        elements), instead of a new one; each slice is read straight into its place.
 
         Raises:
             CheckpointError: when a parameter is missing from the files or has another shape.
         """
-        out = torch.zeros(layout.shard_numel, dtype=torch.float32)
+        if out is None:
+            out = torch.zeros(layout.shard_numel, dtype=torch.float32)
         for slot in layout.slots:
             if names is not None and slot.name not in names:
                 continue
@@ -79,9 +87,9 @@ class PretrainedShards:
                 )
             if lo >= hi:
                 continue
-            piece = self.weights.read_flat(name, lo - slot.offset, hi - slot.offset)
-            out[lo - layout.shard_start : hi - layout.shard_start] = piece
-            self.bytes_read += piece.numel() * piece.element_size()
+            place = out[lo - layout.shard_start : hi - layout.shard_start]
+            self.weights.read_flat(name, lo - slot.offset, hi - slot.offset, out=place)
+            self.bytes_read += place.numel() * place.element_size()
         return out
 
     def close(self) -> None:

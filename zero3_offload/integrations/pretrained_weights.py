@@ -33,7 +33,7 @@ from zero3_offload.checkpoint.format import open_for_reading
 from zero3_offload.errors import CheckpointError, StateError
 from zero3_offload.logging import get_logger
 
-__all__ = ["PretrainedWeights"]
+__all__ = ["READ_ELEMENTS", "PretrainedWeights"]
 
 _log = get_logger(__name__)
 
@@ -105,14 +105,22 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+# Whole rows are read this many elements at a time at most (16 MiB of fp32): a read's
+# slice is a tensor of its own until it is copied into the result.
+READ_ELEMENTS = 1 << 22
+
+
 def _boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[tuple[slice, ...]]:
     """Index tuples of rectangular slices that hold exactly elements ``[start, end)`` of the
-    row-major flattened tensor of ``shape``, in order (at most ``2 * len(shape) - 1``).
+    row-major flattened tensor of ``shape``, in order: at most ``2 * len(shape) - 1``
+    shapes of slice, the whole rows of a dimension in runs of at most ``READ_ELEMENTS``
+    elements (one row where a row is larger).
 
     Requires ``len(shape) >= 1`` and ``0 <= start < end <= prod(shape)``.
     """
     if len(shape) == 1:
-        yield (slice(start, end),)
+        for lo in range(start, end, READ_ELEMENTS):
+            yield (slice(lo, min(lo + READ_ELEMENTS, end)),)
         return
     row = math.prod(shape[1:])
     first, last = start // row, end // row  # row ``last`` holds element ``end`` (excluded)
@@ -124,8 +132,9 @@ def _boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[tuple[slice
         for rest in _boxes(shape[1:], start % row, row):
             yield (slice(first, first + 1), *rest)
         first += 1
-    if first < last:  # whole rows
-        yield (slice(first, last),)
+    rows = max(1, READ_ELEMENTS // row)
+    for lo in range(first, last, rows):  # whole rows
+        yield (slice(lo, min(lo + rows, last)),)
     if end % row:  # the start of a partial last row
         for rest in _boxes(shape[1:], 0, end % row):
             yield (slice(last, last + 1), *rest)
@@ -247,19 +256,27 @@ class PretrainedWeights:
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
-    def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
+    def read_flat(
+        self, name: str, start: int, end: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Elements ``[start, end)`` of tensor ``name`` flattened in row-major order.
 
         Reads only those elements from the file (see
         [Note: reading pretrained weights by slices]); memory is the result plus one
-        slice of the stored tensor at a time.
+        slice of the stored tensor at a time (at most ``READ_ELEMENTS`` elements, or
+        one row of a larger row).
+
+        Args:
+            out: a 1D float32 CPU tensor of ``end - start`` elements to write them into
+                (a view of a larger buffer: no new result is allocated).
 
         Returns:
-            A new contiguous float32 CPU tensor of ``end - start`` elements.
+            ``out``, or a new contiguous float32 CPU tensor of ``end - start`` elements.
 
         Raises:
             CheckpointError: when there is no tensor ``name``, the range is not within
                 ``[0, numel]``, or the file cannot be read.
+            StateError: ``out`` is not 1D float32 of ``end - start`` elements.
         """
         entry = self._entry(name)
         self.dtype(name)  # refuse dtypes that torch lacks before reading
@@ -271,7 +288,13 @@ class PretrainedWeights:
             raise CheckpointError(
                 f"{name!r}: range [{start}, {end}) is not within its {numel} elements"
             )
-        out = torch.empty(end - start, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(end - start, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (end - start,):
+            raise StateError(
+                f"{name!r}: read_flat writes {end - start} float32 elements, got a "
+                f"{out.dtype} tensor of shape {tuple(out.shape)}"
+            )
         if start == end:
             return out
         path, handle = self._paths[entry.file], self._handles[entry.file]

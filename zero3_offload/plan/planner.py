@@ -27,8 +27,9 @@ Every term is a byte count of tensors the run will hold, or a measurement:
 * ``shared memory``: the CPU collectives' region on more than one local rank;
 * ``data``: the training text's tokens as the trainer holds them.
 
-The host peak is the largest of three points: the load (runtime, model state and the
-largest unit read whole), the forward's end (everything above), and the optimizer
+The host peak is the largest of three points: the load (runtime, model state, the
+largest frozen shard read whole and a file's slice being read), the forward's end
+(everything above), and the optimizer
 step (runtime, state and what stays gathered). On an accelerator the gathered units,
 activations and loss live on the device instead; the host keeps the runtime, the
 model state and pinned staging buffers.
@@ -46,6 +47,7 @@ from torch import nn
 
 from zero3_offload.config import OffloadActivations, OffloadDevice, Zero3CpuOffloadConfig
 from zero3_offload.engine.engine import SHARED_MEMORY_BLOCK_BYTES
+from zero3_offload.integrations.pretrained_weights import READ_ELEMENTS
 from zero3_offload.memory.allocator import TRAIN_MMAP_THRESHOLD
 from zero3_offload.memory.budget import disk_record_bytes
 from zero3_offload.parameter.codec import ShardCodec
@@ -241,6 +243,16 @@ class _Memory:
         tokens = min(chunk, self.tokens) if chunk else self.tokens
         return tokens * vocab * _FP32 * _loss_copies(self.zero3, self.shape)
 
+    def reading(self) -> int:
+        """What the load holds besides the model state: a unit's frozen part read whole
+        (this rank's fp32 shard, encoded into its stored copy and let go) and the slice
+        of a file being read into it (``READ_ELEMENTS`` at most); a trainable shard is
+        read straight into the master it becomes."""
+        layouts = self.shape.layouts.values()
+        frozen = max((lay.frozen.shard_numel for lay in layouts if lay.frozen), default=0)
+        shard = max((lay.shard_numel for lay in layouts), default=0)
+        return (frozen + min(READ_ELEMENTS, max(frozen, shard))) * _FP32
+
     def runtime(self) -> int:
         adapters = self.shape.trainable < self.shape.params
         return self.cal.adapter_runtime_rss_bytes if adapters else self.cal.runtime_rss_bytes
@@ -299,8 +311,7 @@ class _Memory:
         if self.on_device:  # gathered units, activations and loss live on the device
             device, step = step, {"shared memory region": 0}
             device["model state on the device"] = self.shape.device_state_bytes
-        largest = max((lay.param_numel for lay in self.shape.layouts.values()), default=0)
-        load = {**runtime, **state, "a unit read whole": largest * _FP32}
+        load = {**runtime, **state, "a frozen shard being read": self.reading()}
         # One micro-step per update: each layer's gradient shard is made in its backward and
         # updated and let go at once, as its saved activations go: none at the forward's end.
         held = (
