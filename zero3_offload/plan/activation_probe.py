@@ -14,8 +14,8 @@ quadratic: the planner sums those at or above the mmap threshold of a training p
 (new memory each, see ``plan.calibration``'s fresh-memory figure).
 
 The same one-layer model's training step (forward, backward) is timed on two lengths (up
-to 256 tokens, and a quarter of that) with a rank's threads, its minor page faults
-counted: the planner draws a line through the two (seconds against FLOPs: a fixed cost
+to 1,024 tokens or 2e10 FLOPs, and a quarter of that) with a rank's threads, its minor
+page faults counted: the planner draws a line through the two (seconds against FLOPs: a fixed cost
 per layer and step, and this model's FLOP/s; see ``planner._StepTime``). Gradients are
 let go as they are computed, so the probe never holds a second copy of the layer.
 """
@@ -45,8 +45,11 @@ __all__ = ["LayerActivations", "probe_layer"]
 
 _PROBE_VOCAB = 8
 _POINTS = 3
-_TIMED_FLOPS = 4e9  # a timed step's FLOPs at most (6 per parameter and token) ...
-_MIN_TIMED, _MAX_TIMED = 16, 256  # ... within these tokens
+# A timed step's FLOPs at most (6 per parameter and token), within these tokens: steps
+# long enough that the line drawn through them barely moves from one process to the next
+# (the compute term of one plan: 7.6-11.9 s over four runs with 4e9 and 256, 9.4-9.8 s).
+_TIMED_FLOPS = 2e10
+_MIN_TIMED, _MAX_TIMED = 16, 1024
 _TIMED_TRIES = 5
 _WARM_S = 0.2  # warm-up steps for at least this long (2 to _TIMED_TRIES of them)
 
