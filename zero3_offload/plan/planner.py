@@ -28,8 +28,7 @@ Every term is a byte count of tensors the run will hold, or a measurement:
 * ``data``: the training text's tokens as the trainer holds them.
 
 The host peak is the largest of three points: the load (runtime, model state, the
-largest frozen shard read whole and a file's slice being read; without weights the
-model built whole), the forward's end
+largest frozen shard read whole and a file's slice being read), the forward's end
 (everything above), and the optimizer
 step (runtime, state and what stays gathered). On an accelerator the gathered units,
 activations and loss live on the device instead; the host keeps the runtime, the
@@ -59,7 +58,6 @@ from zero3_offload.plan.model_shape import ModelShape, meta_model
 from zero3_offload.plan.run_plan import RunPlan
 from zero3_offload.storage.record_file import aligned
 from zero3_offload.train.adapters import peft_config_of
-from zero3_offload.train.hf import has_weights
 from zero3_offload.train.options import TrainOptions
 
 __all__ = ["local_ranks", "plan_run"]
@@ -246,14 +244,10 @@ class _Memory:
         return tokens * vocab * _FP32 * _loss_copies(self.zero3, self.shape)
 
     def reading(self) -> int:
-        """What the load holds besides the model state. From weights: a unit's frozen
-        part read whole (this rank's fp32 shard, encoded into its stored copy and let go)
-        and the slice of a file being read into it (``READ_ELEMENTS`` at most); a
-        trainable shard is read straight into the master it becomes. A directory without
-        weights: the model built whole in fp32 on every rank (random init), then
-        sharded."""
-        if not has_weights(str(self.opts.model)):
-            return self.shape.params * _FP32
+        """What the load holds besides the model state, read from weights: a unit's
+        frozen part read whole (this rank's fp32 shard, encoded into its stored copy and
+        let go) and the slice of a file being read into it (``READ_ELEMENTS`` at most); a
+        trainable shard is read straight into the master it becomes."""
         layouts = self.shape.layouts.values()
         frozen = max((lay.frozen.shard_numel for lay in layouts if lay.frozen), default=0)
         shard = max((lay.shard_numel for lay in layouts), default=0)
