@@ -244,14 +244,16 @@ class _Memory:
         return tokens * vocab * _FP32 * _loss_copies(self.zero3, self.shape)
 
     def reading(self) -> int:
-        """What the load holds besides the model state, read from weights: a unit's
-        frozen part read whole (this rank's fp32 shard, encoded into its stored copy and
-        let go) and the slice of a file being read into it (``READ_ELEMENTS`` at most); a
-        trainable shard is read straight into the master it becomes."""
+        """What the load holds on the host besides the model state, read from weights: a
+        unit's frozen part read whole (this rank's fp32 shard, encoded into its stored
+        copy and let go) and the slice of a file being read into it (``READ_ELEMENTS``
+        at most). A trainable shard is read straight into the master it becomes on the
+        host; a master on the device is read into a host shard first and copied."""
         layouts = self.shape.layouts.values()
         frozen = max((lay.frozen.shard_numel for lay in layouts if lay.frozen), default=0)
         shard = max((lay.shard_numel for lay in layouts), default=0)
-        return (frozen + min(READ_ELEMENTS, max(frozen, shard))) * _FP32
+        staged = shard if self.on_device and not self.zero3.offload_params else 0
+        return (max(frozen, staged) + min(READ_ELEMENTS, max(frozen, shard))) * _FP32
 
     def runtime(self) -> int:
         adapters = self.shape.trainable < self.shape.params
