@@ -105,16 +105,16 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-# Whole rows are read this many elements at a time at most (16 MiB of fp32): a read's
-# slice is a tensor of its own until it is copied into the result.
+# A read's slice holds this many elements at most (16 MiB of fp32): it is a tensor of its
+# own until it is copied into the result.
 READ_ELEMENTS = 1 << 22
 
 
 def _boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[tuple[slice, ...]]:
     """Index tuples of rectangular slices that hold exactly elements ``[start, end)`` of the
-    row-major flattened tensor of ``shape``, in order: at most ``2 * len(shape) - 1``
-    shapes of slice, the whole rows of a dimension in runs of at most ``READ_ELEMENTS``
-    elements (one row where a row is larger).
+    row-major flattened tensor of ``shape``, in order, none of more than ``READ_ELEMENTS``
+    elements: whole rows of a dimension in runs that fit, a row larger than that in
+    pieces of its own.
 
     Requires ``len(shape) >= 1`` and ``0 <= start < end <= prod(shape)``.
     """
@@ -132,9 +132,14 @@ def _boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[tuple[slice
         for rest in _boxes(shape[1:], start % row, row):
             yield (slice(first, first + 1), *rest)
         first += 1
-    rows = max(1, READ_ELEMENTS // row)
-    for lo in range(first, last, rows):  # whole rows
-        yield (slice(lo, min(lo + rows, last)),)
+    if row > READ_ELEMENTS:  # whole rows, each in pieces
+        for r in range(first, last):
+            for rest in _boxes(shape[1:], 0, row):
+                yield (slice(r, r + 1), *rest)
+    else:  # whole rows, as many at a time as fit
+        rows = READ_ELEMENTS // row
+        for lo in range(first, last, rows):
+            yield (slice(lo, min(lo + rows, last)),)
     if end % row:  # the start of a partial last row
         for rest in _boxes(shape[1:], 0, end % row):
             yield (slice(last, last + 1), *rest)
@@ -263,8 +268,7 @@ class PretrainedWeights:
 
         Reads only those elements from the file (see
         [Note: reading pretrained weights by slices]); memory is the result plus one
-        slice of the stored tensor at a time (at most ``READ_ELEMENTS`` elements, or
-        one row of a larger row).
+        slice of the stored tensor at a time (at most ``READ_ELEMENTS`` elements).
 
         Args:
             out: a 1D float32 CPU tensor of ``end - start`` elements to write them into

@@ -15,9 +15,10 @@ quadratic: the planner sums those at or above the mmap threshold of a training p
 
 The same one-layer model's training step (forward, backward) is timed on two lengths (up
 to 1,024 tokens or 2e10 FLOPs, and a quarter of that) with a rank's threads, its minor
-page faults counted: the planner draws a line through the two (seconds against FLOPs: a fixed cost
-per layer and step, and this model's FLOP/s; see ``planner._StepTime``). Gradients are
-let go as they are computed, so the probe never holds a second copy of the layer.
+page faults counted: the planner draws a line through the two (seconds against FLOPs: a
+fixed cost per layer and step, and this model's FLOP/s; see ``planner._StepTime``).
+Gradients are let go as they are computed, so the probe never holds a second copy of the
+layer.
 """
 
 from __future__ import annotations

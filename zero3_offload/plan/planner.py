@@ -29,10 +29,9 @@ Every term is a byte count of tensors the run will hold, or a measurement:
 
 The host peak is the largest of three points: the load (runtime, model state, the
 largest frozen shard read whole and a file's slice being read), the forward's end
-(everything above), and the optimizer
-step (runtime, state and what stays gathered). On an accelerator the gathered units,
-activations and loss live on the device instead; the host keeps the runtime, the
-model state and pinned staging buffers.
+(everything above), and the optimizer step (runtime, state and what stays gathered).
+On an accelerator the gathered units, activations and loss live on the device instead;
+the host keeps the runtime, the model state and pinned staging buffers.
 """
 
 from __future__ import annotations
